@@ -1,0 +1,30 @@
+# Fresh machine: `make demo` (set up, trace an example) and `make test` (set up, run the tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+
+.PHONY: venv demo test bench clean
+
+$(BIN)/.ready: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the project's range (torch>=2.3) is then already met and pulls nothing else
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]' $(TORCH)
+	touch $@
+
+venv: $(BIN)/.ready
+
+demo: venv
+	rm -rf demo-output
+	$(BIN)/msmemscope --output=demo-output --analysis=leaks,decompose examples/transformer.py --steps 4
+
+test: venv
+	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+bench: venv
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) demo-output memscopeDumpResults .pytest_cache

@@ -1,0 +1,154 @@
+"""Overhead of msmemscope against the plain program, and against peers, in one run.
+
+    python bench/run.py [--workloads transformer,mlp] [--configs plain,default,...] [--repeats 5] [--steps 20]
+
+Each (workload, config) runs in a fresh process; the time measured is the
+training loop after two warm-up steps. The table shows medians and the ratio
+to the plain run of the same workload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+WORKLOADS = {
+    "mlp": ("examples.mlp", "SGD+momentum MLP 256-512-512-1, batch 64"),
+    "transformer": ("examples.transformer", "GPT 4 layers d=256 ctx=128 batch 8, AdamW"),
+    "gpt2": ("hf-gpt2", "transformers GPT2 n_layer=2 n_embd=64, AdamW"),
+}
+CONFIGS = {
+    "plain": "the program alone",
+    "default": "msmemscope, default events (alloc,free,launch)",
+    "access": "msmemscope --analysis=inefficient (adds access events)",
+    "stack": "msmemscope --call-stack=python:10",
+    "profiler": "torch.profiler(profile_memory=True)",
+    "memtracker": "torch.distributed._tools.MemTracker",
+}
+
+CHILD = textwrap.dedent(r'''
+import json, os, sys, time, tempfile
+sys.path.insert(0, {root!r})
+import torch
+torch.manual_seed(0)
+torch.set_num_threads(1)
+workload, config, steps, out = {workload!r}, {config!r}, {steps}, {out!r}
+
+def build():
+    if workload == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+        data = torch.randint(0, 1000, (8, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=data, labels=data).loss
+            loss.backward(); opt.step()
+        return model, step
+    if workload == "mlp":
+        from torch import nn
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        x, y = torch.randn(64, 256), torch.randn(64, 1)
+        def step():
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        return model, step
+    from examples.transformer import GPT
+    import torch.nn.functional as F
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    data = torch.randint(0, 1024, (8, 129)); x, y = data[:, :-1], data[:, 1:]
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward(); opt.step()
+    return model, step
+
+tmp = tempfile.mkdtemp()
+if config in ("default", "access", "stack"):
+    import msmemscope
+    kw = dict(output=tmp, collect_mode="immediate")
+    if config == "access": kw["analysis"] = "inefficient"
+    if config == "stack": kw["call_stack"] = "python:10"
+    msmemscope.config(**kw)
+model, step = build()
+ctx = None
+if config == "profiler":
+    from torch.profiler import profile, ProfilerActivity
+    ctx = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    ctx.__enter__()
+elif config == "memtracker":
+    from torch.distributed._tools.mem_tracker import MemTracker
+    ctx = MemTracker(); ctx.track_external(model); ctx.__enter__()
+for _ in range(2):
+    step()
+t0 = time.perf_counter()
+for _ in range(steps):
+    step()
+    if config == "memtracker": ctx.reset_mod_stats()
+dt = time.perf_counter() - t0
+if ctx is not None:
+    ctx.__exit__(None, None, None)
+json.dump({{"seconds": dt}}, open(out, "w"))
+''')
+
+
+def run_one(workload, config, steps):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
+    with open(out) as f:
+        return json.load(f)["seconds"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="mlp,transformer")
+    p.add_argument("--configs", default="plain,default,access,stack,profiler,memtracker")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    results = {}
+    for w in a.workloads.split(","):
+        for rep in range(a.repeats):  # interleave configs so drift hits all alike
+            for c in a.configs.split(","):
+                try:
+                    results.setdefault((w, c), []).append(run_one(w, c, a.steps))
+                except RuntimeError as e:
+                    print(f"  skipped: {e}", file=sys.stderr)
+                    results.setdefault((w, c), [])
+    print(f"| workload | config | median s/{a.steps} steps | ratio to plain |")
+    print("|---|---|---|---|")
+    rows = []
+    for w in a.workloads.split(","):
+        base = statistics.median(results[(w, "plain")]) if results.get((w, "plain")) else None
+        for c in a.configs.split(","):
+            xs = results.get((w, c))
+            if not xs:
+                print(f"| {w} | {c} | failed | |")
+                continue
+            m = statistics.median(xs)
+            ratio = m / base if base else float("nan")
+            rows.append({"workload": w, "config": c, "median_s": m, "ratio": ratio, "runs": xs})
+            print(f"| {w} | {c} | {m:.3f} | {ratio:.2f}x |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The per-op source: a TorchDispatchMode that sees every aten op (forward and
+backward) and, through tensor storages, every memory block the ops produce.
+
+Hot path rules: one tuple appended per row, no formatting, no dict per op,
+schema facts cached per operator overload.
+"""
+from __future__ import annotations
+
+import threading
+from time import time_ns
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..events import Access, Event, Op
+
+Tensor = torch.Tensor
+_get_ident = threading.get_ident
+OP_LAUNCH, ATEN_START, ATEN_END = Event.OP_LAUNCH, Op.START, Op.END
+ACCESS, READ, WRITE = Event.ACCESS, Access.READ, Access.WRITE
+
+# func -> (name, written positional indices, written kwarg names, is_view)
+_INFO: dict = {}
+
+
+def op_info(func):
+    info = _INFO.get(func)
+    if info is None:
+        schema = func._schema
+        writes, kw_writes = set(), set()
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                (kw_writes if a.kwarg_only else writes).add(i)
+                kw_writes.add(a.name)
+        rets = schema.returns
+        is_view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets) and not writes
+        info = _INFO[func] = (f"torch._ops.{func}", frozenset(writes), frozenset(kw_writes), is_view)
+    return info
+
+
+class OpTracer(TorchDispatchMode):
+    """One instance per traced thread (the dispatch-mode stack is thread local)."""
+
+    def __init__(self, session):
+        super().__init__()
+        self.s = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        s = self.s
+        if kwargs is None:
+            kwargs = {}
+        if not s.active:
+            return func(*args, **kwargs)
+        name, writes, kw_writes, is_view = _INFO.get(func) or op_info(func)
+        tls = s.tls
+        prev = getattr(tls, "op", None)
+        tls.op = name
+        tid = _get_ident()
+        buf = s.buf
+        launch = s.emit_launch
+        if launch:
+            buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None,
+                        s.py_stack() if s.py_depth else None, None))
+        access = s.emit_access and not is_view
+        block_of = s.block_of
+        touched = [] if access else None
+        # inputs: blocks first seen here existed before the op (made outside dispatch or before tracing)
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                b = block_of(a, name)
+                if access and b is not None:
+                    touched.append((b, a, WRITE if i in writes else READ))
+            elif type(a) in (list, tuple):
+                w = WRITE if i in writes else READ
+                for x in a:
+                    if isinstance(x, Tensor):
+                        b = block_of(x, name)
+                        if access and b is not None:
+                            touched.append((b, x, w))
+        if kwargs:
+            for k, a in kwargs.items():
+                if isinstance(a, Tensor):
+                    b = block_of(a, name)
+                    if access and b is not None:
+                        touched.append((b, a, WRITE if k in kw_writes else READ))
+        if s.watch_active:
+            s.watch_before(func, name, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException as exc:
+            s.op_failed(name, exc)
+            if launch:
+                buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
+            tls.op = prev
+            raise
+        new_block = s.new_block
+        live = s.live
+        if type(out) is Tensor or isinstance(out, Tensor):
+            outs = (out,)
+        elif type(out) in (tuple, list):
+            outs = out
+        else:
+            outs = ()
+        for o in outs:
+            if isinstance(o, Tensor):
+                try:
+                    st = o.untyped_storage()
+                except Exception:
+                    continue
+                b = live.get(id(st))
+                if b is None:
+                    b = new_block(st, name, False)
+                    if access and b is not None:
+                        touched.append((b, o, WRITE))
+            elif type(o) in (list, tuple):  # ops returning Tensor[] (split, unbind, foreach)
+                for x in o:
+                    if isinstance(x, Tensor):
+                        try:
+                            st = x.untyped_storage()
+                        except Exception:
+                            continue
+                        b = live.get(id(st))
+                        if b is None:
+                            b = new_block(st, name, False)
+                            if access and b is not None:
+                                touched.append((b, x, WRITE))
+        if touched:
+            s.emit_accesses(name, tid, touched)
+        if s.watch_active:
+            s.watch_after(func, name, args, kwargs, out, touched)
+        if launch:
+            buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
+        tls.op = prev
+        if len(buf) >= s.flush_rows:
+            s.flush()
+        return out

@@ -1,0 +1,479 @@
+"""The session: owns start, stop, steps and the sinks.
+
+Sources (the dispatch-mode op tracer, storage life-cycle callbacks, marks,
+optimizer hooks) append raw row tuples to ``buf``; at every step boundary, when
+the buffer is full, and at exit, ``flush`` numbers them, hands them to the
+online analyses and to the dump writer. The buffer is the only per-run
+memory that grows, and it is emptied at each flush.
+
+Raw row tuple: (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack)
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from functools import partial
+from time import time_ns
+
+import torch
+
+from .. import __version__
+from ..events import Event, Mstx, Pool, System, attr_dict, NA
+from ..io.files import make_dirs
+from ..io.writers import open_writer
+from ..options import Options
+from . import backends, stacks
+
+log = logging.getLogger("msmemscope")
+FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
+
+
+_DTYPES: dict = {}
+
+
+def _dtype_name(dt) -> str:
+    n = _DTYPES.get(dt)
+    if n is None:
+        n = _DTYPES[dt] = str(dt).replace("torch.", "")
+    return n
+
+
+class Block:
+    """A live memory block (one tensor storage)."""
+    __slots__ = ("alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "ref", "stack")
+
+    def __init__(self, alloc_id, addr, size, device, pool, step, op, ts):
+        self.alloc_id, self.addr, self.size, self.device, self.pool = alloc_id, addr, size, device, pool
+        self.step, self.op, self.ts = step, op, ts
+        self.owner = None
+        self.ref = None
+        self.stack = None
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d%H%M%S")
+
+
+def dist_env() -> dict:
+    env = os.environ
+    def num(k):
+        v = env.get(k)
+        return int(v) if v is not None and v.lstrip("-").isdigit() else None
+    return {"rank": num("RANK"), "local_rank": num("LOCAL_RANK"), "world_size": num("WORLD_SIZE"),
+            "host": socket.gethostname()}
+
+
+class Session:
+    def __init__(self, opts: Options, launched: bool = False):
+        self.opts = opts
+        self.launched = launched
+        ev = opts.effective_events()
+        self.want_alloc = "alloc" in ev
+        self.want_free = "free" in ev
+        self.want_launch = "launch" in ev and "op" in opts.level
+        self.want_access = "access" in ev
+        self.py_depth = opts.python_stack if ("traceback" in ev or opts.python_stack) else 0
+        self.c_depth = opts.c_stack
+        self.pid = os.getpid()
+        self.buf: list = []
+        self.flush_rows = FLUSH_ROWS
+        self.lock = threading.RLock()        # MALLOC/FREE rows and pool counters change together
+        self.flush_lock = threading.RLock()
+        self.tls = threading.local()
+        self.live: dict[int, Block] = {}     # id(storage) -> Block; the storage object lives as long as the memory
+        self.used: dict = {}                 # (device, pool) -> allocated bytes
+        self.peak: dict = {}
+        self._next_alloc = 0
+        self._next_range = 0
+        self.ranges: dict = {}
+        self.step_no = 1
+        self.explicit_steps = False
+        self.active = False
+        self.started_once = False
+        self.closed = False
+        self.next_id = 0
+        self.sinks: list = []
+        self.watch_active = False
+        self._modes: dict = {}
+        self._hooks: list = []
+        self._lock_owner = None
+        self.kind = self._primary_kind()
+        self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
+        self._update_flags()
+        self._open_output()
+
+    # ------------------------------------------------------------------ output
+    def _primary_kind(self) -> str:
+        if self.opts.device:
+            return self.opts.device.split(":")[0]
+        return backends.available_accelerator() or "cpu"
+
+    def _open_output(self):
+        ts = _timestamp()
+        root = make_dirs(self.opts.output)
+        self.folder = make_dirs(os.path.join(root, f"msmemscope_{self.pid}_{ts}_{self.kind}"))
+        dev_dir = "device_cpu" if self.op_device == "cpu" else f"device_{self.op_device}"
+        self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
+        dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
+        self.writer = open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"))
+        self.dump_path = self.writer.path
+        log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
+        self.log_path = os.path.join(log_dir, f"msmemscope_{ts}.log")
+        self._log_handler = logging.FileHandler(self.log_path, encoding="utf-8")
+        self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(self._log_handler)
+        log.setLevel(getattr(logging, self.opts.log_level.upper(), logging.INFO))
+        self.config = {
+            "tool": "msmemscope", "version": __version__, "pid": self.pid, **dist_env(),
+            "argv": list(sys.argv), "torch": torch.__version__, "backend": self.kind,
+            "device": self.op_device, "dump": os.path.relpath(self.dump_path, self.folder),
+            "start_time": ts, "options": json.loads(self.opts.to_json()),
+        }
+        self._write_config()
+        log.info("tracing process %d into %s", self.pid, self.folder)
+
+    def _write_config(self):
+        path = os.path.join(self.folder, "config.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.config, f, indent=2)
+        os.chmod(tmp, 0o640)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ flags
+    def _update_flags(self):
+        steps = self.opts.steps
+        self.emit = self.active and (not steps or self.step_no in steps)
+        self.emit_launch = self.emit and self.want_launch
+        self.emit_access = self.emit and self.want_access
+        self.emit_alloc = self.emit and self.want_alloc
+        self.emit_free = self.emit and self.want_free
+
+    def py_stack(self):
+        return stacks.python_stack(self.py_depth)
+
+    # ------------------------------------------------------------------ blocks
+    def block_of(self, t, op_name):
+        """The live block behind a tensor, registering it if this is the first sight of it."""
+        try:
+            st = t.untyped_storage()
+        except Exception:  # wrapper subclasses, sparse tensors: no plain storage
+            return None
+        b = self.live.get(id(st))
+        if b is None:
+            b = self.new_block(st, op_name, True)
+        return b
+
+    def new_block(self, st, op_name, seen_as_input):
+        try:
+            size = st.nbytes()
+            dev = st.device
+            if size == 0 or dev.type == "meta":
+                return None
+            addr = st.data_ptr()
+        except Exception:
+            return None
+        kind = dev.type
+        device = "cpu" if kind == "cpu" else backends.device_id(dev)
+        pool = Pool.PTA
+        key = id(st)
+        ts = time_ns()
+        stack = self.py_stack() if self.py_depth else None
+        with self.lock:
+            self._next_alloc += 1
+            aid = self._next_alloc
+            pk = (device, pool)
+            used = self.used.get(pk, 0) + size
+            self.used[pk] = used
+            if used > self.peak.get(pk, 0):
+                self.peak[pk] = used
+            total = backends.reserved_bytes(kind, dev.index) if kind != "cpu" else used
+            b = Block(aid, addr, size, device, pool, self.step_no, op_name, ts)
+            b.stack = stack
+            b.ref = weakref.ref(st, partial(self._freed, key))
+            self.live[key] = b
+            if self.emit_alloc:
+                attr = (aid, addr, size, used, total, b.owner or "")
+                if seen_as_input:
+                    # allocated outside any traced op (or before tracing): first seen here
+                    attr = {**attr_dict(Event.MALLOC, attr), "origin": "before_op"}
+                self.buf.append((Event.MALLOC, pool, op_name, ts, threading.get_ident(), device, addr, attr,
+                                 stack, stacks.capture_c() if self.c_depth else None))
+        return b
+
+    def _freed(self, key, _ref):
+        b = self.live.pop(key, None)
+        if b is None or self.closed:
+            return
+        with self.lock:
+            pk = (b.device, b.pool)
+            used = self.used.get(pk, 0) - b.size
+            self.used[pk] = used
+            if self.emit_free:
+                kind = self.kind if b.device != "cpu" else "cpu"
+                total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
+                self.buf.append((Event.FREE, b.pool, getattr(self.tls, "op", None) or NA, time_ns(),
+                                 threading.get_ident(), b.device, b.addr,
+                                 (b.alloc_id, b.addr, b.size, used, total),
+                                 None, None))
+
+    def emit_accesses(self, name, tid, touched):
+        seen = {}
+        for b, t, kind in touched:
+            prev = seen.get(b.alloc_id)
+            if prev is None or (kind == "WRITE" and prev[2] != "WRITE"):
+                seen[b.alloc_id] = (b, t, kind)
+        ts = time_ns()
+        buf = self.buf
+        for b, t, kind in seen.values():
+            buf.append((Event.ACCESS, kind, name, ts, tid, b.device, b.addr,
+                        (_dtype_name(t.dtype), tuple(t.shape), b.size, b.alloc_id), None, None))
+
+    # ------------------------------------------------------------------ rows from the API
+    def system(self, kind, attr=None):
+        self.buf.append((Event.SYSTEM, kind, NA, time_ns(), threading.get_ident(), self.op_device, None,
+                         attr, None, None))
+
+    def mstx(self, kind, msg, attr=None):
+        if self.emit:
+            self.buf.append((Event.MSTX, kind, msg, time_ns(), threading.get_ident(), self.op_device, None,
+                             attr, self.py_stack() if self.py_depth else None, None))
+
+    def mark(self, msg):
+        self.mstx(Mstx.MARK, msg)
+
+    def range_start(self, msg):
+        with self.lock:
+            self._next_range += 1
+            rid = self._next_range
+        self.ranges[rid] = msg
+        self.mstx(Mstx.RANGE_START, msg, {"range_id": rid})
+        return rid
+
+    def range_end(self, rid):
+        msg = self.ranges.pop(rid, None)
+        self.mstx(Mstx.RANGE_END, msg if msg is not None else NA, {"range_id": rid})
+        if msg == "step start":
+            self.step("range")
+
+    def step(self, source="api"):
+        """End the current step. Explicit steps (API, 'step start' ranges) switch off the optimizer hook."""
+        if source == "optimizer":
+            if self.explicit_steps:
+                return
+        else:
+            self.explicit_steps = True
+        if not self.active:
+            return
+        ended = self.step_no
+        self.system(System.STEP, {"step": ended})
+        self.step_no += 1
+        self.flush(step_end=ended)
+        self._update_flags()
+
+    def op_failed(self, name, exc):
+        for s in self.sinks:
+            fn = getattr(s, "op_failed", None)
+            if fn is not None:
+                fn(self, name, exc)
+
+    def watch_before(self, func, name, args, kwargs):
+        pass
+
+    def watch_after(self, func, name, args, kwargs, out, touched):
+        pass
+
+    # ------------------------------------------------------------------ flushing
+    def flush(self, step_end=None):
+        with self.flush_lock:
+            if self.closed:
+                return
+            n = len(self.buf)
+            rows = self.buf[:n]
+            del self.buf[:n]
+            first = self.next_id + 1
+            self.next_id += n
+            if rows:
+                c_syms = self._symbolize(rows) if self.c_depth else None
+                self.writer.write(rows, first, self.pid, c_syms)
+            for s in self.sinks:
+                if rows:
+                    s.consume(rows, first)
+                if step_end is not None:
+                    s.step_end(self, step_end)
+
+    def _symbolize(self, rows):
+        raw = [(i, r[9]) for i, r in enumerate(rows) if r[9] is not None]
+        return dict(zip((i for i, _ in raw), stacks.symbolize_c([x for _, x in raw], self.c_depth)))
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self):
+        if self.active or self.closed:
+            return
+        from . import marks
+        self.active = True
+        self._update_flags()
+        self.system(System.START_TRACE)
+        if not self.started_once:
+            self.started_once = True
+            from ..analysis import online_sinks
+            self.sinks = online_sinks(self)
+            marks.install(self)
+            self._install_exit_handlers()
+            self._skip_dataloader_workers()
+        self._install_threads()
+        self._push_mode()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
+        log.info("trace started")
+
+    def stop(self):
+        if not self.active:
+            return
+        self._pop_mode()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.system(System.STOP_TRACE)
+        self.flush()
+        self.active = False
+        self._update_flags()
+        log.info("trace stopped")
+
+    def close(self, exit_code=None):
+        """Process exit: stop, write PROC_EXIT, final flush, let the analyses report."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        try:
+            self.stop()
+            self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
+            self.flush()
+            for s in self.sinks:
+                try:
+                    s.close(self)
+                except Exception as e:  # an analysis must never hide the dump
+                    log.error("analysis %s failed: %s", type(s).__name__, e)
+        finally:
+            self.closed = True
+            self.active = False
+            self.writer.close()
+            self.config["end_time"] = _timestamp()
+            self.config["events_written"] = self.next_id
+            try:
+                self._write_config()
+            except OSError:
+                pass
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+
+    def _push_mode(self):
+        from .ops import OpTracer
+        tid = threading.get_ident()
+        if tid in self._modes:
+            return
+        m = OpTracer(self)
+        m.__enter__()
+        self._modes[tid] = m
+
+    def _pop_mode(self):
+        m = self._modes.pop(threading.get_ident(), None)
+        if m is not None:
+            try:
+                m.__exit__(None, None, None)
+            except Exception:  # another mode was pushed above ours and not popped
+                log.warning("could not pop the tracing mode cleanly")
+
+    def _install_threads(self):
+        """Threads started while tracing run the op tracer too (the mode stack is per thread)."""
+        if getattr(threading.Thread, "_msmemscope_patched", False):
+            return
+        orig = threading.Thread._bootstrap_inner
+        session = self
+
+        def _bootstrap_inner(thread_self):
+            if session.active and os.getpid() == session.pid:
+                from .ops import OpTracer
+                m = OpTracer(session)
+                m.__enter__()
+            return orig(thread_self)
+
+        threading.Thread._bootstrap_inner = _bootstrap_inner
+        threading.Thread._msmemscope_patched = True
+
+    def _install_exit_handlers(self):
+        atexit.register(self.close)
+        os.register_at_fork(after_in_child=self._after_fork_child)
+        try:
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread
+            pass
+        real_exit = os._exit
+
+        def _exit(code):
+            try:
+                self.close(exit_code=code)
+            except Exception:
+                pass
+            real_exit(code)
+        os._exit = _exit
+
+    def _skip_dataloader_workers(self):
+        """DataLoader workers are not traced unless MSMEMSCOPE_TRACE_WORKERS is set.
+
+        Forked workers are cut off at fork; spawned ones start a session of their
+        own at ``import torch``, which is discarded when the worker loop begins."""
+        if os.environ.get("MSMEMSCOPE_TRACE_WORKERS"):
+            return
+        try:
+            import torch.utils.data._utils.worker as worker
+        except Exception:
+            return
+        if getattr(worker._worker_loop, "_msmemscope", False):
+            return
+        orig = worker._worker_loop
+        session = self
+
+        @functools.wraps(orig)
+        def _worker_loop(*a, **k):
+            if session.pid == os.getpid() and not session.closed:
+                session.discard()
+            return orig(*a, **k)
+        _worker_loop._msmemscope = True
+        worker._worker_loop = _worker_loop
+
+    def discard(self):
+        """Stop tracing this process and remove what it wrote."""
+        import shutil
+        self._pop_mode()
+        self.active = False
+        self.closed = True
+        self._update_flags()
+        self.buf = []
+        self.writer.close()
+        log.removeHandler(self._log_handler)
+        self._log_handler.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _on_sigterm(self, signum, frame):
+        try:
+            self.close(exit_code=128 + signum)
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _after_fork_child(self):
+        # A forked child (DataLoader worker) is not traced: it must not write into the parent's dump.
+        self.active = False
+        self.closed = True
+        self.buf = []
+        self._update_flags()

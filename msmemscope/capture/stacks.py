@@ -1,0 +1,50 @@
+"""Call stacks for rows: Python frames taken at once (frames die), C frames
+captured raw on the hot path and symbolized in one batch at flush."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP = (_PKG_DIR, os.path.join("torch", "utils", "_python_dispatch.py"))
+
+
+def python_stack(depth: int) -> str:
+    """Innermost frame first, ``file:line(func)`` joined by ``;``; the tracer's own frames left out."""
+    out = []
+    f = sys._getframe(1)
+    while f is not None and len(out) < depth:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_SKIP[0]) and not fn.endswith(_SKIP[1]):
+            out.append(f"{fn}:{f.f_lineno}({f.f_code.co_name})")
+        f = f.f_back
+    return ";".join(out)
+
+
+def user_line(stack: str | None) -> str | None:
+    """The first frame outside torch and the standard library: the user's line."""
+    if not stack:
+        return None
+    frames = stack.split(";")
+    for fr in frames:
+        if "/torch/" not in fr and "/site-packages/" not in fr and "/lib/python" not in fr:
+            return fr
+    return frames[0]
+
+
+def capture_c():
+    return torch._C._profiler.gather_traceback(python=False, script=False, cpp=True)
+
+
+def symbolize_c(raw: list, depth: int) -> list[str]:
+    """Symbolize raw C tracebacks in one batch."""
+    if not raw:
+        return []
+    out = []
+    for frames in torch._C._profiler.symbolize_tracebacks(raw):
+        # drop the capture machinery itself (unwind, gather, pybind glue)
+        keep = [fr for fr in frames if not fr["name"].startswith(("torch::unwind", "torch::CapturedTraceback", "pybind11::"))]
+        out.append(";".join(f"{fr['name']}({fr['filename']}:{fr['line']})" for fr in keep[:depth]))
+    return out

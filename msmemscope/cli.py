@@ -1,0 +1,207 @@
+"""The ``msmemscope`` command: a thin layer over the same API users call.
+
+    msmemscope [options] [--] <program> [args…]     trace a program
+    msmemscope --compare --input=a,b [--level=…]    offline step compare
+    msmemscope <subcommand> …                       offline analyses and reports
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from . import __version__
+from . import options as O
+
+PROG = "msmemscope"
+# offline subcommands -> module with ``main(argv) -> int``
+SUBCOMMANDS = {
+    "check-leaks": "msmemscope.analysis.leaks",
+    "check-inefficient": "msmemscope.analysis.inefficient",
+    "report": "msmemscope.report.html",
+    "export": "msmemscope.report.export",
+    "summary": "msmemscope.report.summary",
+    "show": "msmemscope.report.console",
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, nothing run
+        raise UsageError(message)
+
+
+def error_exit(msg: str, code: int = 2) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False, add_help=False,
+                usage="msmemscope [options] [--] <program> [args...]\n"
+                      "       msmemscope --compare --input=<a>,<b> [--level=op|kernel]\n"
+                      "       msmemscope {" + ",".join(SUBCOMMANDS) + "} ...",
+                description="Memory analysis for PyTorch programs (CPU, CUDA, Ascend NPU).")
+    a = p.add_argument
+    a("-h", "--help", action="store_true", help="show this help and exit")
+    a("-V", "--version", action="store_true", help="print the version and exit")
+    a("--events", help="alloc,free,launch,access,traceback (default alloc,free,launch)")
+    a("--level", help="op (default), kernel; both allowed")
+    a("--call-stack", help="python[:N],c[:N] (N in 0-1000, default 50)")
+    a("--analysis", help="leaks (default), decompose, inefficient, oom[:K], none; several allowed")
+    a("--steps", help="record only these steps (at most 5 numbers)")
+    a("--collect-mode", help="immediate (default) or deferred (only between msmemscope.start() and stop())")
+    a("--device", help="cpu, cuda[:i], npu[:i] (default: what the program uses)")
+    a("--watch", help="[start[:outid]],end[,full-content]")
+    a("--compare", action="store_true", help="compare two dumps or two steps (with --input)")
+    a("--input", help="for --compare: <a>,<b>; a dump, an output folder, or dump.csv:step=N")
+    a("-o", "--output-path", "--output", dest="output", help="output root (default ./memscopeDumpResults)")
+    a("--data-format", "--format", dest="data_format", help="csv (default) or db")
+    a("--log-level", help="debug, info, warning, error")
+    a("-v", "--verbose", action="store_true", help="more messages (log level debug)")
+    a("-q", "--quiet", action="store_true", help="no console summary from the tool")
+    a("program", nargs=argparse.REMAINDER, help="the program to trace and its arguments")
+    return p
+
+
+def parse_options(ns) -> O.Options:
+    kw = {k: getattr(ns, k) for k in ("events", "level", "call_stack", "analysis", "steps", "collect_mode",
+                                      "device", "watch", "output", "data_format", "log_level")}
+    if ns.verbose:
+        kw["log_level"] = "debug"
+    opts = O.build(None, **kw)
+    if opts.output == O.DEFAULT_OUTPUT:
+        opts.output = os.path.abspath(O.DEFAULT_OUTPUT)
+    return opts
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+        try:
+            return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("msmemscope"):
+                return error_exit(f"'{argv[0]}' is not available in this build")
+            raise
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+        opts = parse_options(ns)
+    except UsageError as e:
+        return error_exit(str(e))
+    except O.OptionError as e:
+        return error_exit(str(e))
+    if ns.help:
+        parser.print_help()
+        return 0
+    if ns.version:
+        print(f"{PROG} {__version__}")
+        return 0
+    program = ns.program
+    if program and program[0] == "--":
+        program = program[1:]
+    if ns.compare or ns.input:
+        if program:
+            return error_exit("--compare takes no program; give the dumps with --input=<a>,<b>")
+        if not (ns.compare and ns.input):
+            return error_exit("--compare and --input must be used together: --compare --input=<a>,<b>")
+        try:
+            from .analysis import compare
+        except ModuleNotFoundError:
+            return error_exit("--compare is not available in this build")
+        return compare.main_from_cli(ns.input, opts)
+    if not program:
+        return error_exit("no program given (usage: msmemscope [options] [--] <program> [args...])")
+    return launch(program, opts, quiet=ns.quiet)
+
+
+def resolve_command(program: list[str]) -> list[str]:
+    first = program[0]
+    if first == "-m":
+        if len(program) < 2:
+            raise UsageError("-m needs a module name")
+        return [sys.executable] + program
+    if first.endswith(".py"):
+        if not os.path.isfile(first):
+            raise UsageError(f"program '{first}': no such file")
+        return [sys.executable] + program
+    if os.path.sep in first:
+        if not os.path.exists(first):
+            raise UsageError(f"program '{first}': no such file")
+        return program
+    if shutil.which(first) is None:
+        raise UsageError(f"program '{first}': command not found")
+    return program
+
+
+def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
+    try:
+        cmd = resolve_command(program)
+    except UsageError as e:
+        return error_exit(str(e))
+    try:
+        from .io.files import make_dirs
+        make_dirs(opts.output)
+        if not os.access(opts.output, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        return error_exit(f"--output: cannot write to {opts.output}: {getattr(e, 'strerror', None) or e}")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+    env = dict(os.environ)
+    env["MSMEMSCOPE_OPTIONS"] = opts.to_json()
+    env["MSMEMSCOPE_PKG_ROOT"] = pkg_root
+    env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    before = set(os.listdir(opts.output))
+    started = time.time()
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+    except OSError as e:
+        return error_exit(f"cannot start '{program[0]}': {e.strerror}", 127)
+
+    def forward(signum, _frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+    # Ctrl-C reaches the program through the terminal's process group; the
+    # launcher waits for it to finish its own handling, as a shell does.
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    code = rc if rc >= 0 else 128 - rc
+    new = sorted(d for d in set(os.listdir(opts.output)) - before if d.startswith("msmemscope_"))
+    if not quiet:
+        _print_results(opts, [os.path.join(opts.output, d) for d in new], time.time() - started)
+    return code
+
+
+def _print_results(opts, folders, seconds):
+    if not folders:
+        print(f"[{PROG}] no Python process of the program imported torch: nothing was traced", file=sys.stderr)
+        return
+    try:
+        from .report.console import run_summary
+        run_summary(folders, seconds)
+    except Exception as e:  # the results are on disk whatever the summary does
+        print(f"[{PROG}] results: {', '.join(folders)} (summary failed: {e})", file=sys.stderr)
+
+
+def entry():
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,34 @@
+"""Creating output files and folders safely: never overwrite, never follow a
+planted symlink, private permissions."""
+from __future__ import annotations
+
+import os
+
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+def make_dirs(path: str) -> str:
+    if os.path.islink(path):
+        raise OSError(f"refusing to write through the symlink {path}")
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    return path
+
+
+def unique_path(path: str) -> str:
+    """``path`` if free, else ``stem_1.ext``, ``stem_2.ext``…: an earlier result is never overwritten."""
+    if not os.path.lexists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.lexists(f"{stem}_{n}{ext}"):
+        n += 1
+    return f"{stem}_{n}{ext}"
+
+
+def create_new(path: str, binary: bool = False):
+    """Open a new file for writing; fails if anything (file or symlink) is already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+    if binary:
+        return os.fdopen(fd, "wb")
+    return os.fdopen(fd, "w", encoding="utf-8", newline="")

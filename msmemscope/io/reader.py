@@ -1,0 +1,214 @@
+"""Reading dumps: CSV or SQLite, ours or the original tool's, into the columns
+every offline analysis uses (one polars DataFrame, sorted by ID).
+
+Parsed columns: ``id, event, event_type, name, ts, pid, tid, device, ptr, attr,
+py_stack, c_stack`` as in the file, plus ``alloc_id, addr, size, used, total,
+owner`` pulled out of ``Attr`` (both the JSON form and the original's unquoted
+``{allocation_id:4,addr:0x…}``) and ``step`` (1 + STEP rows before the row).
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import os
+import sqlite3
+import warnings
+
+import polars as pl
+
+from ..events import COLUMNS, HEADER
+
+NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
+ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
+DEFAULT_MAX_INPUT = 8 << 30
+
+
+class DumpError(Exception):
+    """A dump that cannot be read; the message names the file and, where known, the line."""
+
+
+class TruncatedDumpWarning(UserWarning):
+    pass
+
+
+def max_input_bytes() -> int:
+    v = os.environ.get("MSMEMSCOPE_MAX_INPUT_BYTES")
+    try:
+        return int(v) if v else DEFAULT_MAX_INPUT
+    except ValueError:
+        return DEFAULT_MAX_INPUT
+
+
+def find_dumps(path: str) -> list[str]:
+    """The dump files under an output folder (any depth), or the file itself."""
+    if not os.path.exists(path):
+        raise DumpError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        return [path]
+    found = sorted(set(glob.glob(os.path.join(path, "**", "memscope_dump_*.csv"), recursive=True)
+                       + glob.glob(os.path.join(path, "**", "memscope_dump_*.db"), recursive=True)))
+    if not found:
+        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db")))
+    if not found:
+        raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
+    return found
+
+
+def resolve_one(path: str) -> str:
+    dumps = find_dumps(path)
+    if len(dumps) > 1:
+        raise DumpError(f"{path}: holds {len(dumps)} dumps; name one of them (e.g. {dumps[0]})")
+    return dumps[0]
+
+
+def read_dump(path: str) -> pl.DataFrame:
+    """Read one dump file (or a folder holding exactly one) into analysis columns."""
+    path = resolve_one(path)
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise DumpError(f"{path}: {e.strerror}") from None
+    if size > max_input_bytes():
+        raise DumpError(f"{path}: {size} bytes is over the input limit of {max_input_bytes()} bytes "
+                        "(set MSMEMSCOPE_MAX_INPUT_BYTES to raise it)")
+    if size == 0:
+        raise DumpError(f"{path}: empty file")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"SQLite format 3"):
+        df = _read_db(path)
+    else:
+        df = _read_csv(path)
+    return _derive(df, path)
+
+
+def _read_db(path: str) -> pl.DataFrame:
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            cur = con.execute('SELECT * FROM memscope_dump ORDER BY ID')
+            cols = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        raise DumpError(f"{path}: not a readable msmemscope database ({e})") from None
+    if tuple(cols) != COLUMNS:
+        raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
+    data = list(zip(*rows)) if rows else [[] for _ in NAMES]
+    return pl.DataFrame({n: [None if v is None else str(v) for v in col] for n, col in zip(NAMES, data)},
+                        schema={n: pl.String for n in NAMES})
+
+
+def _read_csv(path: str) -> pl.DataFrame:
+    with open(path, "rb") as f:
+        data = f.read()
+    first_nl = data.find(b"\n")
+    header = (data if first_nl < 0 else data[:first_nl]).rstrip(b"\r")
+    try:
+        header_text = header.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DumpError(f"{path}: not a text file (line 1 is not UTF-8)") from None
+    if header_text.lstrip("\ufeff") != HEADER:
+        raise DumpError(f"{path}: line 1 is not the msmemscope header (expected '{HEADER[:40]}…')")
+    if not data.endswith(b"\n"):
+        # cut short by a kill: keep every complete row, say so
+        cut = data.rfind(b"\n")
+        lines = data.count(b"\n", 0, cut + 1)
+        warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
+                      TruncatedDumpWarning, stacklevel=3)
+        data = data[:cut + 1]
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DumpError(f"{path}: line {line} is not UTF-8 text") from None
+    try:
+        df = pl.read_csv(io.BytesIO(data), has_header=True, new_columns=list(NAMES),
+                         schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
+                         quote_char="\"")
+    except Exception:
+        raise DumpError(_locate_csv_error(path, data)) from None
+    if df.width != len(NAMES):
+        raise DumpError(_locate_csv_error(path, data))
+    return df
+
+
+def _locate_csv_error(path: str, data: bytes) -> str:
+    """Slow path, errors only: find the first bad line with the csv module."""
+    text = data.decode("utf-8", errors="replace")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for row in reader:
+            if len(row) != len(NAMES):
+                return f"{path}: line {reader.line_num} has {len(row)} fields, expected {len(NAMES)}"
+    except csv.Error as e:
+        return f"{path}: line {reader.line_num}: {e}"
+    return f"{path}: malformed CSV"
+
+
+def _attr_field(key: str, numeric: bool):
+    # value of key in '{"k":v,...}' or '{k:v,...}'; quotes optional
+    pat = r'(?:^|[{,\s])"?' + key + r'"?\s*:\s*"?([^",}]*)'
+    e = pl.col("attr").str.extract(pat, 1)
+    return e.cast(pl.Int64, strict=False) if numeric else e
+
+
+def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
+    ids = df["id"].cast(pl.Int64, strict=False)
+    bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
+    if bad.any():
+        i = int(bad.arg_max())
+        raise DumpError(f"{path}: row {i + 1} has ID '{df['id'][i]}', not a number")
+    ts = df["ts"].cast(pl.Int64, strict=False)
+    bad = ts.is_null() & df["ts"].is_not_null()
+    if bad.any():
+        i = int(bad.arg_max())
+        raise DumpError(f"{path}: row {i + 1} (ID {ids[i]}) has timestamp '{df['ts'][i]}', not a number")
+    addr_hex = _attr_field("addr", False)
+    out = df.with_columns(
+        id=ids, ts=ts,
+        pid=pl.col("pid").cast(pl.Int64, strict=False),
+        tid=pl.col("tid").cast(pl.Int64, strict=False),
+        alloc_id=_attr_field("allocation_id", True),
+        size=_attr_field("size", True),
+        used=_attr_field("used", True),
+        total=_attr_field("total", True),
+        owner=_attr_field("owner", False),
+        addr=addr_hex.str.strip_prefix("0x").str.to_integer(base=16, strict=False),
+    ).sort("id")
+    mem = out.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    if mem.height and mem["size"].null_count():
+        i = mem["size"].is_null().arg_max()
+        raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
+                        f"('{mem['attr'][i]}')")
+    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
+    return out.with_columns(step=(is_step.cast(pl.Int32).cum_sum() - is_step.cast(pl.Int32) + 1))
+
+
+def load(path: str):
+    """The dump as a pandas DataFrame, ``Attr`` expanded into columns (for notebooks)."""
+    import json
+    df = read_dump(path).to_pandas()
+    attrs = df["attr"].map(_parse_attr_loose)
+    keys = sorted({k for a in attrs for k in a})
+    for k in keys:
+        if k not in df.columns:
+            df[k] = attrs.map(lambda a, k=k: a.get(k))
+    del json
+    return df
+
+
+def _parse_attr_loose(text):
+    import json
+    if not isinstance(text, str) or not text:
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        out = {}
+        for part in text.strip("{}").split(","):
+            k, _, v = part.partition(":")
+            out[k.strip().strip('"')] = v.strip().strip('"')
+        return out

@@ -1,0 +1,97 @@
+"""Dump writers: CSV and SQLite, both streaming (rows appended at each flush).
+
+A writer receives batches of rows already numbered and formatted by
+``format_rows``; formatting happens once per flush, off the per-op hot path.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+
+from ..events import COLUMNS, HEADER, format_attr, format_ptr
+from .files import FILE_MODE, create_new
+
+SQL_TABLE = "memscope_dump"
+SQL_COLUMNS = ('ID INTEGER, Event TEXT, "Event Type" TEXT, Name TEXT, "Timestamp(ns)" INTEGER, '
+               '"Process Id" INTEGER, "Thread Id" INTEGER, "Device Id" TEXT, Ptr TEXT, Attr TEXT, '
+               '"Call Stack(Python)" TEXT, "Call Stack(C)" TEXT')
+
+_FORMULA_START = ("=", "+", "-", "@")
+
+
+def _csv_text(v: str) -> str:
+    """A CSV field: neutralised, quoted only where it must be."""
+    if not v:
+        return v
+    if v[0] in _FORMULA_START:
+        v = "'" + v
+    if '"' in v or "," in v or "\n" in v or "\r" in v:
+        return '"' + v.replace('"', '""') + '"'
+    return v
+
+
+def table_rows(rows, first, pid, c_syms=None):
+    """Raw rows -> tuples of the 12 dump columns."""
+    c_syms = c_syms or {}
+    return [(first + i, ev, et, name, ts, pid, tid, dev, format_ptr(ptr), format_attr(ev, attr),
+             ps or "", c_syms.get(i, ""))
+            for i, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows)]
+
+
+class CsvWriter:
+    suffix = ".csv"
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = create_new(path)
+        self._f.write(HEADER + "\n")
+        self._f.flush()
+
+    def write(self, rows, first, pid, c_syms=None) -> None:
+        c_syms = c_syms or {}
+        out = []
+        add = out.append
+        for i, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows):
+            a = format_attr(ev, attr)
+            add("%d,%s,%s,%s,%d,%d,%d,%s,%s,%s,%s,%s\n" % (
+                first + i, ev, et, _csv_text(name), ts, pid, tid, dev,
+                "N/A" if ptr is None else "0x%016x" % ptr,
+                '"' + a.replace('"', '""') + '"' if a else "",
+                _csv_text(ps) if ps else "", _csv_text(c_syms.get(i, ""))))
+        self._f.write("".join(out))
+        self._f.flush()  # reaches the kernel: survives SIGKILL of this process
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            self._f.close()
+
+
+class DbWriter:
+    suffix = ".db"
+
+    def __init__(self, path: str):
+        self.path = path
+        create_new(path, binary=True).close()  # claim the name with our permissions
+        self._db = sqlite3.connect(path, check_same_thread=False)
+        self._db.execute(f"CREATE TABLE {SQL_TABLE} ({SQL_COLUMNS})")
+        self._db.commit()
+        marks = ",".join("?" * len(COLUMNS))
+        self._insert = f"INSERT INTO {SQL_TABLE} VALUES ({marks})"
+
+    def write(self, rows, first, pid, c_syms=None) -> None:
+        self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
+        self._db.commit()
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.commit()
+            self._db.close()
+            self._db = None
+            os.chmod(self.path, FILE_MODE)
+
+
+def open_writer(data_format: str, path_without_suffix: str):
+    cls = DbWriter if data_format == "db" else CsvWriter
+    from .files import unique_path
+    return cls(unique_path(path_without_suffix + cls.suffix))

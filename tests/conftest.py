@@ -1,0 +1,91 @@
+"""Shared test helpers: run the CLI for real, read what it wrote, check the SPEC invariants."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import polars as pl
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+PEER = os.path.join(os.path.dirname(ROOT), "shared", "peer-dumps")
+if not os.path.isdir(PEER):
+    PEER = os.path.join(ROOT, "tests", "data", "peer-dumps")
+
+
+def env_for_tests():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cli(args, cwd=None, timeout=600, env=None):
+    """Run ``python -m msmemscope args`` and return the CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "msmemscope", *args], cwd=cwd, env=env or env_for_tests(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_folders(out_root):
+    return sorted(glob.glob(os.path.join(str(out_root), "msmemscope_*")))
+
+
+def dump_of(folder):
+    files = glob.glob(os.path.join(folder, "device_*", "dump", "memscope_dump_*"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def config_of(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def read(path):
+    from msmemscope.io.reader import read_dump
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return read_dump(path)
+
+
+def check_invariants(df: pl.DataFrame):
+    """SPEC §1: per (device, pool) the running sum of sizes equals ``used`` on every row;
+    every FREE has exactly one MALLOC; ATEN_START/END pair per thread; ACCESS names a live block."""
+    assert df["id"].is_sorted() and df["id"].n_unique() == df.height
+    running, live, freed, stacks = {}, {}, set(), {}
+    for r in df.select("event", "event_type", "name", "tid", "device", "alloc_id", "size", "used").iter_rows():
+        ev, et, name, tid, dev, aid, size, used = r
+        if ev == "MALLOC":
+            assert aid not in live and aid not in freed, f"allocation_id {aid} reused"
+            live[aid] = size
+            running[(dev, et)] = running.get((dev, et), 0) + size
+            assert used == running[(dev, et)], f"MALLOC {aid}: used {used} != running {running[(dev, et)]}"
+        elif ev == "FREE":
+            assert aid in live, f"FREE {aid} without a live MALLOC"
+            assert live.pop(aid) == size
+            freed.add(aid)
+            running[(dev, et)] -= size
+            assert used == running[(dev, et)], f"FREE {aid}: used {used} != running {running[(dev, et)]}"
+        elif ev == "OP_LAUNCH":
+            st = stacks.setdefault(tid, [])
+            if et == "ATEN_START":
+                st.append(name)
+            else:
+                assert st and st[-1] == name, f"ATEN_END {name} without its ATEN_START"
+                st.pop()
+        elif ev == "ACCESS":
+            assert aid in live, f"ACCESS to allocation_id {aid} that is not live"
+    assert all(not s for s in stacks.values()), f"unclosed ops: {stacks}"
+    return live
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
