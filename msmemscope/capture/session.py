@@ -256,6 +256,8 @@ class Session:
             self._next_range += 1
             rid = self._next_range
         self.ranges[rid] = msg
+        if msg == "step start":
+            self.explicit_steps = True  # the ranges mark the steps, not the optimizer
         self.mstx(Mstx.RANGE_START, msg, {"range_id": rid})
         return rid
 

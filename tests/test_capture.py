@@ -1,0 +1,164 @@
+"""End to end through the CLI on the examples: the dump's shape and the SPEC §1 invariants."""
+import os
+import sqlite3
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, read, run_cli,
+                      run_folders)
+from msmemscope.events import HEADER
+
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+
+
+@pytest.mark.parametrize("fmt", ["csv", "db"])
+def test_mlp_all_events(out_dir, fmt):
+    r = run_cli(["-o", str(out_dir), f"--data-format={fmt}", "--events=alloc,free,launch,access",
+                 os.path.join(EXAMPLES, "mlp.py"), "--steps", "4"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("loss") == 4  # the program's stdout passes through
+    [folder] = run_folders(out_dir)
+    path = dump_of(folder)
+    assert path.endswith("." + fmt)
+    if fmt == "csv":
+        with open(path) as f:
+            assert f.readline().rstrip("\n") == HEADER
+    else:
+        con = sqlite3.connect(path)
+        cols = [r[1] for r in con.execute("PRAGMA table_info(memscope_dump)")]
+        con.close()
+        assert ",".join(cols) == HEADER
+    cfg = config_of(folder)
+    assert cfg["pid"] > 0 and cfg["device"] == "cpu" and "host" in cfg
+    df = read(path)
+    check_invariants(df)
+    counts = dict(df.group_by("event").len().iter_rows())
+    assert counts["ACCESS"] > 0 and counts["MALLOC"] > 0 and counts["FREE"] > 0
+    system = df.filter(pl.col("event") == "SYSTEM")["event_type"].to_list()
+    assert system[0] == "START_TRACE" and system[-2:] == ["STOP_TRACE", "PROC_EXIT"]
+    assert system.count("STEP") == 4
+    # backward ops are traced too
+    names = set(df.filter(pl.col("event") == "OP_LAUNCH")["name"].to_list())
+    assert "torch._ops.aten.threshold_backward.default" in names
+    # reads vs writes from the schema: SGD's in-place update writes the weight
+    acc = df.filter((pl.col("event") == "ACCESS") & (pl.col("name") == "torch._ops.aten.add_.Tensor"))
+    assert "WRITE" in acc["event_type"].to_list()
+    assert (os.stat(path).st_mode & 0o777) == 0o640
+    logs = os.listdir(os.path.join(folder, "msmemscope_logs"))
+    assert len(logs) == 1
+
+
+def test_transformer_default_events(out_dir):
+    r = run_cli(["-o", str(out_dir), os.path.join(EXAMPLES, "transformer.py"), "--steps", "2", "--layers", "1"])
+    assert r.returncode == 0, r.stderr
+    df = read(dump_of(run_folders(out_dir)[0]))
+    check_invariants(df)
+    counts = dict(df.group_by("event").len().iter_rows())
+    assert "ACCESS" not in counts  # only the requested events are written
+    assert df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height == 2
+    names = set(df["name"].to_list())
+    assert "torch._ops.aten.native_layer_norm_backward.default" in names
+    # MALLOC rows name the op that allocated the block
+    mm = df.filter((pl.col("event") == "MALLOC") & (pl.col("name") == "torch._ops.aten.mm.default"))
+    assert mm.height > 0
+
+
+def _losses(cmd, env):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("script,args", [("transformer.py", ["--steps", "3", "--layers", "1"]),
+                                         ("mlp.py", ["--steps", "5"])])
+def test_losses_bit_identical(out_dir, script, args):
+    path = os.path.join(EXAMPLES, script)
+    env = env_for_tests()
+    plain = _losses([sys.executable, path, *args], env)
+    traced = _losses([sys.executable, "-m", "msmemscope", "-o", str(out_dir), "--events=alloc,free,launch,access",
+                      "--call-stack=python:5", path, *args], env)
+    assert "loss" in plain and plain == traced
+
+
+def test_threads_and_dataloader_workers(out_dir):
+    path = os.path.join(SCRIPTS, "threads_loader.py")
+    env = env_for_tests()
+    plain = _losses([sys.executable, path], env)
+    traced = _losses([sys.executable, "-m", "msmemscope", "-o", str(out_dir), path], env)
+    assert plain == traced
+    folders = run_folders(out_dir)
+    assert len(folders) == 1  # DataLoader workers are not traced
+    df = read(dump_of(folders[0]))
+    check_invariants(df)
+    tids = df.filter(pl.col("event") == "OP_LAUNCH")["tid"].unique()
+    assert len(tids) >= 2  # the side thread's ops are recorded in its own thread
+
+
+def test_python_api_deferred(tmp_path):
+    out = tmp_path / "api"
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "api_marks.py"), str(out)],
+                       capture_output=True, text=True, env=env_for_tests())
+    assert r.returncode == 0, r.stderr
+    [folder] = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    mstx = df.filter(pl.col("event") == "MSTX")
+    marks = mstx.filter(pl.col("event_type") == "Mark")["name"].to_list()
+    assert marks == ["A", "B", "nv"]
+    starts = mstx.filter(pl.col("event_type") == "Range_start")["name"].to_list()
+    ends = mstx.filter(pl.col("event_type") == "Range_end")["name"].to_list()
+    assert starts == ["phase", "rf", "decorated"] and ends == ["phase", "rf", "decorated"]
+    assert df.filter(pl.col("event_type") == "STEP").height == 3
+    sizes = df.filter(pl.col("event") == "MALLOC")["size"].to_list()
+    assert 4242 * 4 not in sizes  # after stop()
+    # the tensor made before start() shows up when first used, marked as such
+    before = df.filter((pl.col("event") == "MALLOC") & pl.col("attr").str.contains('"origin":"before_op"'))
+    assert before["size"].to_list() == [4000]
+    assert before["name"][0] == "torch._ops.aten.mul.Tensor"
+    # the other thread's allocation, in its own thread
+    t77 = df.filter((pl.col("event") == "MALLOC") & (pl.col("size") == 77 * 4))
+    assert t77["name"].to_list() == ["torch._ops.aten.ones.default", "torch._ops.aten.mul.Tensor"]
+    assert t77["tid"].n_unique() == 1 and t77["tid"][0] != df["tid"][0]
+    # python call stacks name the script's lines
+    assert "api_marks.py" in (df.filter(pl.col("event") == "MALLOC")["py_stack"][0] or "")
+
+
+def test_step_start_ranges(out_dir):
+    r = run_cli(["-o", str(out_dir), os.path.join(SCRIPTS, "step_ranges.py")])
+    assert r.returncode == 0, r.stderr
+    df = read(dump_of(run_folders(out_dir)[0]))
+    steps = df.filter(pl.col("event_type") == "STEP")["attr"].to_list()
+    assert steps == ['{"step":1}', '{"step":2}', '{"step":3}', '{"step":4}']  # not doubled by the optimizer hook
+
+
+def test_steps_option_records_only_those_steps(out_dir):
+    r = run_cli(["-o", str(out_dir), "--steps=2，4", os.path.join(EXAMPLES, "mlp.py"), "--steps", "5"])
+    assert r.returncode == 0, r.stderr
+    df = read(dump_of(run_folders(out_dir)[0]))
+    ops = df.filter(pl.col("event") == "OP_LAUNCH")
+    assert set(ops["step"].unique().to_list()) == {2, 4}
+
+
+def test_deferred_mode_without_start_records_nothing(out_dir):
+    r = run_cli(["-o", str(out_dir), "--collect-mode=deferred", os.path.join(EXAMPLES, "mlp.py"), "--steps", "2"])
+    assert r.returncode == 0, r.stderr
+    df = read(dump_of(run_folders(out_dir)[0]))
+    assert set(df["event"].to_list()) <= {"SYSTEM"}
+    assert "START_TRACE" not in df["event_type"].to_list()
+
+
+def test_module_and_shell_programs(out_dir, tmp_path):
+    r = run_cli(["-o", str(out_dir), "--", "-m", "examples.mlp", "--steps", "1"], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert len(run_folders(out_dir)) == 1
+    sh = tmp_path / "job.sh"
+    sh.write_text(f"#!/bin/sh\n{sys.executable} {os.path.join(EXAMPLES, 'mlp.py')} --steps 1\n"
+                  f"echo no-torch-here\nexit 7\n")
+    sh.chmod(0o755)
+    r = run_cli(["-o", str(out_dir), str(sh)])
+    assert r.returncode == 7  # the program's own status
+    assert "no-torch-here" in r.stdout
+    assert len(run_folders(out_dir)) == 2  # the python child traced, the shell itself not
