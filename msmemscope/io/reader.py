@@ -132,7 +132,19 @@ def _read_csv(path: str) -> pl.DataFrame:
         raise DumpError(_locate_csv_error(path, data)) from None
     if df.width != len(NAMES):
         raise DumpError(_locate_csv_error(path, data))
+    _check_field_counts(path, data)
     return df
+
+
+def _check_field_counts(path: str, data: bytes) -> None:
+    """polars pads short rows with nulls; a row with the wrong number of fields is an error here."""
+    lines = pl.Series("l", data.decode("utf-8").split("\n")[1:-1], dtype=pl.String)
+    unquoted = lines.str.replace_all(r'"(?:[^"]|"")*"', "")
+    bad = unquoted.str.count_matches(",") != len(NAMES) - 1
+    if bad.any():
+        i = int(bad.arg_max())
+        n = int(unquoted.str.count_matches(",")[i]) + 1
+        raise DumpError(f"{path}: line {i + 2} has {n} fields, expected {len(NAMES)}")
 
 
 def _locate_csv_error(path: str, data: bytes) -> str:

@@ -1,0 +1,115 @@
+"""Readers: ours and the original's dumps, CSV and db, and every kind of bad file."""
+import os
+import shutil
+import warnings
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import EXAMPLES, PEER, check_invariants, dump_of, read, run_cli, run_folders
+from msmemscope.events import HEADER
+from msmemscope.io.reader import DumpError, TruncatedDumpWarning, read_dump
+
+
+@pytest.mark.parametrize("name,mallocs,frees,rows", [("baseline.csv", 23, 16, 121), ("leaks.csv", 25, 15, 130)])
+def test_peer_dumps(name, mallocs, frees, rows):
+    df = read_dump(os.path.join(PEER, name))
+    assert df.height == rows
+    assert df.filter(pl.col("event") == "MALLOC").height == mallocs
+    assert df.filter(pl.col("event") == "FREE").height == frees
+    assert df["id"].is_sorted()  # the original writes rows out of ID order
+    m = df.filter(pl.col("event") == "MALLOC")
+    assert m["size"].null_count() == 0 and m["alloc_id"].null_count() == 0 and m["addr"].null_count() == 0
+    assert set(m["event_type"].unique().to_list()) == {"PTA", "HAL"}
+    first = df.filter(pl.col("alloc_id") == 4).sort("id")
+    assert first["size"].to_list() == [16778240, 16778240] and first["used"].to_list() == [16780288, 2048]
+    assert first["addr"][0] == 0x000012c041400000
+
+
+@pytest.fixture(scope="module")
+def real_dumps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dumps")
+    paths = {}
+    for fmt in ("csv", "db"):
+        r = run_cli(["-o", str(out / fmt), f"--data-format={fmt}", os.path.join(EXAMPLES, "mlp.py"), "--steps", "2"])
+        assert r.returncode == 0, r.stderr
+        paths[fmt] = dump_of(run_folders(out / fmt)[0])
+    return paths
+
+
+def test_csv_and_db_read_alike(real_dumps):
+    a, b = read(real_dumps["csv"]), read(real_dumps["db"])
+    cols = ["event", "event_type", "name", "device", "size", "used", "step"]
+    assert a.select(cols).equals(b.select(cols))
+
+
+def test_folder_input(real_dumps):
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(real_dumps["csv"])))
+    assert read_dump(folder).height == read(real_dumps["csv"]).height
+
+
+def test_truncated_dump_reads_complete_rows(real_dumps, tmp_path):
+    data = open(real_dumps["csv"], "rb").read()
+    full = read(real_dumps["csv"])
+    cut = tmp_path / "cut.csv"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.warns(TruncatedDumpWarning, match="cut short"):
+        df = read_dump(str(cut))
+    assert 0 < df.height < full.height
+    assert df.equals(full.head(df.height))
+
+
+@pytest.mark.parametrize("content,msg", [
+    (b"", "empty file"),
+    (b"a,b,c\n1,2,3\n", "not the msmemscope header"),
+    (b"\xff\xfe\x00binary\x00\n", "not UTF-8"),
+    (HEADER.encode() + b"\n1,MALLOC,PTA,N/A,5,1,1,0,0x1,\"{size:4}\",,\n2,FREE,PTA\n3,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n",
+     "line 3 has 3 fields"),
+    (HEADER.encode() + b"\nx,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n", "not a number"),
+    (HEADER.encode() + b"\n1,MALLOC,PTA,N/A,5,1,1,0,0x1,\"{addr:0x1}\",,\n", "no size in Attr"),
+    (HEADER.encode() + b"\n1,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n2,SYSTEM,STEP,N/A,\xff\xfe,1,1,0,N/A,,,\n", "line 3 is not UTF-8"),
+])
+def test_bad_files(tmp_path, content, msg):
+    p = tmp_path / "bad.csv"
+    p.write_bytes(content)
+    with pytest.raises(DumpError, match=msg) as e:
+        read_dump(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(DumpError, match="no such file"):
+        read_dump(str(tmp_path / "nope.csv"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DumpError, match="no msmemscope dump"):
+        read_dump(str(tmp_path / "empty"))
+
+
+def test_not_a_database(tmp_path):
+    p = tmp_path / "x.db"
+    shutil.copy(os.path.join(PEER, "baseline.csv"), p)
+    assert read_dump(str(p)).height == 121  # content decides, not the suffix
+    p.write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)
+    with pytest.raises(DumpError, match="not a readable"):
+        read_dump(str(p))
+
+
+def test_size_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSMEMSCOPE_MAX_INPUT_BYTES", "100")
+    with pytest.raises(DumpError, match="over the input limit"):
+        read_dump(os.path.join(PEER, "baseline.csv"))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=400), cut=st.integers(0, 3000))
+def test_fuzz_reader_only_raises_dump_error(tmp_path, body, cut):
+    base = open(os.path.join(PEER, "baseline.csv"), "rb").read()[:cut]
+    p = tmp_path / "f.csv"
+    p.write_bytes(base + body)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            read_dump(str(p))
+        except DumpError:
+            pass
