@@ -187,7 +187,12 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     stage("memory series")
     df = with_op(df)
     ts = df["ts"].drop_nulls()
-    t0, t1 = int(ts.min()), int(ts.max())
+    # the axis starts at the first recorded activity, not at START_TRACE or at
+    # a mark made before it (the program's imports would otherwise take most of
+    # the width)
+    active = df.filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "ACCESS"]))["ts"].drop_nulls()
+    t0 = int(active.min()) if active.len() else int(ts.min())
+    t1 = int(ts.max())
     span = max(1, t1 - t0 + 1)
     mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("used").is_not_null())
     series = []

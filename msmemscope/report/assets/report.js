@@ -182,6 +182,7 @@
       if (sx - lastLabel > 50) { c.fillText('step ' + st.step, sx + 3, PAD.t + 1); lastLabel = sx; }
     });
     c.setLineDash([]);
+    c.restore();
     // marks: small triangles under the top edge
     c.fillStyle = '#7b2cbf';
     D.marks.forEach(function (m) {
@@ -189,7 +190,6 @@
       var mx = self.xOf(m.t);
       c.beginPath(); c.moveTo(mx - 4, PAD.t - 8); c.lineTo(mx + 4, PAD.t - 8); c.lineTo(mx, PAD.t - 1); c.closePath(); c.fill();
     });
-    c.restore();
     // hover crosshair and selection
     if (this.hoverT !== undefined && this.hoverT !== null) {
       var hx = Math.round(this.xOf(this.hoverT)) + 0.5;
@@ -202,13 +202,16 @@
     c.strokeStyle = '#98a2b3'; c.beginPath(); c.moveTo(PAD.l + 0.5, PAD.t); c.lineTo(PAD.l + 0.5, this.h - PAD.b + 0.5);
     c.lineTo(this.w - PAD.r, this.h - PAD.b + 0.5); c.stroke();
   };
-  // the bucket under pixel x (nearest one within a few pixels), or -1
+  // the bucket under pixel x: of the buckets sharing that pixel the one with the
+  // highest peak (several thousand buckets over a narrower chart), else the
+  // nearest one within a few pixels, else -1
   Chart.prototype.bucketAt = function (x) {
-    var s = this.s, t = this.tOf(x), i = floorIndex(s.t, t), best = -1, bestd = 6;
-    for (var j = Math.max(0, i - 1); j <= Math.min(s.t.length - 1, i + 1); j++) {
-      var x0 = this.xOf(s.t[j]), x1 = j + 1 < s.t.length ? this.xOf(s.t[j + 1]) : this.xOf(s.t2[j]) + 1;
-      var d = x < x0 ? x0 - x : x > x1 ? x - x1 : 0;
-      if (d < bestd) { bestd = d; best = j; }
+    var s = this.s, n = s.t.length, best = -1, bestd = 6, j;
+    var a = Math.max(0, floorIndex(s.t, this.tOf(x - 0.5)) - 1), b = Math.min(n - 1, floorIndex(s.t, this.tOf(x + 0.5)) + 1);
+    for (j = a; j <= b; j++) {
+      var x0 = this.xOf(s.t[j]), x1 = j + 1 < n ? this.xOf(s.t[j + 1]) : this.xOf(s.t2[j]) + 1;
+      var d = x < x0 - 0.5 ? x0 - 0.5 - x : x > x1 + 0.5 ? x - x1 - 0.5 : 0;
+      if (d < bestd || (d === 0 && bestd === 0 && s.hi[j] > s.hi[best])) { bestd = d; best = j; }
     }
     return best;
   };
@@ -355,7 +358,7 @@
     pointOf: function (chart, bucket) {
       var ch = charts[chart], r = ch.canvas.getBoundingClientRect(), s = ch.s;
       var x0 = ch.xOf(s.t[bucket]), x1 = bucket + 1 < s.t.length ? ch.xOf(s.t[bucket + 1]) : ch.xOf(s.t2[bucket]) + 1;
-      return { x: r.left + (x0 + Math.min(x1, x0 + 4)) / 2, y: r.top + ch.yOf(s.hi[bucket] / 2) };
+      return { x: Math.round(r.left + (x0 + Math.min(x1, x0 + 4)) / 2), y: Math.round(r.top + ch.yOf(s.hi[bucket] / 2)) };
     },
     chartRect: function (chart) {
       var r = charts[chart].canvas.getBoundingClientRect();
