@@ -100,8 +100,9 @@ def test_report_data_matches_the_dump(run):
     assert [x["step"] for x in data["steps"]] == steps["step"].to_list() and len(data["steps"]) == 3
     assert [m["name"] for m in data["marks"] if m["kind"] == "Mark"] == ["optimizer step"] * 3
     # hover names: the op at each bucket's peak is an op of the dump
-    ops = set(df.filter(pl.col("event") == "MALLOC")["name"].str.replace(r"^torch\._ops\.", "").to_list())
-    assert all(s["ops"][i] in ops for i in s["op"])
+    ops = set(df.filter(pl.col("event") == "OP_LAUNCH")["name"].str.replace(r"^torch\._ops\.", "").to_list())
+    assert all(s["ops"][i] in ops or s["ops"][i] == "" for i in s["op"])
+    assert sum(s["ops"][i].startswith("aten.") for i in s["op"]) > len(s["op"]) // 2
     tables = {t["title"]: t for t in data["tables"]}
     per = tables["Per-step summary"]
     want = mem.group_by("step").agg(peak=pl.col("used").max(), allocs=(pl.col("event") == "MALLOC").sum(),
@@ -486,11 +487,11 @@ def test_load_expands_attr(run, which):
         assert col in df.columns, col
     mallocs = df[df["event"] == "MALLOC"]
     assert len(mallocs) and mallocs["size"].notna().all()
-    assert mallocs["allocation_id"].map(lambda v: int(v) >= 0).all()
+    assert mallocs["allocation_id"].map(lambda v: isinstance(v, int) and v >= 0).all()
     assert (mallocs["size"].astype("int64") > 0).all()
     if which == "ours":
-        acc = df[df["event"] == "ACCESS"]
-        assert "dtype" in df.columns and (acc.empty or acc["dtype"].notna().all())
+        ranges = df[df["event"] == "MSTX"]
+        assert "range_id" in df.columns and ranges[ranges["event_type"] != "Mark"]["range_id"].notna().all()
         assert "step" in df.columns and df["step"].max() == 4
 
 
