@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv browser demo test bench clean
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,14 @@ demo: venv
 	rm -rf demo-output
 	$(BIN)/msmemscope --output=demo-output --analysis=leaks,decompose examples/transformer.py --steps 4
 
-test: venv
+# headless Chromium for the HTML report tests (skipped with a reason when it cannot be installed)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  ( SUDO=$$( [ "$$(id -u)" = 0 ] && echo "" || (command -v sudo >/dev/null 2>&1 && echo "sudo -n") ); \
+	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 || \
+	    echo "chromium could not be installed; the browser tests will be skipped" )
+
+test: venv browser
 	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: venv

@@ -222,5 +222,6 @@ def _parse_attr_loose(text):
         out = {}
         for part in text.strip("{}").split(","):
             k, _, v = part.partition(":")
-            out[k.strip().strip('"')] = v.strip().strip('"')
+            v = v.strip().strip('"')
+            out[k.strip().strip('"')] = int(v) if v.lstrip("-").isdigit() else v
         return out

@@ -71,6 +71,45 @@ def run_summary(folders, seconds=None, out=sys.stderr):
                 pass
 
 
+def summary_tables(df: pl.DataFrame, s: dict | None = None):
+    """``rich`` tables for a dump: peak per device and pool, the ops that allocated most, per step."""
+    from rich.table import Table
+    s = s or dump_summary(df)
+    peaks = Table(title="Peak allocated", title_justify="left")
+    for c in ("device", "pool", "peak"):
+        peaks.add_column(c, justify="right" if c == "peak" else "left")
+    for p in s["peaks"]:
+        peaks.add_row(str(p["device"]), str(p["event_type"]), mb(p["peak"]))
+    top = Table(title="Ops that allocated most", title_justify="left")
+    for c in ("op", "bytes", "allocations"):
+        top.add_column(c, justify="left" if c == "op" else "right")
+    for t in s["top_ops"]:
+        top.add_row(str(t["name"] or "N/A").replace("torch._ops.", ""), mb(t["bytes"]), str(t["count"]))
+    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    steps = Table(title="Per step", title_justify="left")
+    for c in ("step", "device", "pool", "peak", "allocs", "frees"):
+        steps.add_column(c, justify="right" if c in ("peak", "allocs", "frees", "step") else "left")
+    if mem.height:
+        per = (mem.group_by("step", "device", "event_type")
+               .agg(peak=pl.col("used").max(), allocs=(pl.col("event") == "MALLOC").sum(),
+                    frees=(pl.col("event") == "FREE").sum()).sort("step", "device", "event_type"))
+        for st, dev, pool, peak, na, nf in per.iter_rows():
+            steps.add_row(str(st), str(dev), str(pool), mb(peak), str(na), str(nf))
+    return [peaks, top, steps]
+
+
+def print_tables(df: pl.DataFrame, out=sys.stdout, s: dict | None = None):
+    from rich.console import Console
+    console = Console(file=out, width=max(100, min(160, _width())), highlight=False)
+    for t in summary_tables(df, s):
+        console.print(t)
+
+
+def _width():
+    import shutil
+    return shutil.get_terminal_size((120, 40)).columns
+
+
 def main(argv) -> int:
     """``msmemscope show <folder-or-dump>``: print the summary of a dump."""
     if len(argv) != 1:
@@ -82,4 +121,12 @@ def main(argv) -> int:
         print(f"msmemscope: error: {e}", file=sys.stderr)
         return 2
     run_summary([argv[0]], out=sys.stdout)
+    for d in find_dumps(argv[0]):
+        try:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                df = read_dump(d)
+        except DumpError:
+            continue
+        print_tables(df, sys.stdout)
     return 0
