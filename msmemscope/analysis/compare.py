@@ -39,8 +39,10 @@ OP_STARTS = ("ATEN_START", "ATB_START")
 OP_ENDS = ("ATEN_END", "ATB_END")
 UNCOUNTED_POOLS = ("HAL",)  # driver-level pool under the framework pool: counting it would count twice
 TOP = 10
-#: past this many edits per device the alignment stops being minimal (see ``align``)
-MAX_EDITS = 20000
+#: past this many edits per device, or this many seconds, the alignment stops being minimal
+#: (see ``align``); 1,000 edits over a million ops take about a second
+MAX_EDITS = 5000
+MAX_SECONDS = 30.0
 
 
 class CompareError(Exception):
@@ -188,7 +190,9 @@ def encode(a_names, b_names) -> tuple[np.ndarray, np.ndarray]:
     a = pl.Series(a_names, dtype=pl.String)
     b = pl.Series(b_names, dtype=pl.String)
     both = pl.concat([a, b]).fill_null("")
-    codes = both.rank("dense").cast(pl.Int64).to_numpy() if both.len() else np.zeros(0, np.int64)
+    # categorical codes: one dictionary for the concatenated series, so equal names share a code
+    codes = both.cast(pl.Categorical).to_physical().cast(pl.Int64).to_numpy() if both.len() \
+        else np.zeros(0, np.int64)
     return codes[:a.len()], codes[a.len():]
 
 
@@ -225,7 +229,7 @@ class AlignmentTooLong(Exception):
     pass
 
 
-def _myers(a: np.ndarray, b: np.ndarray, max_d: int):
+def _myers(a: np.ndarray, b: np.ndarray, max_d: int, max_seconds: float = MAX_SECONDS):
     """Myers' greedy O(ND) forward pass; returns the edit script as segments
     ``("=", x, y, length)``, ``("-", x)`` (only in a), ``("+", y)`` (only in b), in order."""
     n, m = len(a), len(b)
@@ -234,9 +238,12 @@ def _myers(a: np.ndarray, b: np.ndarray, max_d: int):
         return [("-", i) for i in range(n)] + [("+", j) for j in range(m)]
     off = max_d + 1
     V = [0] * (2 * max_d + 3)
-    trace = []  # V[off-d .. off+d] before round d
+    trace = []  # V[off-d-1 .. off+d+1] before round d
+    deadline = time.monotonic() + max_seconds
     for d in range(max_d + 1):
-        trace.append(V[off - d - 1:off + d + 2])
+        trace.append(np.array(V[off - d - 1:off + d + 2], dtype=np.int64))
+        if d & 63 == 0 and time.monotonic() > deadline:
+            raise AlignmentTooLong(d)
         for k in range(-d, d + 1, 2):
             if k == -d or (k != d and V[off + k - 1] < V[off + k + 1]):
                 x = V[off + k + 1]
@@ -256,7 +263,7 @@ def _backtrack(trace, D, n, m):
     for d in range(D, -1, -1):
         Vd = trace[d]  # index i holds k = i - d - 1
         k = x - y
-        get = lambda kk: Vd[kk + d + 1]  # noqa: E731
+        get = lambda kk: int(Vd[kk + d + 1])  # noqa: E731
         if k == -d or (k != d and get(k - 1) < get(k + 1)):
             pk = k + 1
         else:
@@ -278,13 +285,14 @@ def _backtrack(trace, D, n, m):
     return segs
 
 
-def align(a, b, max_edits: int = MAX_EDITS) -> tuple[np.ndarray, np.ndarray, bool]:
+def align(a, b, max_edits: int = MAX_EDITS, max_seconds: float = MAX_SECONDS
+          ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Align two integer sequences by a minimal edit script.
 
     Returns ``(ai, bi, minimal)``: for each aligned position the index in ``a`` and in ``b``
     (-1 where the item exists on one side only), in order. Past ``max_edits`` edits the middle
     part left after stripping the common prefix and suffix is reported as removed and added
-    (``minimal`` False) rather than running for minutes."""
+    (``minimal`` False) rather than running for minutes; likewise past ``max_seconds``."""
     a = np.ascontiguousarray(a, dtype=np.int64)
     b = np.ascontiguousarray(b, dtype=np.int64)
     n, m = len(a), len(b)
@@ -293,7 +301,7 @@ def align(a, b, max_edits: int = MAX_EDITS) -> tuple[np.ndarray, np.ndarray, boo
     ma, mb_ = a[p:n - s], b[p:m - s]
     minimal = True
     try:
-        segs = _myers(ma, mb_, max(0, min(max_edits, len(ma) + len(mb_))))
+        segs = _myers(ma, mb_, max(0, min(max_edits, len(ma) + len(mb_))), max_seconds)
     except AlignmentTooLong:
         minimal = False
         segs = [("-", i) for i in range(len(ma))] + [("+", j) for j in range(len(mb_))]
@@ -505,8 +513,9 @@ def render(res: CompareResult, k: int = TOP, out=None) -> None:
                   f"({changed} allocate differently), {only_a} only in base, {only_b} only in compare; "
                   f"total difference {total:+,} bytes")
     if not res.minimal:
-        con.print(f"note: more than {MAX_EDITS} edits on a device; the middle of the sequences is shown as "
-                  "removed and added, not aligned op by op")
+        con.print(f"note: the sequences differ in more than {MAX_EDITS} places (or aligning them took over "
+                  f"{MAX_SECONDS:.0f} s); past the common start and end they are shown as removed and added, "
+                  "not aligned op by op")
     top = res.top(k)
     if top.height == 0:
         con.print("No differences: every op aligns and allocates the same memory.")
