@@ -521,17 +521,21 @@ def render(res: CompareResult, k: int = TOP, out=None) -> None:
         con.print("No differences: every op aligns and allocates the same memory.")
     else:
         tab = Table(title=f"Top {top.height} differences (of {res.differences.height})", title_justify="left")
-        for col, just in (("Op", "left"), ("Device", "left"), ("Base #", "right"), ("Compare #", "right"),
-                          ("Base bytes", "right"), ("Compare bytes", "right"), ("Diff bytes", "right"),
-                          ("Python line", "left")):
+        rows = list(top.iter_rows(named=True))
+        lines = [res.line_of("compare", r["compare_id"]) or res.line_of("base", r["base_id"]) or "" for r in rows]
+        cols = [("Op", "left"), ("Device", "left"), ("Base #", "right"), ("Compare #", "right"),
+                ("Base bytes", "right"), ("Compare bytes", "right"), ("Diff bytes", "right")]
+        if any(lines):  # only where the dump has Call Stack(Python)
+            cols.append(("Python line", "left"))
+        for col, just in cols:
             tab.add_column(col, justify=just, overflow="fold")
-        for r in top.iter_rows(named=True):
-            line = res.line_of("compare", r["compare_id"]) or res.line_of("base", r["base_id"]) or ""
 
-            def num(v):
-                return "N/A" if v is None else f"{v:,}"
-            tab.add_row(_short(r["name"]), str(r["device"]), num(r["base_pos"]), num(r["compare_pos"]),
-                        num(r["base_bytes"]), num(r["compare_bytes"]), f"{r['diff']:+,}", line)
+        def num(v):
+            return "N/A" if v is None else f"{v:,}"
+        for r, line in zip(rows, lines):
+            cells = [_short(r["name"]), str(r["device"]), num(r["base_pos"]), num(r["compare_pos"]),
+                     num(r["base_bytes"]), num(r["compare_bytes"]), f"{r['diff']:+,}"]
+            tab.add_row(*(cells + [line] if any(lines) else cells))
         con.print(tab)
 
 
