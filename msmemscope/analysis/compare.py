@@ -151,35 +151,42 @@ def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.D
             rng = f"{present[0]}-{present[-1]}" if present else "none"
             raise CompareError(f"{where}: no step {step} (the dump has steps {rng})")
     mem = (pl.col("event") == "MALLOC") & ~pl.col("event_type").is_in(UNCOUNTED_POOLS)
-    cols = ["id", "event", "event_type", "name", "tid", "device", "size", "step", "py_stack"]
     if level == "op":
         is_start = (pl.col("event") == "OP_LAUNCH") & pl.col("event_type").is_in(OP_STARTS)
         is_end = (pl.col("event") == "OP_LAUNCH") & pl.col("event_type").is_in(OP_ENDS)
-        rows = df.filter(is_start | is_end | mem).select(cols).sort("tid", "id")
+    else:
+        is_start = pl.col("event") == "KERNEL_LAUNCH"
+        is_end = pl.lit(False)
+    # narrow columns only through the per-thread work; the strings stay where they are
+    rows = (df.lazy().filter(is_start | is_end | mem)
+            .select("id", "tid", "size", _start=is_start, _end=is_end, _mem=mem)
+            .sort("tid", "id"))
+    if level == "op":
         # depth after each row on its thread; a MALLOC belongs to the last START that
         # opened its depth on that thread (the innermost open op)
-        rows = rows.with_columns(
-            _start=is_start,
-            _depth=pl.when(is_start).then(1).when(is_end).then(-1).otherwise(0).cum_sum().over("tid"))
-        rows = rows.filter(pl.col("_start") | (pl.col("event") == "MALLOC")).with_columns(
-            _owner=pl.when(pl.col("_start")).then(pl.col("id")).forward_fill().over("tid", "_depth"))
+        rows = (rows.with_columns(
+            _depth=pl.when(pl.col("_start")).then(1).when(pl.col("_end")).then(-1).otherwise(0)
+            .cum_sum().over("tid"))
+            .filter(~pl.col("_end"))
+            .with_columns(_owner=pl.when(pl.col("_start")).then(pl.col("id")).forward_fill()
+                          .over("tid", "_depth")))
     else:
-        is_kernel = pl.col("event") == "KERNEL_LAUNCH"
-        rows = df.filter(is_kernel | mem).select(cols).sort("tid", "id").with_columns(_start=is_kernel)
         # a kernel owns the MALLOCs on its thread since the previous kernel launch there
-        rows = rows.with_columns(
-            _owner=pl.when(pl.col("_start")).then(pl.col("id")).backward_fill().over("tid"))
-    ops = rows.filter(pl.col("_start"))
-    if ops.height == 0:
-        return ops.select("device", "event", "name", bytes=pl.col("size"), id=pl.col("id"),
-                          py_stack=pl.col("py_stack"))
-    owned = (rows.filter(~pl.col("_start") & pl.col("_owner").is_not_null())
-             .group_by("_owner").agg(bytes=pl.col("size").sum()))
-    ops = (ops.join(owned, left_on="id", right_on="_owner", how="left")
-           .with_columns(pl.col("bytes").fill_null(0)))
+        rows = rows.with_columns(_owner=pl.when(pl.col("_start")).then(pl.col("id")).backward_fill().over("tid"))
+    owned = (rows.filter(pl.col("_mem") & pl.col("_owner").is_not_null())
+             .group_by("_owner").agg(bytes=pl.col("size").sum()).collect())
+    ops = df.filter(is_start).select(pl.col("device").fill_null("N/A"), "event", "name", "id", "step", "py_stack")
+    if not ops["id"].is_sorted():
+        ops = ops.sort("id")
+    ids = ops["id"].to_numpy()
+    nbytes = np.zeros(len(ids), dtype=np.int64)
+    if owned.height and len(ids):
+        pos = np.searchsorted(ids, owned["_owner"].to_numpy())
+        nbytes[pos] = owned["bytes"].fill_null(0).to_numpy()
+    ops = ops.with_columns(bytes=pl.Series(nbytes))
     if step is not None:
         ops = ops.filter(pl.col("step") == step)
-    return ops.sort("id").select(pl.col("device").fill_null("N/A"), "event", "name", "bytes", "id", "py_stack")
+    return ops.select("device", "event", "name", "bytes", "id", "py_stack")
 
 
 # ---------------------------------------------------------------------------
