@@ -394,3 +394,15 @@ def test_op_patterns():
     for text in ("aten.mm.out", "aten.add", "addmm", "default", "mm.out"):
         assert not OpPattern(text).matches("aten.mm.default"), text
     assert OpPattern("aten.mm#3").nth == 3 and OpPattern("aten.mm").nth == 1
+
+
+def test_watching_does_not_change_results(tmp_path, out_dir):
+    """SPEC §6: the same losses, bit for bit, with a watch window over the forward pass."""
+    args = [os.path.join(EXAMPLES, "transformer.py"), "--steps", "2", "--batch", "1", "--layers", "1"]
+    plain = subprocess.run([sys.executable, *args], env=env_for_tests(), capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr
+    p = check(run_cli(["-o", str(out_dir), "--watch=aten.mm.default:0,aten.nll_loss_forward", *args]))
+    assert p.stdout == plain.stdout and plain.stdout.count("loss") == 2
+    rep = watch_json(one_run(out_dir))
+    assert rep["window"]["closed"] == "aten.nll_loss_forward.default#1" and rep["stomps"] == []

@@ -207,6 +207,15 @@ class WatchEngine:
         self._closed = False
         session.watch_before = self.before
         session.watch_after = self.after
+        orig_stop = session.stop
+
+        def stop():
+            # ops run while not tracing are not checked: the next check starts afresh
+            with self.lock:
+                for e in self.entries:
+                    e.last = None
+            return orig_stop()
+        session.stop = stop
         self._update_active()
 
     # ------------------------------------------------------------------ state
@@ -405,7 +414,10 @@ class WatchEngine:
             return
         st = e.storage()
         if st is not None:
-            self._dump(e, st, short, call, tid, "after", e.last if e.last is not None else 0)
+            try:
+                self._dump(e, st, short, call, tid, "after", self._checksum(e, st))
+            except Exception as exc:
+                self._warn(f"cannot read the start op's output: {exc}")
             e.last_op = f"{short}#{call}"
         log.info("watch: window opened at %s#%d, watching its output %d (%d bytes)", short, call, k, e.length)
 
@@ -525,9 +537,11 @@ class WatchEngine:
                         alloc_id = b.alloc_id
                         break
             e = Watched(name, st, offset, length, req, out_id, source, dump_nums or 0, alloc_id)
-            if self.state == "open":
+            if self.state == "open" or source == "start op":
                 try:
-                    e.last = self._checksum(e, st)
+                    cs = self._checksum(e, st)
+                    # a baseline only while ops are traced: changes before the next op are then untraced writes
+                    e.last = cs if self.s.active else None
                 except Exception as exc:
                     self._warn(f"cannot watch '{name}': {exc}")
                     return None
