@@ -206,6 +206,7 @@ def parse_watch(value):
         full = True
         items = items[:-1]
     if len(items) == 1:
+        _check_watch_op(items[0], usage)
         return WatchSpec(None, None, items[0], full)
     if len(items) != 2:
         raise OptionError("--watch", f"'{value}': {usage}")
@@ -215,7 +216,18 @@ def parse_watch(value):
         if not out.isdigit():
             raise OptionError("--watch", f"outid '{out}' is not a number; {usage}")
         out_id = int(out)
+    _check_watch_op(start, usage)
+    _check_watch_op(items[1], usage)
     return WatchSpec(start, out_id, items[1], full)
+
+
+def _check_watch_op(name, usage):
+    """An op is named 'aten.mm.default', 'aten.mm', 'mm' (or the dump's 'torch._ops.aten.mm.default'),
+    optionally followed by '#N', the N-th call (N >= 1)."""
+    op, sep, n = name.partition("#")
+    if not op.strip() or (sep and not (n.isdigit() and int(n) >= 1)):
+        raise OptionError("--watch", f"op '{name}' is not an op name with an optional call index "
+                                     f"'#N' (N >= 1), e.g. aten.mm.default#2; {usage}")
 
 
 def parse_choice(option, value, allowed):

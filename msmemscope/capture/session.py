@@ -103,6 +103,7 @@ class Session:
         self.next_id = 0
         self.sinks: list = []
         self.watch_active = False
+        self.watch_engine = None             # capture.watch.WatchEngine once --watch or watcher.watch() is used
         self._modes: dict = {}
         self._hooks: list = []
         self._lock_owner = None
@@ -332,6 +333,9 @@ class Session:
             self.started_once = True
             from ..analysis import online_sinks
             self.sinks = online_sinks(self)
+            if self.opts.watch is not None or self.watch_engine is not None:
+                from .watch import attach
+                attach(self)
             marks.install(self)
             self._install_exit_handlers()
             self._skip_dataloader_workers()

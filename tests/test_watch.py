@@ -1,0 +1,408 @@
+"""Memory-block watch (SPEC §4.6, issue 5): real programs under the CLI, the
+dumps and analysis/watch.json they leave behind."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, ROOT, env_for_tests, run_cli, run_folders
+
+HAS_CUDA = torch.cuda.is_available()
+
+BUGGY_OPS = '''
+import torch
+
+@torch.library.custom_op("bug::poke", mutates_args=())
+def poke(x: torch.Tensor) -> torch.Tensor:
+    """A buggy kernel: its schema says it only reads x, but it writes x's first element."""
+    r = x.sum()
+    x.view(-1)[0].add_(1)
+    return r
+
+@torch.library.custom_op("bug::tag", mutates_args=())
+def tag(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+'''
+
+
+def write(tmp_path, name, body):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return str(p)
+
+
+def line_of(path, marker):
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line:
+                return i
+    raise AssertionError(marker)
+
+
+def one_run(out):
+    folders = run_folders(out)
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def watch_json(folder):
+    with open(os.path.join(folder, "analysis", "watch.json")) as f:
+        return json.load(f)
+
+
+def checksum_rows(folder):
+    files = glob.glob(os.path.join(folder, "device_*", "watch_dump", "watch_dump_data_check_sum_*.csv"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "Tensor info,Check data sum"
+    return [tuple(line.rsplit(",", 1)) for line in lines[1:]]
+
+
+def bins(folder):
+    return {os.path.basename(p)[:-4]: open(p, "rb").read()
+            for p in glob.glob(os.path.join(folder, "device_*", "watch_dump", "*.bin"))}
+
+
+def check(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+# ---------------------------------------------------------------- the stomp in a training loop
+TRAIN_API = BUGGY_OPS + '''
+import sys
+sys.path.insert(0, {examples!r})
+import torch.nn.functional as F
+from transformer import GPT
+import msmemscope
+
+dev = sys.argv[1]
+torch.manual_seed(0)
+model = GPT(vocab=64, d=32, heads=2, layers=1, ctx=16).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = torch.randint(0, 64, (2, 17), device=dev)
+x, y = data[:, :-1], data[:, 1:]
+msmemscope.watcher.watch(model.tok.weight, name="tok_weight")
+for step in range(3):
+    opt.zero_grad(set_to_none=True)
+    logits = model(x)
+    if step == 1:
+        stat = torch.ops.bug.poke(model.tok.weight.detach())   # THE BUG
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    print("loss", loss.item())
+'''
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device"))])
+def test_stomp_by_custom_op_in_training_loop(tmp_path, out_dir, dev):
+    script = write(tmp_path, "train_api.py", TRAIN_API.format(examples=EXAMPLES))
+    bug_line = line_of(script, "THE BUG")
+    p = check(run_cli(["-o", str(out_dir), script, dev]))
+    assert p.stdout.count("loss") == 3
+    folder = one_run(out_dir)
+    rep = watch_json(folder)
+    stomps = rep["stomps"]
+    # exactly one stomp, at the buggy op, with the user's line
+    assert len(stomps) == 1, stomps
+    s = stomps[0]
+    assert s["kind"] == "stomp"
+    assert s["op"] == "bug.poke.default" and s["name"] == "torch._ops.bug.poke.default"
+    assert s["call"] == 1 and s["watched"] == "tok_weight" and s["step"] == 2
+    assert s["line"].startswith(f"{script}:{bug_line}("), s["line"]
+    # the optimizer's in-place updates of the weight are declared writes, listed as such
+    writes = [c for c in rep["changes"] if c["kind"] == "write"]
+    assert len(writes) >= 3
+    assert all(c["watched"] == "tok_weight" for c in writes)
+    assert {c["step"] for c in writes} == {1, 2, 3}
+    assert "bug.poke.default" not in {c["op"] for c in writes}
+    # console and log say it too
+    assert "STOMP: 'tok_weight' changed by bug.poke.default (call 1" in p.stderr
+    assert f"{script}:{bug_line}" in p.stderr
+    log = glob.glob(os.path.join(folder, "msmemscope_logs", "*.log"))[0]
+    text = open(log).read()
+    assert "STOMP" in text and "bug.poke.default" in text
+    # every op was checked before and after: the checksum file pairs up
+    rows = checksum_rows(folder)
+    assert len(rows) % 2 == 0 and len(rows) >= 2 * len(rep["changes"])
+    assert all(r[0].endswith(("_before", "_after")) and r[1].startswith("0x") for r in rows)
+    poke_rows = [r for r in rows if "_bug.poke.default_1-tok_weight_0_" in r[0]]
+    assert len(poke_rows) == 2 and poke_rows[0][1] != poke_rows[1][1]
+
+
+TRAIN_CLI = BUGGY_OPS + '''
+import sys
+sys.path.insert(0, {examples!r})
+import torch.nn.functional as F
+from transformer import GPT
+
+torch.manual_seed(0)
+model = GPT(vocab=64, d=32, heads=2, layers=1, ctx=16)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = torch.randint(0, 64, (2, 17))
+x, y = data[:, :-1], data[:, 1:]
+for step in range(3):
+    opt.zero_grad(set_to_none=True)
+    targets = torch.ops.bug.tag(y)
+    logits = model(x)
+    if step == 1:
+        torch.ops.bug.poke(targets)          # THE BUG
+    targets.view(-1)[-1:].add_(64).sub_(64)  # declared in-place writes
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    loss.backward()
+    opt.step()
+    print("loss", loss.item())
+'''
+
+
+def test_cli_window_watches_start_output(tmp_path, out_dir):
+    """--watch=start#N:outid,end alone: the start op's output is watched until the end op."""
+    script = write(tmp_path, "train_cli.py", TRAIN_CLI.format(examples=EXAMPLES))
+    bug_line = line_of(script, "THE BUG")
+    p = check(run_cli(["-o", str(out_dir), "--watch=bug.tag#2:0,aten.nll_loss_forward", script]))
+    folder = one_run(out_dir)
+    rep = watch_json(folder)
+    assert rep["window"] == {"opened": "bug.tag.default#2", "closed": "aten.nll_loss_forward.default#2"}
+    [w] = rep["watched"]
+    assert w["name"] == "bug.tag.default" and w["source"] == "start op" and w["stopped"] == "end op reached"
+    assert w["length"] == 2 * 16 * 8
+    [s] = rep["stomps"]
+    assert s["op"] == "bug.poke.default" and s["call"] == 1 and s["step"] == 2
+    assert s["line"].startswith(f"{script}:{bug_line}(")
+    assert [c["op"] for c in rep["changes"] if c["kind"] == "write"] == ["aten.add_.Tensor", "aten.sub_.Tensor"]
+    rows = checksum_rows(folder)
+    names = [r[0] for r in rows]
+    # the start op: only 'after' (the block did not exist before); the end op: both
+    assert names[0].endswith("_bug.tag.default_2-bug.tag.default_0_after")
+    assert names[-2].endswith("_aten.nll_loss_forward.default_2-bug.tag.default_0_before")
+    assert names[-1].endswith("_aten.nll_loss_forward.default_2-bug.tag.default_0_after")
+    assert not any("_bug.tag.default_3-" in n for n in names)
+    assert "STOMP" in p.stderr
+
+
+# ---------------------------------------------------------------- legitimate writes, untraced writes
+INPLACE = '''
+import torch, msmemscope
+w = torch.zeros(16)
+msmemscope.watcher.watch(w, name="w")
+w.add_(1)
+w[2:4].mul_(3)
+y = w * 2
+torch.add(w, 1, out=w)
+w.copy_(y)
+z = y + 1
+w.numpy()[0] = 7.0          # UNTRACED WRITE
+z = z + 1
+print("done")
+'''
+
+
+def test_inplace_writes_are_not_stomps(tmp_path, out_dir):
+    script = write(tmp_path, "inplace.py", INPLACE)
+    p = check(run_cli(["-o", str(out_dir), script]))
+    rep = watch_json(one_run(out_dir))
+    writes = [c["op"] for c in rep["changes"] if c["kind"] == "write"]
+    assert writes == ["aten.add_.Tensor", "aten.mul_.Tensor", "aten.add.out", "aten.copy_.default"]
+    assert not [s for s in rep["stomps"] if s["kind"] == "stomp"]
+    # the write through numpy is outside every op: reported as an untraced change, not blamed on an op
+    [u] = rep["stomps"]
+    assert u["kind"] == "untraced" and u["op"] is None and u["before_op"] == "aten.add.Tensor#2"
+    assert "changed outside any traced op" in p.stderr
+
+
+# ---------------------------------------------------------------- full-content dumps
+FULL = '''
+import sys, torch, msmemscope
+out = sys.argv[1]
+a = torch.ones(4)
+w = torch.arange(8, dtype=torch.float32)
+msmemscope.watcher.watch(w, name="w")
+msmemscope.watcher.watch(w.data_ptr() + 8, length=12, name="mid")
+b = a * 3                 # start: aten.mul.Tensor
+w.add_(1)
+snap = w.clone()
+b.add_(1)
+s = b.sum()               # end
+w.mul_(2)                 # outside the window
+open(out + "/w_after_add.bin", "wb").write(snap.numpy().tobytes())
+open(out + "/b.bin", "wb").write(b.numpy().tobytes())
+'''
+
+
+def test_full_content_bins_hold_the_block_bytes(tmp_path, out_dir):
+    script = write(tmp_path, "full.py", FULL)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    check(run_cli(["-o", str(out_dir), "--watch=aten.mul.Tensor:0,aten.sum,full-content", script, str(keep)]))
+    folder = one_run(out_dir)
+    got = bins(folder)
+    assert not glob.glob(os.path.join(folder, "device_*", "watch_dump", "*.csv"))
+    w_after_add = (keep / "w_after_add.bin").read_bytes()
+    b_final = (keep / "b.bin").read_bytes()
+    assert len(w_after_add) == 32 and len(b_final) == 16
+
+    def one(suffix):
+        hits = [k for k in got if k.endswith(suffix)]
+        assert len(hits) == 1, (suffix, sorted(got))
+        return got[hits[0]]
+
+    arange = torch.arange(8, dtype=torch.float32).numpy().tobytes()
+    assert one("_aten.add_.Tensor_1-w_0_before") == arange
+    assert one("_aten.add_.Tensor_1-w_0_after") == w_after_add
+    assert one("_aten.add_.Tensor_1-mid_0_after") == w_after_add[8:20]
+    assert one("_aten.sum.default_1-w_0_after") == w_after_add
+    # the start op's output: 3.0s after the start op, then b.add_ makes them 4.0s
+    assert one("_aten.mul.Tensor_1-aten.mul.Tensor_0_after") == torch.full((4,), 3.0).numpy().tobytes()
+    assert one("_aten.add_.Tensor_2-aten.mul.Tensor_0_after") == b_final
+    assert one("_aten.sum.default_1-aten.mul.Tensor_0_after") == b_final
+    # nothing outside the window [mul.Tensor#1, sum#1]
+    assert not [k for k in got if "aten.mul_.Tensor" in k]
+    # w and mid: before+after for mul, add_, clone, add_, sum; the start output: after mul, then 4 ops
+    assert len([k for k in got if "-w_0_" in k]) == 10
+    assert len([k for k in got if "-mid_0_" in k]) == 10
+    assert len([k for k in got if "-aten.mul.Tensor_0_" in k]) == 9
+    rep = watch_json(folder)
+    assert rep["bin_files"] == len(got) and rep["stomps"] == []
+
+
+# ---------------------------------------------------------------- dump_nums, remove, freed blocks
+LIMITS = '''
+import torch, msmemscope
+a = torch.zeros(4); b = torch.zeros(4); c = torch.zeros(4); d = torch.zeros(4)
+msmemscope.watcher.watch(a, name="a", dump_nums=2)
+msmemscope.watcher.watch(b, name="b")
+msmemscope.watcher.watch(c, name="c")
+msmemscope.watcher.watch(d.data_ptr(), length=8, name="d")
+for i in range(3):
+    a.add_(1)
+msmemscope.watcher.remove(b)
+msmemscope.watcher.remove(d.data_ptr(), length=8)
+del c
+b.add_(1)
+a.add_(1)
+print("finished", float(a.sum()), float(b.sum()))
+'''
+
+
+def test_dump_nums_remove_and_freed_block(tmp_path, out_dir):
+    script = write(tmp_path, "limits.py", LIMITS)
+    p = check(run_cli(["-o", str(out_dir), script]))
+    assert "finished 16.0 4.0" in p.stdout
+    assert "watched block 'c' was freed; watching it stopped" in p.stderr
+    assert "Traceback" not in p.stderr
+    folder = one_run(out_dir)
+    rows = checksum_rows(folder)
+    per = {}
+    for info, _ in rows:
+        name = info.split("-", 1)[1].rsplit("_", 2)[0]
+        per[name] = per.get(name, 0) + 1
+    # a: dump_nums=2 -> two ops; b, c, d: the three add_ before remove()/free
+    assert per == {"a": 4, "b": 6, "c": 6, "d": 6}
+    rep = watch_json(folder)
+    stopped = {w["name"]: w["stopped"] for w in rep["watched"]}
+    assert stopped == {"a": "reached dump_nums=2", "b": "removed", "c": "was freed", "d": "removed"}
+    assert any("'c' was freed" in w for w in rep["warnings"])
+    assert rep["stomps"] == []
+
+
+# ---------------------------------------------------------------- the original's example; config(); errors
+SEED_EXAMPLE = '''
+import torch
+import msmemscope
+
+test_tensor = torch.randn(2,3).to('cpu')
+msmemscope.watcher.watch(test_tensor, name="test", dump_nums=2)
+y = test_tensor * 2
+test_tensor.mul_(2)
+z = y + 1
+msmemscope.watcher.remove(test_tensor)
+
+test_tensor = torch.randn(2,3).to('cpu')
+msmemscope.watcher.watch(test_tensor.data_ptr(), length=1000, name="test", dump_nums=2)
+y = test_tensor * 2
+msmemscope.watcher.remove(test_tensor.data_ptr(), length=1000)
+print("ok")
+'''
+
+
+def test_original_example_runs_unchanged(tmp_path, out_dir):
+    script = write(tmp_path, "seed_watch.py", SEED_EXAMPLE)
+    p = check(run_cli(["-o", str(out_dir), script]))
+    assert p.stdout.strip() == "ok"
+    assert "length 1000 runs past the end of its block" in p.stderr
+    rows = checksum_rows(one_run(out_dir))
+    assert len(rows) == 2 * 2 + 1 * 2
+    # without a trace the API warns and does nothing
+    plain = subprocess.run([sys.executable, script], env=env_for_tests(), capture_output=True, text=True,
+                           cwd=str(tmp_path), timeout=600)
+    assert plain.returncode == 0 and plain.stdout.strip() == "ok"
+    assert "nothing is traced" in plain.stderr
+
+
+CONFIG = '''
+import sys, torch, msmemscope
+msmemscope.config(watch="aten.mul.Tensor:0,aten.sum.default", output=sys.argv[1])
+msmemscope.start()
+a = torch.ones(4)
+b = a * 3
+b.add_(1)
+s = b.sum()
+msmemscope.stop()
+print(float(s))
+'''
+
+
+def test_config_watch(tmp_path, out_dir):
+    script = write(tmp_path, "cfg.py", CONFIG)
+    p = subprocess.run([sys.executable, script, str(out_dir)], env=env_for_tests(), capture_output=True,
+                       text=True, cwd=str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "16.0"
+    folder = one_run(out_dir)
+    names = [r[0].split("_", 2)[2] for r in checksum_rows(folder)]
+    assert names == ["aten.mul.Tensor_1-aten.mul.Tensor_0_after",
+                     "aten.add_.Tensor_1-aten.mul.Tensor_0_before", "aten.add_.Tensor_1-aten.mul.Tensor_0_after",
+                     "aten.sum.default_1-aten.mul.Tensor_0_before", "aten.sum.default_1-aten.mul.Tensor_0_after"]
+    rep = watch_json(folder)
+    assert [c["kind"] for c in rep["changes"]] == ["write"] and rep["stomps"] == []
+
+
+@pytest.mark.parametrize("value", ["aten.mm#x,aten.add", "full-content", "a,b,c", "aten.mm:x,aten.add",
+                                   "aten.mm#0,aten.add"])
+def test_bad_watch_option(tmp_path, value):
+    p = run_cli([f"--watch={value}", "-o", str(tmp_path / "o"), os.path.join(EXAMPLES, "mlp.py")])
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("msmemscope: error: --watch"), p.stderr
+    assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")
+
+
+def test_op_patterns():
+    from msmemscope.capture.watch import OpPattern
+    for text in ("torch._ops.aten.mm.default", "aten.mm.default", "aten.mm", "mm.default", "mm", "aten.mm#3"):
+        assert OpPattern(text).matches("aten.mm.default"), text
+    for text in ("aten.mm.out", "aten.add", "addmm", "default", "mm.out"):
+        assert not OpPattern(text).matches("aten.mm.default"), text
+    assert OpPattern("aten.mm#3").nth == 3 and OpPattern("aten.mm").nth == 1
+
+
+def test_watching_does_not_change_results(tmp_path, out_dir):
+    """SPEC §6: the same losses, bit for bit, with a watch window over the forward pass."""
+    args = [os.path.join(EXAMPLES, "transformer.py"), "--steps", "2", "--batch", "1", "--layers", "1"]
+    plain = subprocess.run([sys.executable, *args], env=env_for_tests(), capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr
+    p = check(run_cli(["-o", str(out_dir), "--watch=aten.mm.default:0,aten.nll_loss_forward", *args]))
+    assert p.stdout == plain.stdout and plain.stdout.count("loss") == 2
+    rep = watch_json(one_run(out_dir))
+    assert rep["window"]["closed"] == "aten.nll_loss_forward.default#1" and rep["stomps"] == []
