@@ -273,3 +273,19 @@ def test_idle_definition():
         + op("use2", ("A", 1))
     assert _judge(ev, idle_threshold=4)[1] == ["temporary_idleness"]
     assert 1 not in _judge(ev, idle_threshold=5)        # exactly 5 ops between: not more than 5
+
+
+def test_csv_fast_path_equals_reader(csv_run):
+    """check_inefficient reads CSV with a lean lazy scan; same result as over read_dump's columns."""
+    from msmemscope.analysis.inefficient import Tracker, chunk_from_csv, chunk_from_frame
+    for path in (dump_of(csv_run[0]), os.path.join(PEER, "leaks.csv")):
+        fast, full = chunk_from_csv(path), chunk_from_frame(read(path))
+        assert fast is not None
+        cols = ["pos", "kind", "alloc_id", "before"]
+        assert fast.select(cols).equals(full.select(cols))
+        results = []
+        for ch in (fast, full):
+            tr = Tracker(100)
+            tr.feed(ch)
+            results.append(tr.finish().select("mpos", "bits", "size", "op"))
+        assert results[0].equals(results[1])

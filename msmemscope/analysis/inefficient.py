@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -255,6 +256,56 @@ def chunk_from_frame(df: pl.DataFrame) -> pl.DataFrame:
     return ch.filter(pl.col("kind") != K_OTHER).cast(CHUNK_SCHEMA)
 
 
+def chunk_from_csv(path: str) -> pl.DataFrame | None:
+    """Chunk columns straight from a CSV dump, reading only what the analysis needs (a lazy
+    polars scan: the Attr fields are extracted from the MALLOC/FREE/ACCESS rows only).
+    None when the file is not a plain, complete CSV dump: then ``read_dump`` reads it and
+    says what is wrong (bad header, bad ID, truncated file, SQLite…)."""
+    from ..events import HEADER
+    from ..io.reader import NAMES, max_input_bytes
+    try:
+        if os.path.getsize(path) > max_input_bytes():
+            return None
+        with open(path, "rb") as f:
+            first = f.readline(4096).rstrip(b"\r\n").decode("utf-8", errors="replace").lstrip("\ufeff")
+            f.seek(-1, os.SEEK_END)
+            complete = f.read(1) == b"\n"
+    except OSError:
+        return None
+    if first != HEADER or not complete:
+        return None
+    ev, et, attr = pl.col("event"), pl.col("event_type"), pl.col("attr")
+    kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
+            .when((ev == "OP_LAUNCH") & (et == "ATEN_END")).then(K_END)
+            .when((ev == "MALLOC") & ~et.is_in(SKIP_POOLS)).then(K_MALLOC)
+            .when((ev == "FREE") & ~et.is_in(SKIP_POOLS)).then(K_FREE)
+            .when(ev == "ACCESS").then(K_ACCESS)
+            .otherwise(K_OTHER).cast(pl.Int8))
+    k = pl.col("kind")
+    try:
+        ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
+                          schema_overrides={n: pl.String for n in NAMES})
+              .select("id", "name", "attr", "py_stack", kind=kind)
+              .filter(pl.col("kind") != K_OTHER)
+              .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
+                      name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
+                      alloc_id=pl.when(k >= K_MALLOC).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?(\d+)', 1)
+                          .cast(pl.Int64, strict=False)),
+                      size=pl.when(k == K_MALLOC).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?(\d+)', 1).cast(pl.Int64, strict=False)),
+                      before=(k == K_MALLOC) & attr.str.contains("before_op", literal=True),
+                      stack=pl.when(k == K_MALLOC).then("py_stack"))
+              .collect())
+    except Exception:
+        return None
+    if ch["pos"].null_count() or ch.filter((pl.col("kind") == K_MALLOC) & pl.col("size").is_null()).height:
+        return None
+    if not ch["pos"].is_sorted():
+        ch = ch.sort("pos")
+    return ch.cast(CHUNK_SCHEMA)
+
+
 _KIND = {("OP_LAUNCH", "ATEN_START"): K_START, ("OP_LAUNCH", "ATEN_END"): K_END}
 
 
@@ -306,8 +357,9 @@ def select(res: pl.DataFrame, mem_size: int = 0, types=TYPES) -> pl.DataFrame:
     mask = sum(_BIT[t] for t in types)
     return (res.filter((pl.col("size") >= mem_size) & ((pl.col("bits") & mask) > 0))
             .with_columns(bits=pl.col("bits") & mask)
-            .with_columns(inefficient_type=pl.col("bits").map_elements(
-                lambda v: SEP.join(type_names(v)), return_dtype=pl.String)))
+            .with_columns(inefficient_type=pl.concat_str(
+                [pl.when((pl.col("bits") & _BIT[t]) > 0).then(pl.lit(t)) for t in TYPES],
+                separator=SEP, ignore_nulls=True)))
 
 
 def _user_line(stack):
@@ -347,6 +399,7 @@ def format_summary(s: dict, where: str | None = None) -> str:
              + (f": {where}" if where else "")]
     if s.get("note"):
         lines.append(f"  {s['note']}")
+        return "\n".join(lines)
     for t, v in s["by_type"].items():
         lines.append(f"  {t}: {v['count']} blocks, {mb(v['bytes'])}")
     if s["worst"]:
@@ -553,16 +606,19 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
     mem_size = _check_int("mem_size", mem_size)
     idle_threshold = _check_int("idle_threshold", idle_threshold)
     path = resolve_one(input_path)
-    df = read_dump(path)
+    ch = chunk_from_csv(path)
+    if ch is None:
+        ch = chunk_from_frame(read_dump(path))
     note = None
-    if df.filter(pl.col("event") == "ACCESS").height == 0:
+    if not (ch["kind"] == K_ACCESS).any():
         note = NO_ACCESS_NOTE
-    elif df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")).height == 0:
+    elif not (ch["kind"] == K_START).any():
         note = NO_OPS_NOTE
-    if note:
-        raw, counts = Tracker(idle_threshold).finish(), {}
-    else:
-        raw, counts = analyze_frame(df, idle_threshold)
+    tr = Tracker(idle_threshold)
+    if not note:
+        tr.feed(ch)
+    del ch
+    raw, counts = tr.finish(), tr.counts
     sel = select(raw, mem_size, types)
     summary = summarize(sel, counts, idle_threshold, note)
     summary.update(input=path, mem_size=mem_size, types=list(types))
@@ -592,14 +648,25 @@ class InefficientSink:
         except ValueError:
             self.idle_threshold = DEFAULT_IDLE_THRESHOLD
         self.tracker = Tracker(self.idle_threshold)
+        self.failed = None
 
     def consume(self, rows, first_id):
-        self.tracker.feed(chunk_from_rows(rows, first_id))
+        if self.failed:
+            return
+        try:
+            self.tracker.feed(chunk_from_rows(rows, first_id))
+        except Exception as e:  # never let the analysis break the traced program
+            self.failed = f"{type(e).__name__}: {e}"
+            logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
 
     def step_end(self, session, step):
         pass
 
     def close(self, session):
+        if self.failed:
+            print(f"[msmemscope] inefficient memory: analysis failed ({self.failed}); the dump is complete",
+                  file=sys.stderr)
+            return
         raw = self.tracker.finish()
         c = self.tracker.counts
         note = None
