@@ -1,0 +1,734 @@
+"""Inefficient memory (SPEC §4.5): early allocation, late deallocation, temporary idleness.
+
+Operator level, per memory block. Positions on the op timeline:
+
+* the *op index* of a row is the number of ``ATEN_START`` rows up to and including it;
+* its *slot* is ``2*op`` while inside an op (between an ``ATEN_START`` and its
+  ``ATEN_END``, both included) and ``2*op + 1`` outside any op. Slots never
+  decrease along the dump, so "strictly between two ops" is a comparison of slots.
+
+For a block allocated in slot ``sa``:
+
+* **first access**: the first ``ACCESS`` by an op other than the allocating one
+  (the allocating op's own output write does not count; a block first seen as an
+  input, ``origin: before_op``, has no allocating op, so every access counts);
+* **early_allocation**: another block was freed after the allocating op ended
+  (or, for a block allocated outside any op, after its MALLOC row) and before
+  the op of the first access started;
+* **late_deallocation**: another block was allocated after the op of the last
+  access ended and before the op that frees it started (or, for a free outside
+  any op, before the FREE row). The allocating op counts as an access, so a
+  block never used after it was made is late when others are allocated before
+  it goes. A block never freed in the trace is not judged for this type;
+* **temporary_idleness**: more than ``idle_threshold`` ops lie between two
+  consecutive accesses (ops strictly between: ``op2 - op1 - 1``).
+
+One implementation for both paths: :class:`Tracker` folds chunks of rows into a
+table of live blocks with polars/numpy (never a Python loop over rows). Offline
+the whole dump is one chunk; online every session flush is a chunk, so the
+tracker's memory is the live blocks plus the blocks already flagged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sqlite3
+import sys
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+TYPES = ("early_allocation", "late_deallocation", "temporary_idleness")
+_BIT = {t: 1 << i for i, t in enumerate(TYPES)}
+DEFAULT_IDLE_THRESHOLD = 3000
+IDLE_ENV = "MSMEMSCOPE_IDLE_THRESHOLD"
+#: pools that are not tensor blocks (the original's driver-level HAL rows)
+SKIP_POOLS = ("HAL",)
+SEP = "|"  # several types in one Attr value
+TOP = 10
+INF = np.iinfo(np.int64).max
+
+K_OTHER, K_START, K_END, K_MALLOC, K_FREE, K_ACCESS = 0, 1, 2, 3, 4, 5
+
+# columns of one chunk (what both paths build)
+CHUNK_SCHEMA = {"pos": pl.Int64, "kind": pl.Int8, "name": pl.String, "alloc_id": pl.Int64,
+                "size": pl.Int64, "before": pl.Boolean, "stack": pl.String}
+
+_BLOCK_SCHEMA = {
+    "alloc_id": pl.Int64, "mpos": pl.Int64, "sa": pl.Int64, "aop": pl.Int64, "before": pl.Boolean,
+    "size": pl.Int64, "op": pl.String, "stack": pl.String,
+    "qf_slot": pl.Int64,      # slot of the first free of another block after the allocation (INF: none yet)
+    "first_op": pl.Int64,     # op of the first access by another op (-1: none yet)
+    "early": pl.Boolean,
+    "last_slot": pl.Int64, "last_pos": pl.Int64,   # last access (the allocation until then)
+    "qm_slot": pl.Int64, "qm_pos": pl.Int64,       # first malloc of another block after the last access
+    "prev_op": pl.Int64,      # op of the last counted access (-1: none yet), for idleness
+    "max_gap": pl.Int64,      # largest number of ops between two consecutive accesses (-1: none)
+}
+_RESULT_COLS = ("alloc_id", "mpos", "size", "op", "stack", "first_op", "aop", "max_gap", "bits")
+
+
+def _empty_blocks() -> pl.DataFrame:
+    return pl.DataFrame(schema=_BLOCK_SCHEMA)
+
+
+def _first_after(keys: np.ndarray, vals: np.ndarray, after: np.ndarray, out_vals: list[np.ndarray]):
+    """For each ``after``, the values of the first element with key > after (INF where none)."""
+    idx = np.searchsorted(keys, after, side="right")
+    ok = idx < len(keys)
+    res = []
+    for v in out_vals:
+        r = np.full(len(after), INF, dtype=np.int64)
+        if len(keys):
+            r[ok] = v[idx[ok]]
+        res.append(r)
+    return res
+
+
+def _first_qualifying(ev_pos, ev_slot, slot, pos):
+    """First event (of the chunk's sorted ``ev_pos``/``ev_slot``) after a point given as
+    (slot, pos): after the end of the op when ``slot`` is inside an op (even), else
+    after the row itself. Returns (slot, pos) arrays, INF where there is none."""
+    even = (slot % 2) == 0
+    s1, p1 = _first_after(ev_slot, ev_slot, slot, [ev_slot, ev_pos])
+    s2, p2 = _first_after(ev_pos, ev_slot, pos, [ev_slot, ev_pos])
+    return np.where(even, s1, s2), np.where(even, p1, p2)
+
+
+class Tracker:
+    """The incremental state of the analysis. ``feed(chunk)`` any number of times, then ``finish()``."""
+
+    def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD):
+        self.idle_threshold = int(idle_threshold)
+        self.k = 0            # ATEN_START rows so far
+        self.depth = 0        # open ops
+        self.op_name = None   # name of the current/last op
+        self.blocks = _empty_blocks()
+        self.flagged: list[pl.DataFrame] = []
+        self.counts = {"malloc": 0, "free": 0, "access": 0, "ops": 0}
+
+    # -------------------------------------------------------------- one chunk
+    def feed(self, ch: pl.DataFrame) -> None:
+        if ch.height == 0:
+            return
+        kind = pl.col("kind")
+        is_start = (kind == K_START).cast(pl.Int64)
+        is_end = (kind == K_END).cast(pl.Int64)
+        ch = ch.with_columns(
+            op=self.k + is_start.cum_sum(),
+            depth=self.depth + is_start.cum_sum() - is_end.cum_sum() + is_end,
+            opname=pl.when(kind == K_START).then(pl.col("name")).otherwise(None).forward_fill(),
+        ).with_columns(
+            slot=2 * pl.col("op") + (pl.col("depth") <= 0).cast(pl.Int64),
+            opname=pl.col("opname").fill_null(self.op_name) if self.op_name is not None else pl.col("opname"),
+        )
+        last = ch.row(ch.height - 1, named=True)
+        n_start = int((ch["kind"] == K_START).sum())
+        n_end = int((ch["kind"] == K_END).sum())
+        self.k += n_start
+        self.depth = max(0, self.depth + n_start - n_end)
+        if last["opname"] is not None:
+            self.op_name = last["opname"]
+        self.counts["ops"] += n_start
+
+        mal = ch.filter(kind == K_MALLOC)
+        fre = ch.filter(kind == K_FREE)
+        acc = ch.filter(kind == K_ACCESS)
+        self.counts["malloc"] += mal.height
+        self.counts["free"] += fre.height
+        self.counts["access"] += acc.height
+        m_pos, m_slot = mal["pos"].to_numpy(), mal["slot"].to_numpy()
+        f_pos, f_slot = fre["pos"].to_numpy(), fre["slot"].to_numpy()
+
+        # new blocks join the table of live ones
+        inside = (pl.col("slot") % 2) == 0
+        new = mal.select(
+            "alloc_id", mpos="pos", sa="slot", aop="op", before=pl.col("before").fill_null(False), size="size",
+            op=pl.when(inside & pl.col("opname").is_not_null()).then("opname").otherwise("name"),
+            stack="stack",
+            qf_slot=pl.lit(INF, pl.Int64), first_op=pl.lit(-1, pl.Int64), early=pl.lit(False),
+            last_slot="slot", last_pos="pos", qm_slot=pl.lit(INF, pl.Int64), qm_pos=pl.lit(INF, pl.Int64),
+            prev_op=pl.lit(-1, pl.Int64), max_gap=pl.lit(-1, pl.Int64),
+        ).unique("alloc_id", keep="first", maintain_order=True)
+        b = pl.concat([self.blocks, new.cast(_BLOCK_SCHEMA)], how="vertical") if new.height else self.blocks
+        if b.height == 0:
+            return
+
+        # accesses of known blocks, in dump order
+        if acc.height:
+            acc = acc.select("alloc_id", "pos", "slot", "op").join(
+                b.select("alloc_id", "sa", "before", "prev_op"), on="alloc_id", how="inner",
+                maintain_order="left")
+            acc = acc.with_columns(counted=pl.col("before") | (pl.col("slot") != pl.col("sa")))
+            cnt = acc.filter("counted").with_columns(prev=pl.col("op").shift(1).over("alloc_id"))
+            cnt = cnt.with_columns(prev=pl.col("prev").fill_null(pl.col("prev_op")))
+            cnt = cnt.with_columns(gap=pl.when(pl.col("prev") >= 0).then(pl.col("op") - pl.col("prev") - 1))
+            agg_c = cnt.group_by("alloc_id").agg(c_first=pl.col("op").min(), c_last=pl.col("op").max(),
+                                                 c_gap=pl.col("gap").max())
+            agg_a = acc.group_by("alloc_id").agg(a_pos=pl.col("pos").max(), a_slot=pl.col("slot").max())
+            b = b.join(agg_c, on="alloc_id", how="left").join(agg_a, on="alloc_id", how="left")
+            new_first = (pl.col("first_op") < 0) & pl.col("c_first").is_not_null()
+            b = b.with_columns(
+                first_op=pl.when(new_first).then("c_first").otherwise("first_op"),
+                newly=new_first,
+                prev_op=pl.coalesce("c_last", "prev_op"),
+                max_gap=pl.max_horizontal("max_gap", pl.col("c_gap").fill_null(-1)),
+                last_slot=pl.coalesce("a_slot", "last_slot"),
+                last_pos=pl.coalesce("a_pos", "last_pos"),
+                qm_slot=pl.when(pl.col("a_pos").is_not_null()).then(pl.lit(INF)).otherwise("qm_slot"),
+                qm_pos=pl.when(pl.col("a_pos").is_not_null()).then(pl.lit(INF)).otherwise("qm_pos"),
+            ).drop("c_first", "c_last", "c_gap", "a_pos", "a_slot")
+        else:
+            b = b.with_columns(newly=pl.lit(False))
+
+        # the first free / malloc of another block after the allocation / the last access
+        qf = b["qf_slot"].to_numpy().copy()
+        todo = qf == INF
+        if todo.any() and len(f_pos):
+            s, _ = _first_qualifying(f_pos, f_slot, b["sa"].to_numpy()[todo], b["mpos"].to_numpy()[todo])
+            qf[todo] = s
+        qm_s, qm_p = b["qm_slot"].to_numpy().copy(), b["qm_pos"].to_numpy().copy()
+        todo = qm_s == INF
+        if todo.any() and len(m_pos):
+            s, p = _first_qualifying(m_pos, m_slot, b["last_slot"].to_numpy()[todo], b["last_pos"].to_numpy()[todo])
+            qm_s[todo], qm_p[todo] = s, p
+        b = b.with_columns(qf_slot=pl.Series(qf), qm_slot=pl.Series(qm_s), qm_pos=pl.Series(qm_p))
+        b = b.with_columns(
+            early=pl.col("early") | (pl.col("newly") & (pl.col("qf_slot") < 2 * pl.col("first_op")))
+        ).drop("newly")
+
+        # blocks freed in this chunk are judged now
+        if fre.height:
+            fr = fre.select("alloc_id", f_pos="pos", f_slot="slot").unique("alloc_id", keep="first")
+            b = b.join(fr, on="alloc_id", how="left")
+            late = pl.when((pl.col("f_slot") % 2) == 0).then(pl.col("qm_slot") < pl.col("f_slot")) \
+                .otherwise(pl.col("qm_pos") < pl.col("f_pos"))
+            b = b.with_columns(late=pl.col("f_pos").is_not_null() & late.fill_null(False))
+            done = b.filter(pl.col("f_pos").is_not_null())
+            self._judge(done)
+            self.blocks = b.filter(pl.col("f_pos").is_null()).drop("f_pos", "f_slot", "late")
+        else:
+            self.blocks = b
+
+    def _judge(self, done: pl.DataFrame) -> None:
+        if done.height == 0:
+            return
+        if "late" not in done.columns:
+            done = done.with_columns(late=pl.lit(False))
+        bits = (pl.col("early").cast(pl.Int64) * _BIT["early_allocation"]
+                + pl.col("late").cast(pl.Int64) * _BIT["late_deallocation"]
+                + (pl.col("max_gap") > self.idle_threshold).cast(pl.Int64) * _BIT["temporary_idleness"])
+        out = done.with_columns(bits=bits).filter(pl.col("bits") > 0).select(_RESULT_COLS)
+        if out.height:
+            self.flagged.append(out)
+
+    def finish(self) -> pl.DataFrame:
+        """Judge the blocks still live (not late: their free is not in the trace); all flagged blocks."""
+        self._judge(self.blocks)
+        self.blocks = _empty_blocks()
+        if not self.flagged:
+            return pl.DataFrame(schema={c: (pl.Int64 if c not in ("op", "stack") else pl.String)
+                                        for c in _RESULT_COLS})
+        res = pl.concat(self.flagged, how="vertical")
+        self.flagged = [res]
+        return res.sort("mpos")
+
+
+# ------------------------------------------------------------------ chunks from the two sources
+def chunk_from_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """Chunk columns from ``read_dump`` columns."""
+    ev, et = pl.col("event"), pl.col("event_type")
+    kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
+            .when((ev == "OP_LAUNCH") & (et == "ATEN_END")).then(K_END)
+            .when((ev == "MALLOC") & ~et.is_in(SKIP_POOLS)).then(K_MALLOC)
+            .when((ev == "FREE") & ~et.is_in(SKIP_POOLS)).then(K_FREE)
+            .when(ev == "ACCESS").then(K_ACCESS)
+            .otherwise(K_OTHER).cast(pl.Int8))
+    ch = df.select(pos="id", kind=kind, name="name", alloc_id="alloc_id", size="size",
+                   before=(ev == "MALLOC") & pl.col("attr").str.contains("before_op", literal=True),
+                   stack="py_stack")
+    return ch.filter(pl.col("kind") != K_OTHER).cast(CHUNK_SCHEMA)
+
+
+def chunk_from_csv(path: str) -> pl.DataFrame | None:
+    """Chunk columns straight from a CSV dump, reading only what the analysis needs (a lazy
+    polars scan: the Attr fields are extracted from the MALLOC/FREE/ACCESS rows only).
+    None when the file is not a plain, complete CSV dump: then ``read_dump`` reads it and
+    says what is wrong (bad header, bad ID, truncated file, SQLite…)."""
+    from ..events import HEADER
+    from ..io.reader import NAMES, max_input_bytes
+    try:
+        if os.path.getsize(path) > max_input_bytes():
+            return None
+        with open(path, "rb") as f:
+            first = f.readline(4096).rstrip(b"\r\n").decode("utf-8", errors="replace").lstrip("\ufeff")
+            f.seek(-1, os.SEEK_END)
+            complete = f.read(1) == b"\n"
+    except OSError:
+        return None
+    if first != HEADER or not complete:
+        return None
+    ev, et, attr = pl.col("event"), pl.col("event_type"), pl.col("attr")
+    kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
+            .when((ev == "OP_LAUNCH") & (et == "ATEN_END")).then(K_END)
+            .when((ev == "MALLOC") & ~et.is_in(SKIP_POOLS)).then(K_MALLOC)
+            .when((ev == "FREE") & ~et.is_in(SKIP_POOLS)).then(K_FREE)
+            .when(ev == "ACCESS").then(K_ACCESS)
+            .otherwise(K_OTHER).cast(pl.Int8))
+    k = pl.col("kind")
+    try:
+        ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
+                          schema_overrides={n: pl.String for n in NAMES})
+              .select("id", "name", "attr", "py_stack", kind=kind)
+              .filter(pl.col("kind") != K_OTHER)
+              .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
+                      name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
+                      alloc_id=pl.when(k >= K_MALLOC).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?(\d+)', 1)
+                          .cast(pl.Int64, strict=False)),
+                      size=pl.when(k == K_MALLOC).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?(\d+)', 1).cast(pl.Int64, strict=False)),
+                      before=(k == K_MALLOC) & attr.str.contains("before_op", literal=True),
+                      stack=pl.when(k == K_MALLOC).then("py_stack"))
+              .collect())
+    except Exception:
+        return None
+    if ch["pos"].null_count() or ch.filter((pl.col("kind") == K_MALLOC) & pl.col("size").is_null()).height:
+        return None
+    if not ch["pos"].is_sorted():
+        ch = ch.sort("pos")
+    return ch.cast(CHUNK_SCHEMA)
+
+
+_KIND = {("OP_LAUNCH", "ATEN_START"): K_START, ("OP_LAUNCH", "ATEN_END"): K_END}
+
+
+def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
+    """Chunk columns from a session's raw row tuples (the online path)."""
+    idx, kinds, names, aids, sizes, before, stacks = [], [], [], [], [], [], []
+    for i, r in enumerate(rows):
+        ev = r[0]
+        if ev == "OP_LAUNCH":
+            k = _KIND.get((ev, r[1]))
+            if k is None:
+                continue
+            a = None
+            sz = None
+        elif ev == "ACCESS":
+            k = K_ACCESS
+            a = r[7]
+            a = a[3] if type(a) is tuple else a.get("allocation_id")
+            sz = None
+        elif ev == "MALLOC" or ev == "FREE":
+            if r[1] in SKIP_POOLS:
+                continue
+            k = K_MALLOC if ev == "MALLOC" else K_FREE
+            at = r[7]
+            if type(at) is tuple:
+                a, sz, bf = at[0], at[2], False
+            else:
+                a, sz, bf = at.get("allocation_id"), at.get("size"), at.get("origin") == "before_op"
+            if k == K_MALLOC:
+                idx.append(i); kinds.append(k); names.append(r[2]); aids.append(a); sizes.append(sz)
+                before.append(bf); stacks.append(r[8])
+                continue
+        else:
+            continue
+        idx.append(i); kinds.append(k); names.append(r[2] if k == K_START else None); aids.append(a)
+        sizes.append(sz); before.append(None); stacks.append(None)
+    return pl.DataFrame({"pos": np.asarray(idx, dtype=np.int64) + first_id, "kind": kinds, "name": names,
+                         "alloc_id": aids, "size": sizes, "before": before, "stack": stacks},
+                        schema=CHUNK_SCHEMA)
+
+
+# ------------------------------------------------------------------ results
+def type_names(bits: int, wanted=TYPES) -> list[str]:
+    return [t for t in TYPES if bits & _BIT[t] and t in wanted]
+
+
+def select(res: pl.DataFrame, mem_size: int = 0, types=TYPES) -> pl.DataFrame:
+    """Apply the filters: blocks of at least ``mem_size`` bytes, flagged with one of ``types``."""
+    mask = sum(_BIT[t] for t in types)
+    return (res.filter((pl.col("size") >= mem_size) & ((pl.col("bits") & mask) > 0))
+            .with_columns(bits=pl.col("bits") & mask)
+            .with_columns(inefficient_type=pl.concat_str(
+                [pl.when((pl.col("bits") & _BIT[t]) > 0).then(pl.lit(t)) for t in TYPES],
+                separator=SEP, ignore_nulls=True)))
+
+
+def _user_line(stack):
+    """The first frame outside torch and the standard library (the rule of
+    ``capture.stacks.user_line``, kept here so the offline command does not import torch)."""
+    if not stack:
+        return None
+    frames = stack.split(";")
+    for fr in frames:
+        if "/torch/" not in fr and "/site-packages/" not in fr and "/lib/python" not in fr:
+            return fr
+    return frames[0]
+
+
+def summarize(sel: pl.DataFrame, counts: dict, idle_threshold: int, note: str | None = None) -> dict:
+    by_type = {}
+    for t in TYPES:
+        s = sel.filter((pl.col("bits") & _BIT[t]) > 0)
+        by_type[t] = {"count": s.height, "bytes": int(s["size"].sum() or 0)}
+    worst = sel.sort(["size", "mpos"], descending=[True, False]).head(TOP)
+    return {
+        "idle_threshold": idle_threshold,
+        "events": counts,
+        "by_type": by_type,
+        "blocks": sel.height,
+        "bytes": int(sel["size"].sum() or 0),
+        "worst": [{"allocation_id": r["alloc_id"], "row_id": r["mpos"], "size": r["size"],
+                   "op": r["op"], "python_line": _user_line(r["stack"]), "types": r["inefficient_type"].split(SEP)}
+                  for r in worst.iter_rows(named=True)],
+        "note": note,
+    }
+
+
+def format_summary(s: dict, where: str | None = None) -> str:
+    from ..report.console import mb
+    lines = [f"[msmemscope] inefficient memory (idle threshold {s['idle_threshold']} ops)"
+             + (f": {where}" if where else "")]
+    if s.get("note"):
+        lines.append(f"  {s['note']}")
+        return "\n".join(lines)
+    for t, v in s["by_type"].items():
+        lines.append(f"  {t}: {v['count']} blocks, {mb(v['bytes'])}")
+    if s["worst"]:
+        lines.append("  largest flagged blocks:")
+        for w in s["worst"]:
+            op = (w["op"] or "N/A").replace("torch._ops.", "")
+            line = w["python_line"] or "N/A (record with --call-stack=python for the line)"
+            lines.append(f"    {w['size']} B  {'+'.join(w['types'])}  op {op}  at {line}  "
+                         f"(allocation_id {w['allocation_id']}, row {w['row_id']})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ writing the annotation
+_OLD_TYPE = re.compile(r'"?inefficient_type"?\s*:\s*"?[^",}]*"?\s*,?')
+
+
+def _add_type(attr: str | None, value: str | None) -> str:
+    """Attr with ``inefficient_type`` set to ``value`` (removed when None), in the form the Attr
+    already has (JSON or the original's unquoted keys); an earlier annotation is replaced."""
+    a = (attr or "").strip()
+    if not a.startswith("{"):
+        a = "{}"
+    body = _OLD_TYPE.sub("", a[1:-1]).strip().rstrip(",")
+    if value is None:
+        return "{" + body + "}"
+    quoted = body.startswith('"') or not body
+    item = f'"inefficient_type":"{value}"' if quoted else f"inefficient_type:{value}"
+    return "{" + (body + "," if body else "") + item + "}"
+
+
+def _csv_field(v: str) -> str:
+    if '"' in v or "," in v or "\n" in v or "\r" in v:
+        return '"' + v.replace('"', '""') + '"'
+    return v
+
+
+def annotate_csv(src: str, dst_file, marks: dict[int, str]) -> int:
+    """Copy the CSV ``src`` to the open binary file ``dst_file``, adding ``inefficient_type`` to the
+    Attr of the rows whose ID is in ``marks``. Streams (bounded memory); a row that spans lines
+    (a quoted newline) is copied as it is. Returns the number of rows changed."""
+    import csv
+    import io
+    changed = 0
+    in_quote = False
+    with open(src, "rb") as f:
+        for line in f:
+            if not in_quote:
+                c = line.find(b",")
+                if c > 0 and line[:c].isdigit() and line.startswith(b"MALLOC,", c + 1):
+                    rid = int(line[:c])
+                    val = marks.get(rid)
+                    if (val is not None or b"inefficient_type" in line) and line.count(b'"') % 2 == 0:
+                        text = line.decode("utf-8")
+                        end = text[len(text.rstrip("\r\n")):]
+                        fields = next(csv.reader(io.StringIO(text.rstrip("\r\n"))))
+                        if len(fields) == 12:
+                            fields[9] = _add_type(fields[9], val)
+                            out = ",".join(_csv_field(x) if i != 9 else '"' + x.replace('"', '""') + '"'
+                                           for i, x in enumerate(fields))
+                            dst_file.write((out + (end or "\n")).encode("utf-8"))
+                            changed += 1
+                            continue
+            if line.count(b'"') % 2:
+                in_quote = not in_quote
+            dst_file.write(line)
+    return changed
+
+
+def annotate_db(path: str, marks: dict[int, str]) -> int:
+    marks = dict(marks)
+    con = sqlite3.connect(path)
+    try:
+        changed = 0
+        with con:
+            for (rid,) in con.execute("SELECT ID FROM memscope_dump WHERE Event='MALLOC' "
+                                      "AND Attr LIKE '%inefficient_type%'").fetchall():
+                marks.setdefault(rid, None)
+            for rid, val in marks.items():
+                row = con.execute("SELECT Attr FROM memscope_dump WHERE ID=? AND Event='MALLOC'", (rid,)).fetchone()
+                if row is None:
+                    continue
+                con.execute("UPDATE memscope_dump SET Attr=? WHERE ID=? AND Event='MALLOC'",
+                            (_add_type(row[0], val), rid))
+                changed += 1
+        return changed
+    finally:
+        con.close()
+
+
+def _is_db(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(16).startswith(b"SQLite format 3")
+
+
+def write_annotated_copy(src: str, marks: dict[int, str]) -> str:
+    """A new file beside ``src`` (``inefficient_<name>``; never overwrites): the dump with the annotation."""
+    from ..io.files import create_new, unique_path
+    d, base = os.path.split(src)
+    dst = unique_path(os.path.join(d, "inefficient_" + base))
+    with create_new(dst, binary=True) as out:
+        if _is_db(src):
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, out)
+        else:
+            annotate_csv(src, out, marks)
+    if _is_db(dst):
+        annotate_db(dst, marks)
+    return dst
+
+
+def annotate_in_place(path: str, marks: dict[int, str]) -> None:
+    """The online run's own dump: SQLite is updated in one transaction; a CSV is rewritten to a
+    hidden temporary file beside it and moved over it atomically, so the dump is whole at every moment."""
+    if not marks:
+        return
+    if _is_db(path):
+        annotate_db(path, marks)
+        return
+    from ..io.files import create_new
+    d, base = os.path.split(path)
+    tmp = os.path.join(d, f".{base}.inefficient.tmp")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    try:
+        with create_new(tmp, binary=True) as out:
+            annotate_csv(path, out, marks)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def marks_of(sel: pl.DataFrame) -> dict[int, str]:
+    return dict(zip(sel["mpos"].to_list(), sel["inefficient_type"].to_list()))
+
+
+# ------------------------------------------------------------------ offline API
+@dataclass
+class InefficientResult:
+    """``blocks``: one row per flagged block (``alloc_id``, ``mpos`` = the MALLOC row's ID, ``size``,
+    ``op``, ``stack``, ``first_op``, ``aop``, ``max_gap``, ``inefficient_type``); ``summary`` as in
+    the JSON file; ``output``: the annotated copy of the dump (None when nothing was written)."""
+    blocks: pl.DataFrame
+    summary: dict
+    output: str | None = None
+    summary_path: str | None = None
+    note: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self):
+        return self.blocks.height
+
+
+def _check_types(inefficient_type) -> tuple:
+    if inefficient_type is None:
+        return TYPES
+    if isinstance(inefficient_type, str):
+        inefficient_type = [x for x in inefficient_type.replace("，", ",").split(",") if x.strip()]
+    types = tuple(t.strip() for t in inefficient_type)
+    bad = [t for t in types if t not in TYPES]
+    if bad or not types:
+        raise ValueError(f"inefficient_type: unknown value {bad[0] if bad else '(empty)'!r} "
+                         f"(allowed: {', '.join(TYPES)})")
+    return types
+
+
+def _check_int(name, v, minimum=0) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        try:
+            v = int(str(v), 0)
+        except ValueError:
+            raise ValueError(f"{name}: '{v}' is not a whole number") from None
+    if v < minimum:
+        raise ValueError(f"{name}: {v} must be at least {minimum}")
+    return int(v)
+
+
+def analyze_frame(df: pl.DataFrame, idle_threshold=DEFAULT_IDLE_THRESHOLD):
+    """Raw result (all types, no filter) and event counts for a ``read_dump`` frame."""
+    tr = Tracker(idle_threshold)
+    tr.feed(chunk_from_frame(df))
+    return tr.finish(), tr.counts
+
+
+NO_ACCESS_NOTE = ("the dump has no ACCESS rows (recorded without --events=access, or by the original tool "
+                  "without access events): inefficient memory cannot be judged")
+NO_OPS_NOTE = "the dump has no ATEN_START rows (recorded without --events=launch): op positions are unknown"
+
+
+def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES,
+                      idle_threshold: int = DEFAULT_IDLE_THRESHOLD, write: bool = True,
+                      quiet: bool = False) -> InefficientResult:
+    """Find inefficient memory blocks in a dump (CSV or db, ours or the original's).
+
+    ``mem_size``: leave out blocks smaller than this many bytes. ``inefficient_type``: the types
+    to report (list or comma-separated). ``idle_threshold``: more than this many ops between two
+    consecutive accesses is temporary idleness. Unless ``write=False``, writes beside the dump
+    ``inefficient_<dump name>`` (the dump with ``inefficient_type`` in the Attr of flagged MALLOC
+    rows) and ``inefficient_<dump stem>.json`` (the summary); the input is never changed."""
+    from ..io.reader import read_dump, resolve_one
+    types = _check_types(inefficient_type)
+    mem_size = _check_int("mem_size", mem_size)
+    idle_threshold = _check_int("idle_threshold", idle_threshold)
+    path = resolve_one(input_path)
+    ch = chunk_from_csv(path)
+    if ch is None:
+        ch = chunk_from_frame(read_dump(path))
+    note = None
+    if not (ch["kind"] == K_ACCESS).any():
+        note = NO_ACCESS_NOTE
+    elif not (ch["kind"] == K_START).any():
+        note = NO_OPS_NOTE
+    tr = Tracker(idle_threshold)
+    if not note:
+        tr.feed(ch)
+    del ch
+    raw, counts = tr.finish(), tr.counts
+    sel = select(raw, mem_size, types)
+    summary = summarize(sel, counts, idle_threshold, note)
+    summary.update(input=path, mem_size=mem_size, types=list(types))
+    res = InefficientResult(sel, summary, note=note)
+    if write and not note:
+        res.output = write_annotated_copy(path, marks_of(sel))
+        summary["output"] = res.output
+    if write and not note:
+        from ..io.files import create_new, unique_path
+        d, base = os.path.split(path)
+        sp = unique_path(os.path.join(d, "inefficient_" + os.path.splitext(base)[0] + ".json"))
+        with create_new(sp) as f:
+            json.dump(summary, f, indent=2)
+        res.summary_path = sp
+    if not quiet:
+        print(format_summary(summary, path), file=sys.stderr)
+    return res
+
+
+# ------------------------------------------------------------------ online sink
+class InefficientSink:
+    def __init__(self, session):
+        self.session = session
+        v = os.environ.get(IDLE_ENV)
+        try:
+            self.idle_threshold = int(v) if v else DEFAULT_IDLE_THRESHOLD
+        except ValueError:
+            self.idle_threshold = DEFAULT_IDLE_THRESHOLD
+        self.tracker = Tracker(self.idle_threshold)
+        self.failed = None
+
+    def consume(self, rows, first_id):
+        if self.failed:
+            return
+        try:
+            self.tracker.feed(chunk_from_rows(rows, first_id))
+        except Exception as e:  # never let the analysis break the traced program
+            self.failed = f"{type(e).__name__}: {e}"
+            logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
+
+    def step_end(self, session, step):
+        pass
+
+    def close(self, session):
+        if self.failed:
+            print(f"[msmemscope] inefficient memory: analysis failed ({self.failed}); the dump is complete",
+                  file=sys.stderr)
+            return
+        raw = self.tracker.finish()
+        c = self.tracker.counts
+        note = None
+        if not c["access"]:
+            note = "no ACCESS rows were recorded: inefficient memory cannot be judged"
+        elif not c["ops"]:
+            note = NO_OPS_NOTE
+        sel = select(raw)
+        summary = summarize(sel, c, self.idle_threshold, note)
+        summary["dump"] = session.dump_path
+        try:
+            annotate_in_place(session.dump_path, marks_of(sel))
+            summary["annotated_rows"] = sel.height
+        except OSError as e:
+            summary["annotation_error"] = str(e)
+        from ..io.files import create_new, make_dirs, unique_path
+        d = make_dirs(os.path.join(session.folder, "analysis"))
+        with create_new(unique_path(os.path.join(d, "inefficient.json"))) as f:
+            json.dump(summary, f, indent=2)
+        if os.environ.get("MSMEMSCOPE_QUIET") != "1":
+            print(format_summary(summary), file=sys.stderr)
+
+
+def make_sink(session):
+    return InefficientSink(session)
+
+
+# ------------------------------------------------------------------ command line
+def main(argv) -> int:
+    """``msmemscope check-inefficient <dump> [--mem-size=N] [--type=a,b] [--idle-threshold=N]``"""
+    from ..cli import UsageError, _Parser, error_exit
+    from ..io.reader import DumpError
+    p = _Parser(prog="msmemscope check-inefficient", allow_abbrev=False,
+                description="Find inefficient memory blocks in a dump (SPEC 4.5). Writes "
+                            "inefficient_<dump> and inefficient_<dump>.json beside the dump.")
+    p.add_argument("dump", help="a dump (.csv or .db) or an output folder holding one")
+    p.add_argument("--mem-size", default="0", help="leave out blocks smaller than N bytes (default 0)")
+    p.add_argument("--type", default=",".join(TYPES), help="types to report (default all): " + ",".join(TYPES))
+    p.add_argument("--idle-threshold", default=str(DEFAULT_IDLE_THRESHOLD),
+                   help=f"ops between two accesses above which a block is idle (default {DEFAULT_IDLE_THRESHOLD})")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    try:
+        ns = p.parse_args(argv)
+    except UsageError as e:
+        return error_exit(str(e))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = check_inefficient(ns.dump, mem_size=ns.mem_size, inefficient_type=ns.type,
+                                    idle_threshold=ns.idle_threshold, quiet=ns.json)
+        for w in caught:
+            print(f"msmemscope: warning: {w.message}", file=sys.stderr)
+    except (ValueError, DumpError) as e:
+        return error_exit(str(e).replace("mem_size", "--mem-size").replace("idle_threshold", "--idle-threshold")
+                          .replace("inefficient_type", "--type"))
+    except OSError as e:
+        return error_exit(f"{e.filename or ns.dump}: {e.strerror}")
+    if ns.json:
+        print(json.dumps(res.summary, indent=2))
+    else:
+        if res.output:
+            print(f"[msmemscope] annotated dump: {res.output}", file=sys.stderr)
+        if res.summary_path:
+            print(f"[msmemscope] summary: {res.summary_path}", file=sys.stderr)
+    return 0
