@@ -157,7 +157,7 @@ class Labeler:
         self.depth = 0
         self.fwd_first_aid = None            # first allocation id of the running outermost forward
         self.updates = 0
-        self.outside = set()                 # blocks relabelled by describer(tensor) since the last flush
+        self.flushed_upto = 0                # MALLOC rows of allocation ids up to this one are written
         self._handles = []
         self._hooks_pushed = False
         self._patched = []
@@ -270,8 +270,12 @@ class Labeler:
             inf = self._info(b)
             if owner not in inf.users:
                 inf.users = inf.users + (owner,)
-            b.owner = self.compose(b, None)  # the row (or an OWNER update) follows at the next flush
-            self.outside.add(b)
+            b.owner = self.compose(b, None)
+            if b.alloc_id <= self.flushed_upto and s.emit_alloc:
+                # its MALLOC row is written: record the new owner now, before any later FREE
+                self.updates += 1
+                s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+            # else the MALLOC row is still buffered and gets the owner at the flush
         return found
 
     # ------------------------------------------------------------ resolution
@@ -362,7 +366,7 @@ class Labeler:
         s = self.s
         with s.lock:
             pending, self.pending = self.pending, []
-            outside, self.outside = self.outside, set()
+            self.flushed_upto = s._next_alloc
         try:
             cats, changed = self.resolve()
         except Exception:
@@ -397,7 +401,7 @@ class Labeler:
                     if a.get("owner") != b.owner:
                         buf[i] = r[:7] + ({**a, "owner": b.owner},) + r[8:]
         if s.emit_alloc:
-            for b in set(changed) | outside:
+            for b in changed:
                 if b.alloc_id not in in_buf and b.owner:
                     self.updates += 1
                     s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
