@@ -189,3 +189,45 @@ def test_offline_cli_summary(out_dir, tmp_path):
                                "sys.exit(main(sys.argv[1:]))", str(tmp_path / "missing.csv")],
         capture_output=True, text=True, env=run_cli.__globals__["env_for_tests"]())
     assert r.returncode == 2 and r.stderr.startswith("msmemscope: error:")
+
+
+def test_fsdp2_two_ranks(out_dir):
+    import shutil
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed")
+    env = run_cli.__globals__["env_for_tests"]()
+    env["PATH"] = os.path.dirname(torchrun) + os.pathsep + env.get("PATH", "")
+    r = run_cli(["--analysis=decompose", "--output", str(out_dir), "torchrun", "--standalone",
+                 "--nproc_per_node=2", os.path.join(PROGS, "decompose_fsdp2.py")], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    truths = {t["rank"]: t for t in (json.loads(ln) for ln in
+                                     r.stdout.replace("}{", "}\n{").splitlines() if ln.startswith("{"))}
+    folders = run_folders(out_dir)
+    assert len(folders) == 2 and sorted(truths) == [0, 1]
+    from msmemscope.analysis.decompose import summarize
+    for folder in folders:
+        rank = json.load(open(os.path.join(folder, "config.json")))["rank"]
+        t = truths[rank]
+        local, n = t["local_bytes"], t["n_params"]
+        assert 2 * local == t["full_bytes"]  # the layers shard evenly: no padding
+        with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+            res = json.load(f)
+        df = read(dump_of(folder))
+        check_invariants(df)  # resize_(0) / resize_(n) of unsharded parameters are FREE / MALLOC
+        assert df.filter(df["name"] == "UntypedStorage.resize_").height > 0
+        ends = [s for s in res["steps"] if s["step"] is not None]
+        assert [s["step"] for s in ends] == [1, 2, 3]
+        for s in ends:
+            b = s["bytes"]
+            assert b["PTA@weight@fsdp2@sharded"] == local, (rank, b)
+            assert b["PTA@gradient@fsdp2@sharded"] == local, (rank, b)
+            assert b["PTA@optimizer_state"] == 2 * local + 4 * n, (rank, b)
+            # unsharded (all-gathered) parameters and gradients exist only inside the step
+            assert b.get("PTA@weight@fsdp2@unsharded", 0) == 0 and b.get("PTA@gradient@fsdp2@unsharded", 0) == 0
+            assert s["peak"]["PTA@weight@fsdp2@unsharded"] > 0 and s["peak"]["PTA@gradient@fsdp2@unsharded"] > 0
+            assert s["peak"]["PTA@ops@fsdp2@all_gather"] > 0
+        owners = res["devices"]["cpu"]["owners"]
+        # an all-gathered layer holds the whole layer: the biggest Linear (128x128 + 128 floats)
+        assert owners["PTA@weight@fsdp2@unsharded"]["peak"] >= (128 * 128 + 128) * 4
+        assert json.loads(json.dumps(summarize(df)))["devices"] == res["devices"]
