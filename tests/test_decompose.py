@@ -231,3 +231,25 @@ def test_fsdp2_two_ranks(out_dir):
         # an all-gathered layer holds the whole layer: the biggest Linear (128x128 + 128 floats)
         assert owners["PTA@weight@fsdp2@unsharded"]["peak"] >= (128 * 128 + 128) * 4
         assert json.loads(json.dumps(summarize(df)))["devices"] == res["devices"]
+
+
+def test_owner_rows_after_mid_step_flush(out_dir):
+    import subprocess
+    env = run_cli.__globals__["env_for_tests"]()
+    r = subprocess.run([sys.executable, os.path.join(PROGS, "decompose_small_flush.py"), str(out_dir)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    truth = json.loads(r.stdout.strip().splitlines()[-1])
+    (folder,) = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(df["event_type"] == "OWNER").height > 0
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        res = json.load(f)
+    p, n = truth["param_bytes"], truth["n_params"]
+    ends = step_ends(res)
+    assert sorted(ends) == [1, 2, 3]
+    for cats in ends.values():
+        assert (cats["weight"], cats["gradient"], cats["optimizer_state"]) == (p, p, 2 * p + 4 * n)
+    from msmemscope.analysis.decompose import summarize
+    assert json.loads(json.dumps(summarize(df)))["steps"] == res["steps"]
