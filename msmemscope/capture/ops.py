@@ -110,6 +110,8 @@ class OpTracer(TorchDispatchMode):
                 b = live.get(id(st))
                 if b is None:
                     b = new_block(st, name, False)
+                    if b is None and type(o) is not Tensor:  # DTensor: its local tensor
+                        b = s.inner_block(o, name, False)
                     if access and b is not None:
                         touched.append((b, o, WRITE))
             elif type(o) in (list, tuple):  # ops returning Tensor[] (split, unbind, foreach)
@@ -122,6 +124,8 @@ class OpTracer(TorchDispatchMode):
                         b = live.get(id(st))
                         if b is None:
                             b = new_block(st, name, False)
+                            if b is None and type(x) is not Tensor:
+                                b = s.inner_block(x, name, False)
                             if access and b is not None:
                                 touched.append((b, x, WRITE))
         if touched:

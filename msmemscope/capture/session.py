@@ -107,6 +107,7 @@ class Session:
         self._modes: dict = {}
         self._hooks: list = []
         self._lock_owner = None
+        self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self._update_flags()
@@ -172,7 +173,35 @@ class Session:
         b = self.live.get(id(st))
         if b is None:
             b = self.new_block(st, op_name, True)
+            if b is None and type(t) is not torch.Tensor:
+                b = self.inner_block(t, op_name, True)
         return b
+
+    def inner_block(self, t, op_name, seen_as_input):
+        """The block behind a wrapper subclass (DTensor: its local tensor), via ``__tensor_flatten__``."""
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None:
+            return None
+        try:
+            names, _ = flatten()
+        except Exception:
+            return None
+        for n in names:
+            inner = getattr(t, n, None)
+            if not isinstance(inner, torch.Tensor):
+                continue
+            try:
+                st = inner.untyped_storage()
+            except Exception:
+                continue
+            b = self.live.get(id(st))
+            if b is None:
+                b = self.new_block(st, op_name, seen_as_input)
+                if b is None and type(inner) is not torch.Tensor:
+                    b = self.inner_block(inner, op_name, seen_as_input)
+            if b is not None:
+                return b
+        return None
 
     def new_block(self, st, op_name, seen_as_input):
         try:
@@ -202,6 +231,8 @@ class Session:
             b.stack = stack
             b.ref = weakref.ref(st, partial(self._freed, key))
             self.live[key] = b
+            if self.labeler is not None:
+                self.labeler.on_new(b)
             if self.emit_alloc:
                 attr = (aid, addr, size, used, total, b.owner or "")
                 if seen_as_input:
@@ -303,6 +334,8 @@ class Session:
         with self.flush_lock:
             if self.closed:
                 return
+            if self.labeler is not None:
+                self.labeler.before_flush()
             n = len(self.buf)
             rows = self.buf[:n]
             del self.buf[:n]
@@ -331,6 +364,8 @@ class Session:
         self.system(System.START_TRACE)
         if not self.started_once:
             self.started_once = True
+            from .owners import install_resize_patch
+            install_resize_patch()
             from ..analysis import online_sinks
             self.sinks = online_sinks(self)
             if self.opts.watch is not None or self.watch_engine is not None:

@@ -1,0 +1,484 @@
+"""Owner labels for memory blocks (SPEC §4.4): what each block is *for*.
+
+A block's owner is a chain of labels joined by ``@``, from the framework down::
+
+    <pool>@<category>[@<component>...][@<user label>...]
+
+``category`` is one of ``weight``, ``gradient``, ``optimizer_state``,
+``activation``, ``ops`` (temporaries and anything else); components name a
+framework part (``fsdp2@sharded``, ``fsdp2@all_gather``); user labels come from
+``msmemscope.describe.describer`` (outermost first).
+
+Labels come from three sources, strongest first:
+
+1. *Resolution of live objects* at every flush (``Labeler.before_flush``), before
+   the buffered rows are written: the parameters, buffers and ``.grad`` of every
+   module that ran a forward (global forward pre-hook), the parameters, grads and
+   state of every optimizer that stepped (global optimizer hooks), and FSDP2's
+   sharded / unsharded parameter storages.
+2. *Facts seen while it happens*: tensors FSDP2 hands to its reduce-scatter are
+   unsharded gradients; blocks made inside FSDP2's all-gather / reduce-scatter
+   are its communication buffers.
+3. *Autograd*: a tensor saved for backward (a saved-tensor pack hook) that was
+   made by the forward pass (it has a ``grad_fn``, or it was allocated inside a
+   module's forward) is an ``activation``. Everything else is ``ops``.
+
+Rows still in the buffer get the final owner written into their MALLOC row;
+a block whose MALLOC row was already written and whose owner changes later
+gets a ``SYSTEM/OWNER`` row ``{"allocation_id": N, "owner": "..."}``.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import torch
+
+from ..events import Event
+
+WEIGHT, GRADIENT, OPT_STATE, ACTIVATION, OPS = "weight", "gradient", "optimizer_state", "activation", "ops"
+OWNER_ROW = "OWNER"  # SYSTEM event type of an owner update row
+MAX_LABELS = 3
+MAX_LABEL_LEN = 128
+_BAD_CHARS = set(',"{}\\\n\r')
+
+# ---------------------------------------------------------------- user labels (describe)
+_tls = threading.local()
+_labels_seen: list = []          # distinct user labels used by this process, in order
+_labels_lock = threading.Lock()
+
+
+def check_label(owner) -> str:
+    """Validate a user label; the 4th distinct label of a process is refused."""
+    if not isinstance(owner, str):
+        raise ValueError(f"msmemscope.describe: owner must be a string, not {type(owner).__name__}")
+    if not owner:
+        raise ValueError("msmemscope.describe: owner must not be empty")
+    if len(owner) > MAX_LABEL_LEN:
+        raise ValueError(f"msmemscope.describe: owner '{owner[:20]}...' is {len(owner)} characters "
+                         f"(at most {MAX_LABEL_LEN})")
+    if owner.startswith("@"):
+        raise ValueError(f"msmemscope.describe: owner '{owner}' must not start with '@'")
+    bad = sorted(set(owner) & _BAD_CHARS)
+    if bad:
+        raise ValueError(f"msmemscope.describe: owner {owner!r} contains {', '.join(map(repr, bad))} "
+                         "(not allowed in an owner label)")
+    with _labels_lock:
+        if owner not in _labels_seen:
+            if len(_labels_seen) >= MAX_LABELS:
+                raise ValueError(f"msmemscope.describe: at most {MAX_LABELS} distinct owner labels per process; "
+                                 f"'{owner}' refused (already used: {', '.join(_labels_seen)})")
+            _labels_seen.append(owner)
+    return owner
+
+
+def _stack() -> list:
+    st = getattr(_tls, "labels", None)
+    if st is None:
+        st = _tls.labels = []
+    return st
+
+
+def push_label(owner: str) -> None:
+    _stack().append(owner)
+
+
+def pop_label(owner: str) -> bool:
+    """Close the innermost open ``owner`` label of this thread (whichever describer opened it)."""
+    st = _stack()
+    for i in range(len(st) - 1, -1, -1):
+        if st[i] == owner:
+            del st[i]
+            return True
+    return False
+
+
+def current_labels() -> tuple:
+    st = getattr(_tls, "labels", None)
+    return tuple(dict.fromkeys(st)) if st else ()
+
+
+def push_component(comp: tuple):
+    prev = getattr(_tls, "component", None)
+    _tls.component = comp
+    return prev
+
+
+def pop_component(prev):
+    _tls.component = prev
+
+
+# ---------------------------------------------------------------- tensors -> storages
+def plain_tensors(t):
+    """The plain tensors behind ``t`` (DTensor and other wrapper subclasses unwrapped)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return (t,)
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return (t,)
+    try:
+        names, _ = flatten()
+    except Exception:
+        return ()
+    out = []
+    for n in names:
+        inner = getattr(t, n, None)
+        if isinstance(inner, torch.Tensor):
+            out.extend(plain_tensors(inner))
+    return out
+
+
+def _storage(t):
+    try:
+        return t.untyped_storage()
+    except Exception:
+        return None
+
+
+class Info:
+    """What capture learned about one block (kept only for blocks with something to say)."""
+    __slots__ = ("users", "comp", "forced", "saved")
+
+    def __init__(self):
+        self.users = ()
+        self.comp = ()
+        self.forced = None   # (category, components) known at capture time
+        self.saved = False   # saved for backward by the forward pass
+
+
+class Labeler:
+    def __init__(self, session):
+        self.s = session
+        self.roots = weakref.WeakSet()       # modules whose forward ran at depth 0
+        self.optimizers = weakref.WeakSet()
+        self.pending: list = []              # blocks made since the last flush
+        self.info: dict = {}                 # alloc_id -> Info
+        self.depth = 0
+        self.fwd_first_aid = None            # first allocation id of the running outermost forward
+        self.updates = 0
+        self.flushed_upto = 0                # MALLOC rows of allocation ids up to this one are written
+        self._handles = []
+        self._hooks_pushed = False
+        self._patched = []
+
+    # ------------------------------------------------------------ install / remove
+    def install(self):
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._fwd_pre))
+        try:
+            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
+        except TypeError:
+            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+        self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+            self._hooks_pushed = True
+        except Exception:  # hooks disabled by the program (torch.func): no activation labels
+            pass
+        self._patch_fsdp2()
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for mod, name, orig in self._patched:
+            setattr(mod, name, orig)
+        self._patched.clear()
+
+    # ------------------------------------------------------------ capture-time sources
+    def on_new(self, b):
+        """Called by ``Session.new_block`` before the MALLOC row is built: the initial owner."""
+        users = current_labels()
+        comp = getattr(_tls, "component", None)
+        if users or comp:
+            inf = self.info[b.alloc_id] = Info()
+            inf.users = users
+            inf.comp = comp or ()
+        self.pending.append(b)
+        b.owner = self.compose(b, None)
+
+    def _info(self, b):
+        inf = self.info.get(b.alloc_id)
+        if inf is None:
+            inf = self.info[b.alloc_id] = Info()
+        return inf
+
+    def _fwd_pre(self, module, args):
+        if self.depth == 0:
+            self.roots.add(module)
+            self.fwd_first_aid = self.s._next_alloc + 1
+        self.depth += 1
+
+    def _fwd_post(self, module, args, out):
+        if self.depth > 0:
+            self.depth -= 1
+
+    def _opt_pre(self, opt, args, kwargs):
+        self.optimizers.add(opt)
+
+    def _opt_post(self, opt, args, kwargs):
+        # state made by this step (Adam's moments, step counters) is registered and labelled
+        # before the session's own post-hook ends the step
+        self.optimizers.add(opt)
+        self.resolve(register=True)
+
+    def _pack(self, t):
+        try:
+            s = self.s
+            if s.active:
+                has_fn = t.grad_fn is not None
+                first = self.fwd_first_aid if self.depth > 0 else None
+                for p in plain_tensors(t):
+                    st = _storage(p)
+                    if st is None:
+                        continue
+                    b = s.live.get(id(st))
+                    if b is None:
+                        continue
+                    # made by the forward pass: an autograd result, or allocated inside the running forward
+                    if has_fn or (first is not None and b.alloc_id >= first):
+                        inf = self._info(b)
+                        if not inf.saved:
+                            inf.saved = True
+                            b.owner = self.compose(b, None)
+        except Exception:
+            pass
+        return t
+
+    def mark(self, tensors, category, comp):
+        """Capture-time fact: these tensors' blocks are ``category`` (e.g. FSDP2's unsharded grads)."""
+        s = self.s
+        for t in tensors:
+            for p in plain_tensors(t):
+                st = _storage(p)
+                b = s.live.get(id(st)) if st is not None else None
+                if b is not None:
+                    self._info(b).forced = (category, comp)
+                    b.owner = self.compose(b, None)
+
+    def add_user_label(self, t, owner):
+        s = self.s
+        found = False
+        for p in plain_tensors(t):
+            b = s.block_of(p, "describe") if s.active else s.live.get(id(_storage(p)))
+            if b is None:
+                continue
+            found = True
+            inf = self._info(b)
+            if owner not in inf.users:
+                inf.users = inf.users + (owner,)
+            b.owner = self.compose(b, None)
+            if b.alloc_id <= self.flushed_upto and s.emit_alloc:
+                # its MALLOC row is written: record the new owner now, before any later FREE
+                self.updates += 1
+                s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+            # else the MALLOC row is still buffered and gets the owner at the flush
+        return found
+
+    # ------------------------------------------------------------ resolution
+    def compose(self, b, resolved):
+        inf = self.info.get(b.alloc_id)
+        if resolved is not None:
+            cat, comp = resolved
+        elif inf is not None and inf.forced is not None:
+            cat, comp = inf.forced
+        else:
+            cat = ACTIVATION if inf is not None and inf.saved else OPS
+            comp = inf.comp if inf is not None else ()
+        parts = [b.pool, cat, *comp]
+        if inf is not None and inf.users:
+            parts.extend(inf.users)
+        return "@".join(parts)
+
+    def _collect(self, register):
+        """id(storage) -> (category, components) from the live objects."""
+        s = self.s
+        out = {}
+
+        def add(t, cat, comp=()):
+            if t is None:
+                return
+            for p in plain_tensors(t):
+                st = _storage(p)
+                if st is None:
+                    continue
+                k = id(st)
+                if k in out:
+                    continue
+                out[k] = (cat, comp)
+                if register and k not in s.live:
+                    s.block_of(p, "optimizer.step")
+
+        roots = list(self.roots)
+        for m in roots:  # FSDP2 first: its storages carry the sharded/unsharded component
+            for sub in m.modules():
+                get_state = getattr(sub, "_get_fsdp_state", None)
+                if get_state is None:
+                    continue
+                try:
+                    pg = get_state()._fsdp_param_group
+                    fps = pg.fsdp_params if pg is not None else ()
+                except Exception:
+                    continue
+                for fp in fps:
+                    for t in getattr(fp, "all_gather_outputs", ()) or ():
+                        add(t, WEIGHT, ("fsdp2", "unsharded"))
+                    add(getattr(fp, "_sharded_param_data", None), WEIGHT, ("fsdp2", "sharded"))
+                    sp = getattr(fp, "sharded_param", None)
+                    if sp is not None:
+                        add(sp, WEIGHT, ("fsdp2", "sharded"))
+                        add(sp.grad, GRADIENT, ("fsdp2", "sharded"))
+        for m in roots:
+            for p in m.parameters():
+                add(p, WEIGHT)
+            for bf in m.buffers():
+                add(bf, WEIGHT)
+            for p in m.parameters():
+                add(p.grad, GRADIENT)
+        for opt in list(self.optimizers):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    add(p, WEIGHT)
+                    add(p.grad, GRADIENT)
+            for st in opt.state.values():
+                if isinstance(st, dict):
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            add(v, OPT_STATE)
+        return out
+
+    def resolve(self, register=False):
+        """Relabel every live block from the live objects; returns the blocks whose owner changed."""
+        cats = self._collect(register)
+        changed = []
+        for key, b in list(self.s.live.items()):
+            new = self.compose(b, cats.get(key))
+            if new != b.owner:
+                b.owner = new
+                changed.append(b)
+        return cats, changed
+
+    def before_flush(self):
+        """Called by ``Session.flush`` before the buffered rows are numbered and written."""
+        s = self.s
+        with s.lock:
+            pending, self.pending = self.pending, []
+            self.flushed_upto = s._next_alloc
+        try:
+            cats, changed = self.resolve()
+        except Exception:
+            cats, changed = {}, []
+        live = s.live
+        for b in pending:  # blocks freed since the last flush: their storage may still exist (resize_)
+            if b.ref is None:
+                continue
+            st = b.ref()
+            key = id(st) if st is not None else None
+            if key is not None and live.get(key) is b:
+                continue
+            b.owner = self.compose(b, cats.get(key) if st is not None else None)
+        by_aid = {b.alloc_id: b for b in pending}
+        in_buf = set()
+        buf = s.buf
+        for i in range(len(buf)):
+            r = buf[i]
+            if r[0] != Event.MALLOC:
+                continue
+            a = r[7]
+            if type(a) is tuple:
+                b = by_aid.get(a[0])
+                if b is not None:
+                    in_buf.add(a[0])
+                    if a[5] != b.owner:
+                        buf[i] = r[:7] + (a[:5] + (b.owner,),) + r[8:]
+            elif isinstance(a, dict):
+                b = by_aid.get(a.get("allocation_id"))
+                if b is not None:
+                    in_buf.add(b.alloc_id)
+                    if a.get("owner") != b.owner:
+                        buf[i] = r[:7] + ({**a, "owner": b.owner},) + r[8:]
+        if s.emit_alloc:
+            for b in changed:
+                if b.alloc_id not in in_buf and b.owner:
+                    self.updates += 1
+                    s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+        # forget what we knew about blocks that are gone
+        if self.info:
+            alive = {b.alloc_id for b in live.values()}
+            self.info = {k: v for k, v in self.info.items() if k in alive}
+
+    # ------------------------------------------------------------ FSDP2
+    def _patch_fsdp2(self):
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg_mod
+        except Exception:
+            return
+        labeler = self
+
+        def wrap(name, comp, grads_arg=None):
+            orig = getattr(pg_mod, name, None)
+            if orig is None or getattr(orig, "_msmemscope", False):
+                return
+
+            @functools.wraps(orig)
+            def wrapper(*a, **k):
+                if grads_arg is not None and labeler.s.active:
+                    grads = a[grads_arg] if len(a) > grads_arg else k.get("unsharded_grads", ())
+                    try:
+                        labeler.mark(grads, GRADIENT, ("fsdp2", "unsharded"))
+                    except Exception:
+                        pass
+                prev = push_component(comp)
+                try:
+                    return orig(*a, **k)
+                finally:
+                    pop_component(prev)
+            wrapper._msmemscope = True
+            setattr(pg_mod, name, wrapper)
+            self._patched.append((pg_mod, name, orig))
+
+        wrap("foreach_all_gather", ("fsdp2", "all_gather"))
+        wrap("foreach_reduce", ("fsdp2", "reduce_scatter"), grads_arg=1)
+
+
+def _unpack(t):
+    return t
+
+
+# ---------------------------------------------------------------- storage resize (FSDP2 frees with resize_(0))
+_resize_orig = None
+
+
+def install_resize_patch():
+    """``UntypedStorage.resize_`` changes a block's memory without a new storage object:
+    record it as a FREE of the old block and a MALLOC of the new size."""
+    global _resize_orig
+    if _resize_orig is not None:
+        return
+    _resize_orig = orig = torch.UntypedStorage.resize_
+
+    @functools.wraps(orig)
+    def resize_(self, size):
+        from . import current
+        s = current()
+        if s is None or not s.active:
+            return orig(self, size)
+        key = id(self)
+        b = s.live.get(key)
+        out = orig(self, size)
+        try:
+            if b is not None and b.size == self.nbytes():
+                return out
+            op = getattr(s.tls, "op", None) or "UntypedStorage.resize_"
+            if b is not None:
+                s._freed(key, None)
+            if self.nbytes():
+                s.new_block(self, op, False)
+        except Exception:
+            pass
+        return out
+
+    torch.UntypedStorage.resize_ = resize_

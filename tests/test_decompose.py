@@ -1,0 +1,255 @@
+"""Memory decomposition (issue 6, SPEC §4.4): real training runs through the CLI.
+
+The identities checked at every step end come from the model itself: weight bytes
+are the parameters' plus buffers', gradients the parameters', Adam state twice the
+parameters plus one 4-byte step counter per parameter, SGD momentum once the parameters."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, ROOT, check_invariants, dump_of, read, run_cli, run_folders
+
+PROGS = os.path.join(os.path.dirname(__file__), "progs")
+
+
+def run_decompose(out_dir, *args):
+    r = run_cli(["--analysis=decompose", "--output", str(out_dir), *args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (folder,) = run_folders(out_dir)
+    (js,) = glob.glob(os.path.join(folder, "analysis", "decompose.json"))
+    with open(js) as f:
+        res = json.load(f)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    return r, res, df
+
+
+def category(owner):
+    return owner.split("@")[1]
+
+
+def step_ends(res, device="cpu"):
+    """step -> {category: bytes} at each step end."""
+    out = {}
+    for s in res["steps"]:
+        if s["device"] == device and s["step"] is not None:
+            cats = {}
+            for o, n in s["bytes"].items():
+                cats[category(o)] = cats.get(category(o), 0) + n
+            out[s["step"]] = cats
+    return out
+
+
+def activation_timeline(df):
+    """Per step: (peak activation bytes, row index of the peak, row index of the first backward op,
+    activation bytes at the step end)."""
+    live, act, out = {}, 0, {}
+    peak, peak_at, first_bw = 0, None, None
+    for i, (ev, et, name, aid, size, owner, step) in enumerate(df.select(
+            "event", "event_type", "name", "alloc_id", "size", "owner", "step").iter_rows()):
+        if ev == "MALLOC":
+            live[aid] = (size, owner)
+            if category(owner) == "activation":
+                act += size
+                if act > peak:
+                    peak, peak_at = act, i
+        elif ev == "FREE":
+            size, owner = live.pop(aid)
+            if category(owner) == "activation":
+                act -= size
+        elif ev == "SYSTEM" and et == "OWNER":
+            size, old = live[aid]
+            act += size * ((category(owner) == "activation") - (category(old) == "activation"))
+            live[aid] = (size, owner)
+        elif ev == "OP_LAUNCH" and et == "ATEN_START" and first_bw is None and "backward" in name:
+            first_bw = i
+        elif ev == "SYSTEM" and et == "STEP":
+            out[step] = (peak, peak_at, first_bw, act)
+            peak, peak_at, first_bw = 0, None, None
+    return out
+
+
+def check_identities(res, df, weight, grad, opt, nsteps):
+    ends = step_ends(res)
+    assert sorted(ends) == list(range(1, nsteps + 1))
+    for step, cats in ends.items():
+        assert cats.get("weight") == weight, (step, cats)
+        assert cats.get("gradient") == grad, (step, cats)
+        assert cats.get("optimizer_state") == opt, (step, cats)
+        assert cats.get("activation", 0) == 0, (step, cats)
+    acts = activation_timeline(df)
+    for step in range(1, nsteps + 1):
+        peak, peak_at, first_bw, at_end = acts[step]
+        assert peak > 0, step
+        assert first_bw is not None and peak_at < first_bw, (step, peak_at, first_bw)
+        assert at_end == 0
+    # every MALLOC row is labelled
+    owners = df.filter(df["event"] == "MALLOC")["owner"].to_list()
+    assert owners and all(o and o.startswith("PTA@") for o in owners), set(owners)
+    # the offline summary from the dump is the online one
+    from msmemscope.analysis.decompose import summarize
+    off = json.loads(json.dumps(summarize(df)))
+    assert off["devices"] == res["devices"]
+    assert off["steps"] == res["steps"]
+
+
+def model_sizes(model):
+    params = list(model.parameters())
+    p = sum(x.numel() * x.element_size() for x in params)
+    b = sum(x.numel() * x.element_size() for x in model.buffers())
+    return p, b, len(params)
+
+
+def test_transformer_adamw(out_dir):
+    sys.path.insert(0, ROOT)
+    from examples.transformer import GPT
+    p, b, n = model_sizes(GPT(layers=1))
+    r, res, df = run_decompose(out_dir, os.path.join(EXAMPLES, "transformer.py"), "--steps", "3", "--layers", "1")
+    check_identities(res, df, weight=p + b, grad=p, opt=2 * p + 4 * n, nsteps=3)
+    assert "memory decomposition" in r.stderr and "PTA@optimizer_state" in r.stderr
+    # per-step view: optimizer state and gradients appear in step 1, nothing of theirs grows later
+    grew = {s["step"]: s["grew"] for s in res["steps"]}
+    assert grew[1]["PTA@optimizer_state"] == 2 * p + 4 * n and grew[1]["PTA@gradient"] == p
+    assert "PTA@optimizer_state" not in grew[2] and "PTA@weight" not in grew[3]
+    # peaks: activations are the largest transient owner, and their peak is seen in the step view
+    dev = res["devices"]["cpu"]
+    assert dev["categories"]["activation"]["peak"] == max(s["peak"].get("PTA@activation", 0) for s in res["steps"])
+    assert dev["owners"]["PTA@weight"]["peak"] == p + b
+
+
+def test_mlp_sgd_momentum(out_dir):
+    from torch import nn
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    p, b, n = model_sizes(model)
+    _, res, df = run_decompose(out_dir, os.path.join(EXAMPLES, "mlp.py"), "--steps", "3")
+    check_identities(res, df, weight=p + b, grad=p, opt=p, nsteps=3)
+
+
+def test_gpt2_adamw(out_dir):
+    pytest.importorskip("transformers")
+    r, res, df = run_decompose(out_dir, os.path.join(PROGS, "decompose_gpt2.py"), "3")
+    truth = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
+    p, n = truth["param_numel_bytes"], truth["n_params"]
+    assert truth["state_bytes"] == 2 * p + 4 * n
+    check_identities(res, df, weight=p + truth["buffer_bytes"], grad=p, opt=2 * p + 4 * n, nsteps=3)
+
+
+def test_user_labels(out_dir):
+    r, res, df = run_decompose(out_dir, os.path.join(PROGS, "decompose_labels.py"))
+    refused = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])["refused"]
+    assert "at most 3" in refused and "'fourth'" in refused and "\n" not in refused
+    m = df.filter(df["event"] == "MALLOC")
+    by_size = {}
+    for size, owner, name in m.select("size", "owner", "name").iter_rows():
+        by_size.setdefault(size, []).append((owner, name))
+    # decorated function: torch.ones(1000, 3)
+    assert ("PTA@ops@loader", "torch._ops.aten.ones.default") in by_size[12000]
+    # with block, explicit __enter__/__exit__ on new instances, nesting outermost first
+    assert by_size[8000] == [("PTA@ops@outer", "torch._ops.aten.zeros.default")]
+    assert ("PTA@ops@outer@loader", "torch._ops.aten.zeros.default") in by_size[12000]
+    assert by_size[16000] == [("PTA@ops@outer", "torch._ops.aten.zeros.default")]
+    # labelled after creation, row still buffered: the MALLOC row carries it
+    assert by_size[20000] == [("PTA@ops@late", "torch._ops.aten.full.default")]
+    # labelled after its row was written: an OWNER row, which the summary follows
+    (aid,) = df.filter((df["event"] == "MALLOC") & (df["size"] == 6000))["alloc_id"].to_list()
+    upd = df.filter((df["event"] == "SYSTEM") & (df["event_type"] == "OWNER") & (df["alloc_id"] == aid))
+    assert upd["owner"].to_list() == ["PTA@ops@late"]
+    assert res["devices"]["cpu"]["owners"]["PTA@ops@late"]["peak"] == 26000
+    # labels outside the decorated / with scopes are not applied
+    assert all("@outer" not in o for o, n in by_size.get(6000, []))
+
+
+@pytest.mark.parametrize("bad, why", [("@x", "must not start with '@'"), ("x" * 129, "at most 128"),
+                                      ("", "must not be empty"), ("a,b", "not allowed")])
+def test_bad_labels_are_refused(bad, why):
+    from msmemscope.describe import describer
+    with pytest.raises(ValueError) as e:
+        describer(owner=bad)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_offline_cli_summary(out_dir, tmp_path):
+    _, res, df = run_decompose(out_dir, os.path.join(EXAMPLES, "mlp.py"), "--steps", "2")
+    (folder,) = run_folders(out_dir)
+    out = tmp_path / "d.json"
+    r = run_cli.__globals__["subprocess"].run(
+        [sys.executable, "-c", "import sys; from msmemscope.analysis.decompose import main; "
+                               "sys.exit(main(sys.argv[1:]))", dump_of(folder), "-o", str(out)],
+        capture_output=True, text=True, env=run_cli.__globals__["env_for_tests"]())
+    assert r.returncode == 0, r.stderr
+    assert "PTA@weight" in r.stdout
+    assert json.loads(out.read_text())["devices"] == res["devices"]
+    r = run_cli.__globals__["subprocess"].run(
+        [sys.executable, "-c", "import sys; from msmemscope.analysis.decompose import main; "
+                               "sys.exit(main(sys.argv[1:]))", str(tmp_path / "missing.csv")],
+        capture_output=True, text=True, env=run_cli.__globals__["env_for_tests"]())
+    assert r.returncode == 2 and r.stderr.startswith("msmemscope: error:")
+
+
+def test_fsdp2_two_ranks(out_dir):
+    import shutil
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed")
+    env = run_cli.__globals__["env_for_tests"]()
+    env["PATH"] = os.path.dirname(torchrun) + os.pathsep + env.get("PATH", "")
+    r = run_cli(["--analysis=decompose", "--output", str(out_dir), "torchrun", "--standalone",
+                 "--nproc_per_node=2", os.path.join(PROGS, "decompose_fsdp2.py")], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    truths = {t["rank"]: t for t in (json.loads(ln) for ln in
+                                     r.stdout.replace("}{", "}\n{").splitlines() if ln.startswith("{"))}
+    folders = run_folders(out_dir)
+    assert len(folders) == 2 and sorted(truths) == [0, 1]
+    from msmemscope.analysis.decompose import summarize
+    for folder in folders:
+        rank = json.load(open(os.path.join(folder, "config.json")))["rank"]
+        t = truths[rank]
+        local, n = t["local_bytes"], t["n_params"]
+        assert 2 * local == t["full_bytes"]  # the layers shard evenly: no padding
+        with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+            res = json.load(f)
+        df = read(dump_of(folder))
+        check_invariants(df)  # resize_(0) / resize_(n) of unsharded parameters are FREE / MALLOC
+        assert df.filter(df["name"] == "UntypedStorage.resize_").height > 0
+        ends = [s for s in res["steps"] if s["step"] is not None]
+        assert [s["step"] for s in ends] == [1, 2, 3]
+        for s in ends:
+            b = s["bytes"]
+            assert b["PTA@weight@fsdp2@sharded"] == local, (rank, b)
+            assert b["PTA@gradient@fsdp2@sharded"] == local, (rank, b)
+            assert b["PTA@optimizer_state"] == 2 * local + 4 * n, (rank, b)
+            # unsharded (all-gathered) parameters and gradients exist only inside the step
+            assert b.get("PTA@weight@fsdp2@unsharded", 0) == 0 and b.get("PTA@gradient@fsdp2@unsharded", 0) == 0
+            assert s["peak"]["PTA@weight@fsdp2@unsharded"] > 0 and s["peak"]["PTA@gradient@fsdp2@unsharded"] > 0
+            assert s["peak"]["PTA@ops@fsdp2@all_gather"] > 0
+        owners = res["devices"]["cpu"]["owners"]
+        # an all-gathered layer holds the whole layer: the biggest Linear (128x128 + 128 floats)
+        assert owners["PTA@weight@fsdp2@unsharded"]["peak"] >= (128 * 128 + 128) * 4
+        assert json.loads(json.dumps(summarize(df)))["devices"] == res["devices"]
+
+
+def test_owner_rows_after_mid_step_flush(out_dir):
+    import subprocess
+    env = run_cli.__globals__["env_for_tests"]()
+    r = subprocess.run([sys.executable, os.path.join(PROGS, "decompose_small_flush.py"), str(out_dir)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    truth = json.loads(r.stdout.strip().splitlines()[-1])
+    (folder,) = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(df["event_type"] == "OWNER").height > 0
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        res = json.load(f)
+    p, n = truth["param_bytes"], truth["n_params"]
+    ends = step_ends(res)
+    assert sorted(ends) == [1, 2, 3]
+    for cats in ends.values():
+        assert (cats["weight"], cats["gradient"], cats["optimizer_state"]) == (p, p, 2 * p + 4 * n)
+    from msmemscope.analysis.decompose import summarize
+    assert json.loads(json.dumps(summarize(df)))["steps"] == res["steps"]
