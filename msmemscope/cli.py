@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "export": "msmemscope.report.export",
     "summary": "msmemscope.report.summary",
     "show": "msmemscope.report.console",
+    "decompose": "msmemscope.analysis.decompose",
 }
 
 
