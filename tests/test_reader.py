@@ -65,7 +65,7 @@ def test_truncated_dump_reads_complete_rows(real_dumps, tmp_path):
     (b"a,b,c\n1,2,3\n", "not the msmemscope header"),
     (b"\xff\xfe\x00binary\x00\n", "not UTF-8"),
     (HEADER.encode() + b"\n1,MALLOC,PTA,N/A,5,1,1,0,0x1,\"{size:4}\",,\n2,FREE,PTA\n3,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n",
-     "line 3 has 3 fields"),
+     "line 3 has too few fields"),
     (HEADER.encode() + b"\nx,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n", "not a number"),
     (HEADER.encode() + b"\n1,MALLOC,PTA,N/A,5,1,1,0,0x1,\"{addr:0x1}\",,\n", "no size in Attr"),
     (HEADER.encode() + b"\n1,SYSTEM,STEP,N/A,5,1,1,0,N/A,,,\n2,SYSTEM,STEP,N/A,\xff\xfe,1,1,0,N/A,,,\n", "line 3 is not UTF-8"),

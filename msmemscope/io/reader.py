@@ -103,60 +103,56 @@ def _read_db(path: str) -> pl.DataFrame:
 
 def _read_csv(path: str) -> pl.DataFrame:
     with open(path, "rb") as f:
-        data = f.read()
-    first_nl = data.find(b"\n")
-    header = (data if first_nl < 0 else data[:first_nl]).rstrip(b"\r")
+        header = f.readline(len(HEADER) + 8).rstrip(b"\r\n")  # bounded: a first line of 1 GB is not read whole
+        f.seek(-1, os.SEEK_END)
+        complete = f.read(1) == b"\n"
     try:
         header_text = header.decode("utf-8")
     except UnicodeDecodeError:
         raise DumpError(f"{path}: not a text file (line 1 is not UTF-8)") from None
     if header_text.lstrip("\ufeff") != HEADER:
         raise DumpError(f"{path}: line 1 is not the msmemscope header (expected '{HEADER[:40]}…')")
-    if not data.endswith(b"\n"):
+    source = path
+    if not complete:
         # cut short by a kill: keep every complete row, say so
+        with open(path, "rb") as f:
+            data = f.read()
         cut = data.rfind(b"\n")
         lines = data.count(b"\n", 0, cut + 1)
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
-        data = data[:cut + 1]
+        source = io.BytesIO(data[:cut + 1])
     try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DumpError(f"{path}: line {line} is not UTF-8 text") from None
-    try:
-        df = pl.read_csv(io.BytesIO(data), has_header=True, new_columns=list(NAMES),
+        df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
                          schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
                          quote_char="\"")
     except Exception:
-        raise DumpError(_locate_csv_error(path, data)) from None
+        raise DumpError(_locate_csv_error(path)) from None
     if df.width != len(NAMES):
-        raise DumpError(_locate_csv_error(path, data))
-    _check_field_counts(path, data)
+        raise DumpError(_locate_csv_error(path))
+    # polars pads a short row with nulls: every row of a dump has these fields
+    short = df["event"].is_null() | df["ts"].is_null() | df["ptr"].is_null()
+    if short.any():
+        i = int(short.arg_max())
+        raise DumpError(f"{path}: line {i + 2} has too few fields, expected {len(NAMES)}")
     return df
 
 
-def _check_field_counts(path: str, data: bytes) -> None:
-    """polars pads short rows with nulls; a row with the wrong number of fields is an error here."""
-    lines = pl.Series("l", data.decode("utf-8").split("\n")[1:-1], dtype=pl.String)
-    unquoted = lines.str.replace_all(r'"(?:[^"]|"")*"', "")
-    bad = unquoted.str.count_matches(",") != len(NAMES) - 1
-    if bad.any():
-        i = int(bad.arg_max())
-        n = int(unquoted.str.count_matches(",")[i]) + 1
-        raise DumpError(f"{path}: line {i + 2} has {n} fields, expected {len(NAMES)}")
-
-
-def _locate_csv_error(path: str, data: bytes) -> str:
-    """Slow path, errors only: find the first bad line with the csv module."""
-    text = data.decode("utf-8", errors="replace")
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        for row in reader:
+def _locate_csv_error(path: str) -> str:
+    """Slow path, errors only: find the first bad line, streaming."""
+    with open(path, "rb") as f:
+        f.readline()
+        for n, raw in enumerate(f, start=2):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{path}: line {n} is not UTF-8 text"
+            try:
+                row = next(csv.reader([line]))
+            except (csv.Error, StopIteration) as e:
+                return f"{path}: line {n}: {e}"
             if len(row) != len(NAMES):
-                return f"{path}: line {reader.line_num} has {len(row)} fields, expected {len(NAMES)}"
-    except csv.Error as e:
-        return f"{path}: line {reader.line_num}: {e}"
+                return f"{path}: line {n} has {len(row)} fields, expected {len(NAMES)}"
     return f"{path}: malformed CSV"
 
 
@@ -189,7 +185,9 @@ def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
         total=_attr_field("total", True),
         owner=_attr_field("owner", False),
         addr=addr_hex.str.strip_prefix("0x").str.to_integer(base=16, strict=False),
-    ).sort("id")
+    )
+    if not out["id"].is_sorted():
+        out = out.sort("id")  # the original writes rows out of ID order
     mem = out.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
     if mem.height and mem["size"].null_count():
         i = mem["size"].is_null().arg_max()
