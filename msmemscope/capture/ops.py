@@ -58,9 +58,10 @@ class OpTracer(TorchDispatchMode):
         tid = _get_ident()
         buf = s.buf
         launch = s.emit_launch
+        stack = s.py_stack() if s.py_depth else None
+        tls.stack = stack  # the op's blocks share its stack: taken once per op
         if launch:
-            buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None,
-                        s.py_stack() if s.py_depth else None, None))
+            buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None, stack, None))
         access = s.emit_access and not is_view
         block_of = s.block_of
         touched = [] if access else None
@@ -92,6 +93,7 @@ class OpTracer(TorchDispatchMode):
             if launch:
                 buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
             tls.op = prev
+            tls.stack = None
             raise
         new_block = s.new_block
         live = s.live
@@ -135,6 +137,7 @@ class OpTracer(TorchDispatchMode):
         if launch:
             buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
         tls.op = prev
+        tls.stack = None
         if len(buf) >= s.flush_rows:
             s.flush()
         return out

@@ -217,7 +217,9 @@ class Session:
         pool = Pool.PTA
         key = id(st)
         ts = time_ns()
-        stack = self.py_stack() if self.py_depth else None
+        stack = None
+        if self.py_depth:
+            stack = getattr(self.tls, "stack", None) or self.py_stack()
         with self.lock:
             self._next_alloc += 1
             aid = self._next_alloc

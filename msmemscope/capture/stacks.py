@@ -11,14 +11,28 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP = (_PKG_DIR, os.path.join("torch", "utils", "_python_dispatch.py"))
 
 
+_FRAMES: dict = {}   # (code, line) -> "file:line(func)", or None for the tracer's own frames
+_getframe = sys._getframe
+
+
+def _frame_text(code, line):
+    fn = code.co_filename
+    text = None if fn.startswith(_SKIP[0]) or fn.endswith(_SKIP[1]) else f"{fn}:{line}({code.co_name})"
+    _FRAMES[(code, line)] = text
+    return text
+
+
 def python_stack(depth: int) -> str:
-    """Innermost frame first, ``file:line(func)`` joined by ``;``; the tracer's own frames left out."""
+    """Innermost frame first, ``file:line(func)`` joined by ``;``; the tracer's own frames left out.
+    Frame texts are cached per (code, line): a training loop revisits the same lines every step."""
     out = []
-    f = sys._getframe(1)
+    f = _getframe(1)
+    cache = _FRAMES
     while f is not None and len(out) < depth:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_SKIP[0]) and not fn.endswith(_SKIP[1]):
-            out.append(f"{fn}:{f.f_lineno}({f.f_code.co_name})")
+        key = (f.f_code, f.f_lineno)
+        text = cache[key] if key in cache else _frame_text(*key)
+        if text is not None:
+            out.append(text)
         f = f.f_back
     return ";".join(out)
 
