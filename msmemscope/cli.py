@@ -161,6 +161,8 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
     env = dict(os.environ)
     env["MSMEMSCOPE_OPTIONS"] = opts.to_json()
     env["MSMEMSCOPE_PKG_ROOT"] = pkg_root
+    if quiet:
+        env["MSMEMSCOPE_QUIET"] = "1"
     env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     before = set(os.listdir(opts.output))
     started = time.time()

@@ -199,8 +199,9 @@ class DecomposeSink:
         res = self.dec.result()
         res["owner_updates"] = self.labeler.updates
         path = write_result(session.folder, res)
-        print(format_table(res), file=sys.stderr)
-        print(f"[msmemscope] decomposition written to {path}", file=sys.stderr)
+        from .._console import say
+        say(format_table(res))
+        say(f"[msmemscope] decomposition written to {path}")
 
 
 def make_sink(session):

@@ -374,6 +374,12 @@ class Session:
                 from .watch import attach
                 attach(self)
             marks.install(self)
+            if "kernel" in self.opts.level:
+                why = ("a CPU runs no device kernels" if self.kind == "cpu"
+                       else "kernel launches are not captured yet; op level only")
+                log.warning("--level=kernel: no KERNEL_LAUNCH rows will be written (%s)", why)
+                from .._console import say
+                say(f"[msmemscope] --level=kernel: no KERNEL_LAUNCH rows will be written ({why})")
             self._install_exit_handlers()
             self._skip_dataloader_workers()
         self._install_threads()

@@ -70,10 +70,8 @@ def _mix(a: int, b: int) -> int:
 
 
 def _console(msg: str) -> None:
-    try:
-        print(f"[msmemscope] watch: {msg}", file=sys.stderr, flush=True)
-    except Exception:
-        pass
+    from .._console import say
+    say(f"[msmemscope] watch: {msg}")
 
 
 class OpPattern:

@@ -1,0 +1,19 @@
+"""The tool's own messages in a traced process: to stderr (the program's stdout
+stays the program's), silenced by the launcher's -q (MSMEMSCOPE_QUIET=1)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def quiet() -> bool:
+    return os.environ.get("MSMEMSCOPE_QUIET") == "1"
+
+
+def say(text: str) -> None:
+    if quiet():
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except Exception:  # a closed stderr must not break the program
+        pass
