@@ -257,7 +257,11 @@ class Labeler:
                 b = s.live.get(id(st)) if st is not None else None
                 if b is not None:
                     self._info(b).forced = (category, comp)
-                    b.owner = self.compose(b, None)
+                    old, b.owner = b.owner, self.compose(b, None)
+                    if b.owner != old and b.alloc_id <= self.flushed_upto and s.emit_alloc:
+                        # its MALLOC row is already written: record the new owner
+                        self.updates += 1
+                        s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
 
     def add_user_label(self, t, owner):
         s = self.s
@@ -283,6 +287,9 @@ class Labeler:
         inf = self.info.get(b.alloc_id)
         if resolved is not None:
             cat, comp = resolved
+            if not comp and inf is not None:
+                # a framework component known at capture time (hooks: vllm@weights) stays
+                comp = inf.forced[1] if inf.forced is not None else inf.comp
         elif inf is not None and inf.forced is not None:
             cat, comp = inf.forced
         else:

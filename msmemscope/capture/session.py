@@ -370,6 +370,12 @@ class Session:
             install_resize_patch()
             from ..analysis import online_sinks
             self.sinks = online_sinks(self)
+            if "decompose" in self.opts.analysis or "msmemscope.integrations" in sys.modules:
+                try:  # framework hooks (SPEC 4.8): automatic under decompose, or set up before start()
+                    from ..integrations import on_session_start
+                    on_session_start(self)
+                except Exception as e:
+                    log.warning("framework hooks: %s", e)
             if self.opts.watch is not None or self.watch_engine is not None:
                 from .watch import attach
                 attach(self)
