@@ -24,7 +24,11 @@ sys.path.insert(0, PROGS)
 
 
 def json_lines(text):
-    return [json.loads(ln) for ln in text.replace("}{", "}\n{").splitlines() if ln.startswith("{")]
+    out = []
+    for ln in text.replace("}{", "}\n{").splitlines():
+        if ln.startswith('{"'):
+            out.append(json.loads(ln))
+    return out
 
 
 def snapshots(df):
