@@ -312,10 +312,10 @@ def enclosing_ops(df, rows):
     if ops.height == 0 or q.height == 0:
         return pl.Series("op", [None] * rows.height, dtype=pl.String)
     # depth on the thread just before the row
-    at = q.join_asof(ops.select("id", "tid", "depth"), on="id", by="tid", strategy="backward")
+    at = q.join_asof(ops.select("id", "tid", "depth"), on="id", by="tid", strategy="backward", check_sortedness=False)
     starts = ops.filter(pl.col("delta") == 1).select("id", "tid", "depth", op="name")
     at = at.with_columns(pl.col("depth").fill_null(0))
-    found = at.sort("id").join_asof(starts, on="id", by=["tid", "depth"], strategy="backward")
+    found = at.sort("id").join_asof(starts, on="id", by=["tid", "depth"], strategy="backward", check_sortedness=False)
     found = found.with_columns(op=pl.when(pl.col("depth") > 0).then(pl.col("op")))
     return found.sort("_i")["op"]
 
