@@ -295,27 +295,37 @@ def _pl():
     return pl
 
 
+_KEY = ["device", "event_type", "alloc_id"]
+
+
 def _mem(df):
+    """MALLOC/FREE rows, as a lazy query (the filters of each analysis fuse into one scan)."""
     pl = _pl()
-    return df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    return df.lazy().filter(pl.col("event").is_in(["MALLOC", "FREE"]))
 
 
 def enclosing_ops(df, rows):
     """For each row of ``rows`` (id, tid), the innermost ATEN op open on the same thread at that ID."""
     pl = _pl()
-    ops = (df.filter((pl.col("event") == "OP_LAUNCH") & pl.col("event_type").is_in(["ATEN_START", "ATEN_END"]))
+    q = rows.select("id", "tid").with_row_index("_i").sort("id")
+    if q.height == 0:
+        return pl.Series("op", [], dtype=pl.String)
+    tids = q["tid"].unique()
+    ops = (df.lazy()
+           .filter((pl.col("id") <= q["id"].max()) & pl.col("tid").is_in(tids.implode())
+                   & (pl.col("event") == "OP_LAUNCH") & pl.col("event_type").is_in(["ATEN_START", "ATEN_END"]))
            .select("id", "tid", "name",
                    delta=pl.when(pl.col("event_type") == "ATEN_START").then(1).otherwise(-1))
            .sort("id")
-           .with_columns(depth=pl.col("delta").cum_sum().over("tid")))
-    q = rows.select("id", "tid").with_row_index("_i").sort("id")
-    if ops.height == 0 or q.height == 0:
+           .with_columns(depth=pl.col("delta").cum_sum().over("tid"))
+           .collect())
+    if ops.height == 0:
         return pl.Series("op", [None] * rows.height, dtype=pl.String)
-    # depth on the thread just before the row
-    at = q.join_asof(ops.select("id", "tid", "depth"), on="id", by="tid", strategy="backward", check_sortedness=False)
+    # depth on the thread just before the row, then the last ATEN_START that opened that depth
+    at = q.join_asof(ops.select("id", "tid", "depth"), on="id", by="tid", strategy="backward",
+                     check_sortedness=False).with_columns(pl.col("depth").fill_null(0))
     starts = ops.filter(pl.col("delta") == 1).select("id", "tid", "depth", op="name")
-    at = at.with_columns(pl.col("depth").fill_null(0))
-    found = at.sort("id").join_asof(starts, on="id", by=["tid", "depth"], strategy="backward", check_sortedness=False)
+    found = at.join_asof(starts, on="id", by=["tid", "depth"], strategy="backward", check_sortedness=False)
     found = found.with_columns(op=pl.when(pl.col("depth") > 0).then(pl.col("op")))
     return found.sort("_i")["op"]
 
@@ -324,7 +334,7 @@ def _with_ops(df, blocks):
     """Fill N/A op names of MALLOC rows (the original's dumps) with the enclosing aten op."""
     pl = _pl()
     if blocks.height == 0:
-        return blocks
+        return blocks.with_columns(op=pl.col("name"))
     missing = blocks["name"].is_null() | (blocks["name"] == "N/A")
     if not missing.any():
         return blocks.with_columns(op=pl.col("name"))
@@ -333,8 +343,7 @@ def _with_ops(df, blocks):
 
 
 def _records(df, blocks, extra=()):
-    pl = _pl()
-    blocks = _with_ops(df, blocks).sort("id")
+    blocks = _with_ops(df, blocks.sort("id"))
     cols = ["device", "event_type", "addr", "size", "id", "alloc_id", "op", "py_stack", *extra]
     out = []
     for r in blocks.select([c for c in cols if c in blocks.columns]).iter_rows(named=True):
@@ -344,14 +353,14 @@ def _records(df, blocks, extra=()):
         for e in extra:
             rec[e] = r[e]
         out.append(rec)
-    del pl
     return out
 
 
 def ended_steps(df) -> int:
     pl = _pl()
-    st = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
-    return int(st["step"].max()) if st.height else 0
+    v = (df.lazy().filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+         .select(pl.col("step").max()).collect().item())
+    return int(v) if v is not None else 0
 
 
 def step_leaks(df) -> list[dict]:
@@ -359,11 +368,11 @@ def step_leaks(df) -> list[dict]:
     pl = _pl()
     last = ended_steps(df)
     mem = _mem(df)
-    key = ["device", "event_type", "alloc_id"]
     m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last))
-    f = mem.filter(pl.col("event") == "FREE").select(*key, freed_at_step=pl.col("step")).unique(key, keep="first")
-    j = m.join(f, on=key, how="left", nulls_equal=True)
-    leaked = j.filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
+    f = mem.filter(pl.col("event") == "FREE").select(*_KEY, freed_at_step=pl.col("step"))
+    leaked = (m.join(f, on=_KEY, how="left", nulls_equal=True)
+              .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
+              .collect())
     recs = _records(df, leaked, extra=("step", "freed_at_step"))
     for r in recs:
         r["detected_at_step"] = r["step"] + 1
@@ -376,13 +385,14 @@ def fluctuation(df) -> dict:
     """(device, pool) -> {step: (min used, max used)} for ended steps >= 2 (vectorized)."""
     pl = _pl()
     last = ended_steps(df)
-    mem = _mem(df).filter(pl.col("used").is_not_null()).sort("id").with_columns(
-        prev=pl.col("used").shift(1).over("device", "event_type"))
-    g = (mem.filter((pl.col("step") >= 2) & (pl.col("step") <= last))
+    g = (_mem(df).filter(pl.col("used").is_not_null()).sort("id")
+         .with_columns(prev=pl.col("used").shift(1).over("device", "event_type"))
+         .filter((pl.col("step") >= 2) & (pl.col("step") <= last))
          .group_by("device", "event_type", "step")
          .agg(mn=pl.min_horizontal(pl.col("used").min(), pl.col("prev").min()),
               mx=pl.max_horizontal(pl.col("used").max(), pl.col("prev").max()))
-         .sort("device", "event_type", "step"))
+         .sort("device", "event_type", "step")
+         .collect())
     out: dict = {}
     for dev, pool, step, mn, mx in g.iter_rows():
         out.setdefault((dev, pool), {})[step] = (mn, mx)
@@ -391,18 +401,17 @@ def fluctuation(df) -> dict:
 
 def find_marks(df, mstx_info: str):
     pl = _pl()
-    return (df.filter((pl.col("event") == "MSTX") & (pl.col("event_type") == "Mark")
-                      & (pl.col("name") == mstx_info)).sort("id")["id"].to_list())
+    return (df.lazy().filter((pl.col("event") == "MSTX") & (pl.col("event_type") == "Mark")
+                             & (pl.col("name") == mstx_info)).select("id").sort("id").collect()["id"].to_list())
 
 
 def leaks_between(df, a_id: int, b_id: int, c_id: int) -> list[dict]:
     """Blocks allocated between IDs A and B and not freed before ID C (every pool, every device)."""
     pl = _pl()
-    mem = _mem(df)
-    key = ["device", "event_type", "alloc_id"]
+    mem = _mem(df).filter(pl.col("id") < c_id)
     m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("id") > a_id) & (pl.col("id") < b_id))
-    f = mem.filter((pl.col("event") == "FREE") & (pl.col("id") < c_id)).select(key).unique()
-    leaked = m.join(f, on=key, how="anti", nulls_equal=True)
+    f = mem.filter((pl.col("event") == "FREE") & (pl.col("id") > a_id)).select(_KEY)
+    leaked = m.join(f, on=_KEY, how="anti", nulls_equal=True).collect()
     return _records(df, leaked)
 
 
