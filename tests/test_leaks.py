@@ -292,3 +292,27 @@ def test_check_leaks_bad_input(tmp_path, marked_run):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("msmemscope: error: ") and text in lines[0], (args, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+STEPS_LOOP = """
+import torch, msmemscope
+keep = []
+for step in range(5):
+    x = torch.ones(1000, 1000)          # freed in the next step (rebinding x), maybe while not recorded
+    keep.append(torch.ones(10, 10))     # leaks
+    msmemscope.step()
+print("ok")
+"""
+
+
+def test_unrecorded_free_is_not_a_leak(tmp_path):
+    """With --steps=2 the FREE of step 2's `x` (in step 3) is not in the dump: the block must not be reported."""
+    script = _write(tmp_path, "steps_loop.py", STEPS_LOOP)
+    out = tmp_path / "out"
+    r = run_cli(["-o", str(out), "--steps=2", script])
+    assert r.returncode == 0, r.stderr
+    folder, = run_folders(out)
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        leaks = json.load(f)["leaks"]
+    assert [(lk["step"], lk["size"], lk["op"]) for lk in leaks] == [(2, 400, "torch._ops.aten.ones.default")]
+    assert len(_leak_lines(r.stderr)) == 1

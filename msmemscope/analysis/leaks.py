@@ -174,12 +174,17 @@ class StepLeakTracker:
             if rec is not None:
                 rec["freed_at_step"] = self.step
 
-    def end_step(self, n) -> list:
-        """Step ``n`` ended: blocks of steps <= n-1 still live have outlived a full step."""
+    def end_step(self, n, is_live=None) -> list:
+        """Step ``n`` ended: blocks of steps <= n-1 still live have outlived a full step.
+
+        ``is_live(alloc_id)``, when given, confirms a suspect against the allocator's own view: a
+        FREE that was not recorded (``--steps``, a stop/start gap) must not make a leak."""
         new = []
         for s in sorted(k for k in self.by_step if k <= n - 1):
             for key, rec in self.by_step.pop(s).items():
                 self.where.pop(key, None)
+                if is_live is not None and not is_live(rec["alloc_id"]):
+                    continue
                 rec["detected_at_step"] = n
                 rec["python"] = _user_line(rec.pop("stack", None))
                 rec["address"] = hex_addr(rec["addr"])
@@ -196,7 +201,13 @@ class LeakSink:
     def __init__(self, session):
         self.t = StepLeakTracker()
         self.pending: list = []
-        self.quiet = False
+        self.session = session
+        self._live_ids = None
+
+    def _is_live(self, alloc_id) -> bool:
+        if self._live_ids is None:
+            self._live_ids = {b.alloc_id for b in list(self.session.live.values())}
+        return alloc_id in self._live_ids
 
     def consume(self, rows, first_id):
         t = self.t
@@ -218,7 +229,9 @@ class LeakSink:
             elif ev == "SYSTEM" and r[1] == "STEP":
                 a = r[7] or {}
                 n = a.get("step", t.step) if isinstance(a, dict) else t.step
-                self.pending.extend(t.end_step(n))
+                self._live_ids = None
+                self.pending.extend(t.end_step(n, self._is_live))
+                self._live_ids = None
 
     def step_end(self, session, step):
         self._emit_pending()
