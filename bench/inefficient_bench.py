@@ -29,7 +29,8 @@ ROWS_PER_OP = 7
 WINDOW = 5000  # blocks live at once
 
 
-def generate(path: str, events: int, seed: int = 0) -> int:
+def generate(path: str, events: int, seed: int = 0, steps: int = 0) -> int:
+    """Write the dump; with ``steps`` > 0 also STEP rows and a Mark named 'step' ending each of that many steps."""
     rng = np.random.default_rng(seed)
     n_ops = events // ROWS_PER_OP + WINDOW // ROWS_PER_OP  # some FREE and ACCESS rows of the first ops are left out
     i = np.arange(n_ops, dtype=np.int64)
@@ -88,7 +89,21 @@ def generate(path: str, events: int, seed: int = 0) -> int:
         rows(5, "OP_LAUNCH", "ATEN_END", names, na, pl.lit(None, pl.String)),
         rows(6, "FREE", "PTA", na, hexs(fid), free_attr).filter(pl.Series(fr_ok)),
     ]
-    df = pl.concat([p.select(pl.all().cast(pl.String)) for p in parts]).sort(pl.col("ID").cast(pl.Int64))
+    if steps > 0:
+        # a Mark 'step' then the STEP row after the last row of every (n_ops // steps)-th op
+        per = max(1, n_ops // steps)
+        ends = np.arange(per - 1, n_ops, per)[:steps]
+        k = len(ends)
+        num = pl.Series(np.arange(1, k + 1))
+        for off, ev, et, nm, attr in ((6.3, "MSTX", "Mark", pl.lit("step"), pl.lit(None, pl.String)),
+                                      (6.6, "SYSTEM", "STEP", pl.lit("N/A"),
+                                       pl.format('{{"step":{}}}', num))):
+            parts.append(pl.DataFrame({"ID": ends * ROWS_PER_OP + off + 1}).with_columns(
+                Event=pl.lit(ev), **{"Event Type": pl.lit(et)}, Name=nm,
+                **{"Timestamp(ns)": pl.Series(1_700_000_000_000_000_000 + ends * ROWS_PER_OP * 1000 + 999)},
+                **{"Process Id": pl.lit(4242), "Thread Id": pl.lit(4242), "Device Id": pl.lit("0")},
+                Ptr=pl.lit("N/A"), Attr=attr))
+    df = pl.concat([p.select(pl.all().cast(pl.String)) for p in parts]).sort(pl.col("ID").cast(pl.Float64))
     df = df.with_columns(**{"Call Stack(Python)": pl.lit(None, pl.String), "Call Stack(C)": pl.lit(None, pl.String)})
     # renumber: the skipped FREE rows of the first ops leave gaps otherwise
     df = df.with_columns(ID=pl.int_range(1, df.height + 1).cast(pl.String))

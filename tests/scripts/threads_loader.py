@@ -7,7 +7,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 torch.manual_seed(0)
 data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-loader = DataLoader(data, batch_size=16, num_workers=2, shuffle=False)
+# persistent workers, forked before the side thread starts: forking while another
+# thread is inside torch can deadlock the child (with or without tracing)
+loader = DataLoader(data, batch_size=16, num_workers=2, shuffle=False, persistent_workers=True)
+batches = iter(loader)
 model = nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 side = []
@@ -22,7 +25,7 @@ def side_work():
 th = threading.Thread(target=side_work)
 th.start()
 for epoch in range(2):
-    for x, y in loader:
+    for x, y in (batches if epoch == 0 else loader):
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
