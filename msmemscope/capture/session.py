@@ -509,9 +509,10 @@ class Session:
         """DataLoader workers are not traced unless MSMEMSCOPE_TRACE_WORKERS is set.
 
         Forked workers are cut off at fork; spawned ones start a session of their
-        own at ``import torch``, which is discarded when the worker loop begins."""
-        if os.environ.get("MSMEMSCOPE_TRACE_WORKERS"):
-            return
+        own at ``import torch``, which is discarded when the worker loop begins. With
+        MSMEMSCOPE_TRACE_WORKERS=1 a spawned worker keeps its session, and its config.json says
+        ``"role": "dataloader_worker"`` (with ``worker_id``) so that it is not taken for a rank."""
+        trace = os.environ.get("MSMEMSCOPE_TRACE_WORKERS") not in (None, "", "0")
         try:
             import torch.utils.data._utils.worker as worker
         except Exception:
@@ -524,7 +525,15 @@ class Session:
         @functools.wraps(orig)
         def _worker_loop(*a, **k):
             if session.pid == os.getpid() and not session.closed:
-                session.discard()
+                if not trace:
+                    session.discard()
+                else:
+                    try:
+                        session.config["role"] = "dataloader_worker"
+                        session.config["worker_id"] = k.get("worker_id", a[10] if len(a) > 10 else None)
+                        session._write_config()
+                    except Exception:
+                        pass
             return orig(*a, **k)
         _worker_loop._msmemscope = True
         worker._worker_loop = _worker_loop

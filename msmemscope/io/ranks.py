@@ -32,6 +32,11 @@ class RankDump:
         return self.config.get("rank")
 
     @property
+    def is_worker(self) -> bool:
+        """A DataLoader worker traced with MSMEMSCOPE_TRACE_WORKERS=1 (it carries its rank's RANK)."""
+        return self.config.get("role") == "dataloader_worker"
+
+    @property
     def host(self):
         return self.config.get("host")
 
@@ -66,7 +71,7 @@ def find_rank_dumps(root: str) -> list[RankDump]:
     for p in dumps:
         folder, cfg = run_folder_of(p, stop)
         out.append(RankDump(path=p, folder=folder, config=cfg))
-    out.sort(key=lambda r: (r.rank is None, r.rank if isinstance(r.rank, int) else 0, r.path))
+    out.sort(key=lambda r: (r.rank is None, r.rank if isinstance(r.rank, int) else 0, r.is_worker, r.path))
     _label(out)
     return out
 
@@ -76,9 +81,13 @@ def _label(rds: list[RankDump]) -> None:
     a process outside a distributed job is named by its folder."""
     seen: dict = {}
     for r in rds:
-        seen[r.rank] = seen.get(r.rank, 0) + 1
+        if not r.is_worker:
+            seen[r.rank] = seen.get(r.rank, 0) + 1
     for r in rds:
-        if r.rank is None:
+        if r.is_worker:
+            who = f"rank {r.rank}" if r.rank is not None else os.path.basename(os.path.dirname(r.folder))
+            r.label = f"{who} worker {r.config.get('worker_id', '?')} (pid {r.config.get('pid', '?')})"
+        elif r.rank is None:
             r.label = os.path.basename(r.folder)
         elif seen[r.rank] > 1:
             r.label = f"rank {r.rank} ({r.host or '?'} pid {r.config.get('pid', '?')})"

@@ -32,6 +32,7 @@ import time
 import warnings
 
 MB = 1048576.0
+IMBALANCE_PCT = 5.0  # a peak this far (in %) from the median is called an imbalance
 NEEDED = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 
 
@@ -226,7 +227,8 @@ def analyse_rank(job: dict) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     out = {"label": job["label"], "rank": job["config"].get("rank"), "local_rank": job["config"].get("local_rank"),
            "world_size": job["config"].get("world_size"), "host": job["config"].get("host"),
-           "pid": job["config"].get("pid"), "folder": job["folder"], "dump": job["path"]}
+           "pid": job["config"].get("pid"), "role": job["config"].get("role", "rank"),
+           "folder": job["folder"], "dump": job["path"]}
     try:
         df, counts = load_columns(job["path"])
         out["events"] = int(sum(counts.values()))
@@ -320,21 +322,28 @@ class _Null:
         pass
 
 
+def _ranks_only(ranks):
+    """Analysed ranks, without DataLoader workers (traced only with MSMEMSCOPE_TRACE_WORKERS=1)."""
+    return [r for r in ranks if "error" not in r and r.get("role") != "dataloader_worker"]
+
+
 def imbalance(ranks: list[dict]) -> dict | None:
     """The rank whose peak allocated is furthest from the median of all ranks."""
-    ok = [r for r in ranks if "error" not in r]
+    ok = _ranks_only(ranks)
     if len(ok) < 2:
         return None
     med = statistics.median(r["peak_allocated"] for r in ok)
     far = max(ok, key=lambda r: (abs(r["peak_allocated"] - med), r["peak_allocated"]))
     delta = far["peak_allocated"] - med
+    pct = (100.0 * delta / med) if med else None
     return {"label": far["label"], "rank": far["rank"], "peak_allocated": far["peak_allocated"],
-            "median": med, "delta_bytes": delta, "delta_pct": (100.0 * delta / med) if med else None}
+            "median": med, "delta_bytes": delta, "delta_pct": pct,
+            "flagged": bool(delta) and (pct is None or abs(pct) >= IMBALANCE_PCT)}
 
 
 def leaking(ranks: list[dict]) -> list[str]:
     """Labels of the ranks that leak (see the module docstring for the rule)."""
-    ok = [r for r in ranks if "error" not in r]
+    ok = _ranks_only(ranks)
     shared = None
     for r in ok:
         s = {tuple(x) for x in r["leaks"]["signatures"]}
@@ -372,42 +381,48 @@ def _categories(ranks, top=5) -> list[str]:
     return [c for c, _ in sorted(best.items(), key=lambda kv: -kv[1])[:top]]
 
 
+def _num(n) -> str:
+    return "N/A" if n is None else f"{n / MB:.3f}"
+
+
 def tables(s: dict):
     from rich.table import Table
     ranks = s["ranks"]
     cats = _categories(ranks)
     imb = s["imbalance"]
-    t = Table(title=f"msmemscope summary: {len(ranks)} dump(s) under {s['root']}", title_justify="left")
-    for c, j in (("rank", "left"), ("host", "left"), ("device", "left"), ("peak allocated", "right"),
-                 ("peak reserved", "right"), ("vs median", "right"), ("leaked", "right"),
-                 ("inefficient", "right")):
-        t.add_column(c, justify=j)
-    for c in cats:
-        t.add_column(f"{c} (peak)", justify="right")
+    hosts = len({r.get("host") for r in ranks}) > 1
+    t = Table(title=f"msmemscope summary: {len(ranks)} dump(s) under {s['root']} (sizes in MB)",
+              title_justify="left")
+    cols = [("rank", "left")] + ([("host", "left")] if hosts else []) + [
+        ("device", "left"), ("peak alloc", "right"), ("peak reserved", "right"), ("vs median", "right"),
+        ("leaked", "right"), ("inefficient", "right")] + [(c, "right") for c in cats]
+    for c, j in cols:
+        t.add_column(c, justify=j, no_wrap=True)
+    blank = [""] * len(cols)
     for r in ranks:
+        head = [r["label"]] + ([str(r.get("host") or "")] if hosts else [])
         if "error" in r:
-            t.add_row(r["label"], str(r.get("host") or ""), "", f"error: {r['error']}")
+            t.add_row(*head, f"error: {r['error']}", *blank[len(head) + 1:])
             continue
         vs = ""
-        if imb:
+        if imb and r.get("role") != "dataloader_worker":
             d = r["peak_allocated"] - imb["median"]
-            vs = f"{'+' if d >= 0 else '-'}{abs(d) / MB:.3f} MB"
-            if r["label"] == imb["label"]:
-                vs += " !"
+            vs = f"{'+' if d >= 0 else '-'}{abs(d) / MB:.3f}" + (
+                " !" if r["label"] == imb["label"] and imb["flagged"] else "")
         lk = r["leaks"]
-        leak = f"{lk['count']} / {_mb(lk['bytes'])}" + (" !" if r["label"] in s["leaking"] else "")
+        leak = f"{_num(lk['bytes'])} in {lk['count']}" + (" !" if r["label"] in s["leaking"] else "")
         ineff = r.get("inefficient")
         dec = (r.get("decompose") or {}).get("categories") or {}
-        row = [r["label"], str(r.get("host") or ""), f"{r['device']}", _mb(r["peak_allocated"]),
-               _mb(r["peak_reserved"]), vs, leak,
-               "N/A" if ineff is None else f"{_mb(ineff['bytes'])} in {ineff['blocks']}"]
-        row += [_mb(dec.get(c)) if dec else "N/A" for c in cats]
+        row = head + [f"{r['device']}", _num(r["peak_allocated"]), _num(r["peak_reserved"]), vs, leak,
+                      "N/A" if ineff is None else f"{_num(ineff['bytes'])} in {ineff['blocks']}"]
+        row += [_num(dec.get(c)) if dec else "N/A" for c in cats]
         t.add_row(*row)
-        for p in r["peaks"]:  # other devices and pools of the rank
+        for p in r["peaks"]:  # the rank's other devices and pools
             if p["device"] == r["device"] and p["peak_allocated"] == r["peak_allocated"]:
                 continue
-            t.add_row("", "", f"{p['device']} {p['pool']}", _mb(p["peak_allocated"]), _mb(p["peak_reserved"]),
-                      *[""] * (3 + len(cats)))
+            extra = [""] * len(head) + [f"{p['device']} {p['pool']}", _num(p["peak_allocated"]),
+                                        _num(p["peak_reserved"])]
+            t.add_row(*extra, *blank[len(extra):])
     return t
 
 
@@ -416,8 +431,8 @@ def verdict_lines(s: dict) -> list[str]:
     imb = s["imbalance"]
     if imb:
         pct = f"{imb['delta_pct']:+.1f}%" if imb["delta_pct"] is not None else "n/a"
-        what = "balanced" if imb["delta_pct"] is not None and abs(imb["delta_pct"]) < 5 else "imbalance"
-        lines.append(f"{what}: {imb['label']} peaks at {_mb(imb['peak_allocated'])}, "
+        what = "imbalance" if imb["flagged"] else f"balanced (all within {IMBALANCE_PCT:g}% of the median)"
+        lines.append(f"{what}: furthest from the median is {imb['label']}, peak {_mb(imb['peak_allocated'])}, "
                      f"{'+' if imb['delta_bytes'] >= 0 else '-'}{abs(imb['delta_bytes']) / MB:.3f} MB ({pct}) "
                      f"from the median peak {_mb(imb['median'])}")
     by = {r["label"]: r for r in s["ranks"]}
