@@ -32,6 +32,8 @@ import time
 import warnings
 
 MB = 1048576.0
+KNOWN_EVENTS = {"SYSTEM", "MALLOC", "FREE", "ACCESS", "OP_LAUNCH", "KERNEL_LAUNCH", "MSTX", "SNAPSHOT",
+                "OOM_DETAIL"}
 IMBALANCE_PCT = 5.0  # a peak this far (in %) from the median is called an imbalance
 NEEDED = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 
@@ -71,6 +73,10 @@ def load_columns(path: str):
                    .select("id", "event", "event_type", "name", "device", "attr")
                    .collect())
             counts = dict(raw.group_by("event").len().iter_rows())
+            # a row that is not ours (bad ID, unknown event) sends the dump to read_dump, which names the line
+            if (raw["id"].cast(pl.Int64, strict=False).null_count()
+                    or not set(counts) <= KNOWN_EVENTS):
+                raise ValueError("not a plain dump")
             df = (raw.lazy().filter(keep)
                   .select(id=pl.col("id").cast(pl.Int64, strict=False), event=ev, event_type="event_type",
                           name=pl.when(ev == "MALLOC").then("name"), device="device",
@@ -449,8 +455,8 @@ def verdict_lines(s: dict) -> list[str]:
     common = [r["label"] for r in s["ranks"] if "error" not in r and r["leaks"]["count"]
               and r["label"] not in s["leaking"]]
     if common:
-        lines.append(f"not counted as leaking: {', '.join(common)} (only blocks every rank kept once, "
-                     "in the same step, by the same op)")
+        lines.append(f"kept once by every rank, in the same step, by the same op (not counted as a leak): "
+                     f"{', '.join(common)}")
     bad = [r for r in s["ranks"] if "error" in r]
     for r in bad:
         lines.append(f"error: {r['label']}: {r['error']}")

@@ -16,8 +16,9 @@ def main():
             fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.manual_seed(1 + rank)  # different data per rank
-    x, y = torch.randn(16 * (1 + rank), 64), torch.randn(16 * (1 + rank), 8)
+    torch.manual_seed(1 + rank)  # different data per rank; rank 1's batch is 16x larger (an imbalance)
+    batch = 32 if rank == 0 else 512
+    x, y = torch.randn(batch, 64), torch.randn(batch, 8)
     for _ in range(3):
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
