@@ -131,6 +131,16 @@ def write_rank(root: str, rank: int, world: int, events: int, scale: float = 1.0
     return folder
 
 
+def _machine_cpu():
+    """(busy jiffies, all jiffies, load average) of the whole machine, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v), os.getloadavg()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def generate(root: str, ranks: int, events: int, big: int, leak: int) -> float:
     t0 = time.perf_counter()
     for r in range(ranks):
@@ -157,7 +167,9 @@ def main(argv=None) -> int:
     nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.root) for f in fs)
     nrows = None
     try:
+        m0 = _machine_cpu()
         s = build(a.root, a.workers, show_progress=False)
+        m1 = _machine_cpu()
         nrows = sum(r.get("events", 0) for r in s["ranks"])
         tm = s["timing"]
         for ln in verdict_lines(s):
@@ -168,6 +180,10 @@ def main(argv=None) -> int:
               f"{tm['workers']} workers on {tm['cpus']} CPUs; worker CPU time {tm['cpu_s']:.1f} s -> "
               f"{tm['busy_cores']:.2f} cores busy on average "
               f"({100 * tm['busy_cores'] / tm['cpus']:.0f}% of the CPUs)")
+        if m0 and m1:
+            busy = (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]) * tm["cpus"]
+            print(f"whole machine during the summary (all processes, /proc/stat): {busy:.2f} of {tm['cpus']} "
+                  f"cores busy; load average before/after {m0[2]:.1f}/{m1[2]:.1f}")
         ok = (s["imbalance"]["label"] == f"rank {big}" and s["leaking"] == [f"rank {leak}"] and not errors)
         print(f"findings {'correct' if ok else 'WRONG'}: imbalance rank {big}, leaking rank {leak}")
         return 0 if ok else 1
