@@ -212,16 +212,26 @@ def main(argv) -> int:
     """``msmemscope decompose <dump or folder>``: print the decomposition of a dump, write JSON with -o."""
     import argparse
     from ..io.reader import DumpError, read_dump
+    from ..io.ranks import find_rank_dumps, heading
     p = argparse.ArgumentParser(prog="msmemscope decompose")
-    p.add_argument("dump")
+    p.add_argument("dump", help="a dump, a run folder, or the root of a distributed run (one report per rank)")
     p.add_argument("-o", "--output", help="write the JSON summary to this file")
     a = p.parse_args(argv)
     try:
-        res = summarize(read_dump(a.dump))
+        rds = find_rank_dumps(a.dump)
+        if len(rds) == 1:
+            res = summarize(read_dump(rds[0].path))
+            print(format_table(res))
+        else:  # one report per rank
+            res = {"ranks": []}
+            for rd in rds:
+                r = summarize(read_dump(rd.path))
+                print(heading(rd))
+                print(format_table(r))
+                res["ranks"].append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "result": r})
     except DumpError as e:
         print(f"msmemscope: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(res))
     if a.output:
         from ..io.files import unique_path
         path = unique_path(a.output)

@@ -712,23 +712,58 @@ def main(argv) -> int:
         ns = p.parse_args(argv)
     except UsageError as e:
         return error_exit(str(e))
+    from ..io.ranks import find_rank_dumps, heading
+    try:
+        rds = find_rank_dumps(ns.dump)
+    except DumpError as e:
+        return error_exit(str(e))
+    if len(rds) > 1:  # the root of a distributed run: one report per rank
+        out, rc = [], 0
+        for rd in rds:
+            print(heading(rd), file=sys.stderr)
+            one = _check_one(rd.path, ns)
+            if isinstance(one, str):
+                print(f"msmemscope: error: {one}", file=sys.stderr)
+                out.append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "error": one})
+                rc = 2
+                continue
+            out.append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "summary": one.summary})
+            if not ns.json:
+                _say_written(one)
+        if ns.json:
+            print(json.dumps({"ranks": out}, indent=2))
+        return rc
+    res = _check_one(rds[0].path, ns)
+    if isinstance(res, str):
+        return error_exit(res)
+    if ns.json:
+        print(json.dumps(res.summary, indent=2))
+    else:
+        _say_written(res)
+    return 0
+
+
+def _say_written(res):
+    if res.output:
+        print(f"[msmemscope] annotated dump: {res.output}", file=sys.stderr)
+    if res.summary_path:
+        print(f"[msmemscope] summary: {res.summary_path}", file=sys.stderr)
+
+
+def _check_one(path, ns):
+    """``check_inefficient`` for the command line: the result, or the one-line error message."""
+    from ..io.reader import DumpError
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            res = check_inefficient(ns.dump, mem_size=ns.mem_size, inefficient_type=ns.type,
+            res = check_inefficient(path, mem_size=ns.mem_size, inefficient_type=ns.type,
                                     idle_threshold=ns.idle_threshold, quiet=ns.json)
         for w in caught:
             print(f"msmemscope: warning: {w.message}", file=sys.stderr)
     except (ValueError, DumpError) as e:
-        return error_exit(str(e).replace("mem_size", "--mem-size").replace("idle_threshold", "--idle-threshold")
-                          .replace("inefficient_type", "--type"))
+        return (str(e).replace("mem_size", "--mem-size").replace("idle_threshold", "--idle-threshold")
+                .replace("inefficient_type", "--type"))
     except OSError as e:
-        return error_exit(f"{e.filename or ns.dump}: {e.strerror}")
-    if ns.json:
-        print(json.dumps(res.summary, indent=2))
-    else:
-        if res.output:
-            print(f"[msmemscope] annotated dump: {res.output}", file=sys.stderr)
-        if res.summary_path:
-            print(f"[msmemscope] summary: {res.summary_path}", file=sys.stderr)
-    return 0
+        return f"{e.filename or path}: {e.strerror}"
+    return res
+

@@ -72,6 +72,26 @@ def dist_env() -> dict:
             "host": socket.gethostname()}
 
 
+def run_folder_name(pid: int, ts: str, kind: str, rank=None) -> str:
+    """``msmemscope_<pid>_<ts>_<backend>`` (the original's name), plus ``_rank<R>`` in a distributed
+    job (RANK set) so that the ranks of a job never share a name, on one node or many."""
+    name = f"msmemscope_{pid}_{ts}_{kind}"
+    return name if rank is None else f"{name}_rank{rank}"
+
+
+def _new_folder(root: str, name: str) -> str:
+    """Create the run folder; never share one with another process (same pid and second on
+    another node of a shared filesystem): an existing name gets ``_1``, ``_2``… appended."""
+    base, n = os.path.join(root, name), 0
+    while True:
+        path = base if n == 0 else f"{base}_{n}"
+        try:
+            os.mkdir(path, 0o750)
+            return path
+        except FileExistsError:
+            n += 1
+
+
 class Session:
     def __init__(self, opts: Options, launched: bool = False):
         self.opts = opts
@@ -122,7 +142,7 @@ class Session:
     def _open_output(self):
         ts = _timestamp()
         root = make_dirs(self.opts.output)
-        self.folder = make_dirs(os.path.join(root, f"msmemscope_{self.pid}_{ts}_{self.kind}"))
+        self.folder = _new_folder(root, run_folder_name(self.pid, ts, self.kind, dist_env()["rank"]))
         dev_dir = "device_cpu" if self.op_device == "cpu" else f"device_{self.op_device}"
         self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
         dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
@@ -489,9 +509,10 @@ class Session:
         """DataLoader workers are not traced unless MSMEMSCOPE_TRACE_WORKERS is set.
 
         Forked workers are cut off at fork; spawned ones start a session of their
-        own at ``import torch``, which is discarded when the worker loop begins."""
-        if os.environ.get("MSMEMSCOPE_TRACE_WORKERS"):
-            return
+        own at ``import torch``, which is discarded when the worker loop begins. With
+        MSMEMSCOPE_TRACE_WORKERS=1 a spawned worker keeps its session, and its config.json says
+        ``"role": "dataloader_worker"`` (with ``worker_id``) so that it is not taken for a rank."""
+        trace = os.environ.get("MSMEMSCOPE_TRACE_WORKERS") not in (None, "", "0")
         try:
             import torch.utils.data._utils.worker as worker
         except Exception:
@@ -504,7 +525,15 @@ class Session:
         @functools.wraps(orig)
         def _worker_loop(*a, **k):
             if session.pid == os.getpid() and not session.closed:
-                session.discard()
+                if not trace:
+                    session.discard()
+                else:
+                    try:
+                        session.config["role"] = "dataloader_worker"
+                        session.config["worker_id"] = k.get("worker_id", a[10] if len(a) > 10 else None)
+                        session._write_config()
+                    except Exception:
+                        pass
             return orig(*a, **k)
         _worker_loop._msmemscope = True
         worker._worker_loop = _worker_loop

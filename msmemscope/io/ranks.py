@@ -1,0 +1,114 @@
+"""The ranks of a distributed run: which dump belongs to which rank.
+
+A job traced under the launcher (``msmemscope torchrun …``) leaves one folder per
+process, ``msmemscope_<pid>_<ts>_<backend>_rank<R>``, each with a ``config.json``
+(``rank``, ``local_rank``, ``world_size``, ``host``) and one dump. The offline
+commands accept the root holding such folders (at any depth: one root per node
+copied side by side works too), a single run folder, or a dump file.
+
+    for rd in find_rank_dumps(root):     # sorted by rank, then path
+        print(rd.label, rd.path)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from .reader import DumpError, find_dumps
+
+CONFIG = "config.json"
+
+
+@dataclass
+class RankDump:
+    path: str                 # the dump file
+    folder: str               # the run folder holding config.json (the dump's own folder if none)
+    config: dict = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def rank(self):
+        return self.config.get("rank")
+
+    @property
+    def is_worker(self) -> bool:
+        """A DataLoader worker traced with MSMEMSCOPE_TRACE_WORKERS=1 (it carries its rank's RANK)."""
+        return self.config.get("role") == "dataloader_worker"
+
+    @property
+    def host(self):
+        return self.config.get("host")
+
+
+def run_folder_of(dump: str, stop: str | None = None) -> tuple[str, dict]:
+    """The nearest folder above ``dump`` holding a config.json (not above ``stop``), and that config."""
+    d = os.path.dirname(os.path.abspath(dump))
+    stop = os.path.abspath(stop) if stop else None
+    while True:
+        cfg = os.path.join(d, CONFIG)
+        if os.path.isfile(cfg):
+            try:
+                with open(cfg, encoding="utf-8") as f:
+                    data = json.load(f)
+                return d, data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                return d, {}
+        parent = os.path.dirname(d)
+        if parent == d or (stop is not None and d == stop) or (stop is not None and not d.startswith(stop)):
+            break
+        d = parent
+    return os.path.dirname(os.path.abspath(dump)), {}
+
+
+def find_rank_dumps(root: str) -> list[RankDump]:
+    """Every dump under ``root`` with its run folder and config, sorted by rank (unranked last).
+
+    Raises ``DumpError`` when ``root`` does not exist or holds no dump."""
+    dumps = find_dumps(root)
+    stop = root if os.path.isdir(root) else os.path.dirname(os.path.abspath(root))
+    out = []
+    for p in dumps:
+        folder, cfg = run_folder_of(p, stop)
+        out.append(RankDump(path=p, folder=folder, config=cfg))
+    out.sort(key=lambda r: (r.rank is None, r.rank if isinstance(r.rank, int) else 0, r.is_worker, r.path))
+    _label(out)
+    return out
+
+
+def _label(rds: list[RankDump]) -> None:
+    """``rank R``; where two runs share a rank (two jobs under one root) the host and pid tell them apart;
+    a process outside a distributed job is named by its folder."""
+    seen: dict = {}
+    for r in rds:
+        if not r.is_worker:
+            seen[r.rank] = seen.get(r.rank, 0) + 1
+    for r in rds:
+        if r.is_worker:
+            who = f"rank {r.rank}" if r.rank is not None else os.path.basename(os.path.dirname(r.folder))
+            r.label = f"{who} worker {r.config.get('worker_id', '?')} (pid {r.config.get('pid', '?')})"
+        elif r.rank is None:
+            r.label = os.path.basename(r.folder)
+        elif seen[r.rank] > 1:
+            r.label = f"rank {r.rank} ({r.host or '?'} pid {r.config.get('pid', '?')})"
+        else:
+            r.label = f"rank {r.rank}"
+        if len([x for x in rds if x.folder == r.folder]) > 1:
+            r.label += f" {os.path.basename(r.path)}"
+
+
+def heading(rd: RankDump) -> str:
+    """The per-rank heading an offline command prints before that rank's report."""
+    cfg = rd.config
+    extra = []
+    if cfg.get("world_size") is not None:
+        extra.append(f"world size {cfg['world_size']}")
+    if cfg.get("local_rank") is not None:
+        extra.append(f"local rank {cfg['local_rank']}")
+    if cfg.get("host"):
+        extra.append(f"host {cfg['host']}")
+    tail = f" ({', '.join(extra)})" if extra else ""
+    return f"===== {rd.label}{tail}: {rd.path} ====="
+
+
+__all__ = ["RankDump", "find_rank_dumps", "run_folder_of", "heading", "DumpError"]
