@@ -115,7 +115,7 @@ def test_report_data_matches_the_dump(run):
 
 
 def test_report_shows_analysis_results_and_compare(folder_copy):
-    os.makedirs(os.path.join(folder_copy, "analysis"))
+    os.makedirs(os.path.join(folder_copy, "analysis"), exist_ok=True)  # leaks.json of the real run is replaced
     with open(os.path.join(folder_copy, "analysis", "leaks.json"), "w") as f:
         json.dump({"device": "cpu", "leaks": [{"addr": "0x10", "size": 4096, "op": "aten.mm.default", "step": 2}]}, f)
     with open(os.path.join(folder_copy, "analysis", "inefficient.json"), "w") as f:

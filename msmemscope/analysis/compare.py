@@ -380,12 +380,7 @@ class CompareResult:
 
 
 def _user_line(stack: str) -> str:
-    try:
-        from ..capture.stacks import user_line
-    except Exception:  # capture needs torch; an offline box may lack it
-        frames = stack.split(";")
-        return next((f for f in frames if "/torch/" not in f and "/site-packages/" not in f
-                     and "/lib/python" not in f), frames[0])
+    from ..frames import user_line
     return user_line(stack)
 
 

@@ -362,16 +362,7 @@ def select(res: pl.DataFrame, mem_size: int = 0, types=TYPES) -> pl.DataFrame:
                 separator=SEP, ignore_nulls=True)))
 
 
-def _user_line(stack):
-    """The first frame outside torch and the standard library (the rule of
-    ``capture.stacks.user_line``, kept here so the offline command does not import torch)."""
-    if not stack:
-        return None
-    frames = stack.split(";")
-    for fr in frames:
-        if "/torch/" not in fr and "/site-packages/" not in fr and "/lib/python" not in fr:
-            return fr
-    return frames[0]
+from ..frames import user_line as _user_line  # noqa: E402
 
 
 def summarize(sel: pl.DataFrame, counts: dict, idle_threshold: int, note: str | None = None) -> dict:

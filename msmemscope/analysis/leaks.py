@@ -56,11 +56,7 @@ def hex_addr(addr) -> str:
     return "0x%x" % addr if addr is not None else "N/A"
 
 
-def _user_line(stack):
-    if not stack or stack == "N/A":
-        return None
-    from ..capture.stacks import user_line
-    return user_line(stack)
+from ..frames import user_line as _user_line  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- report text

@@ -67,11 +67,7 @@ def _short(name):
     return name[len("torch._ops."):] if name.startswith("torch._ops.") else name
 
 
-def _user_line(stack):
-    if not stack:
-        return None
-    from ..capture.stacks import user_line
-    return user_line(stack)
+from ..frames import user_line as _user_line  # noqa: E402
 
 
 class OomSink:

@@ -37,15 +37,7 @@ def python_stack(depth: int) -> str:
     return ";".join(out)
 
 
-def user_line(stack: str | None) -> str | None:
-    """The first frame outside torch and the standard library: the user's line."""
-    if not stack:
-        return None
-    frames = stack.split(";")
-    for fr in frames:
-        if "/torch/" not in fr and "/site-packages/" not in fr and "/lib/python" not in fr:
-            return fr
-    return frames[0]
+from ..frames import user_line  # noqa: E402,F401  (re-exported for the capture side)
 
 
 def capture_c():
