@@ -337,7 +337,8 @@ class Session:
         self._update_flags()
 
     def op_failed(self, name, exc):
-        from .snapshot import is_allocation_failure, take_snapshot
+        from ..analysis.oom import is_allocation_failure
+        from .snapshot import take_snapshot
         if is_allocation_failure(exc):
             take_snapshot(name="OOM_Snapshot")  # the state at the failure, whatever analyses are on
         for s in self.sinks:

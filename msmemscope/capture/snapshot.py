@@ -79,10 +79,3 @@ class TakeSnapshot:
             with TakeSnapshot(self.name, self.mask):
                 return fn(*a, **k)
         return wrapper
-
-
-def is_allocation_failure(exc: BaseException) -> bool:
-    oom = getattr(torch, "OutOfMemoryError", None)
-    if oom is not None and isinstance(exc, oom):
-        return True
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
