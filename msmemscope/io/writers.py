@@ -30,6 +30,11 @@ def _csv_text(v: str) -> str:
     return v
 
 
+def _plain(text: str) -> bool:
+    """Text that JSON and CSV carry as it is (no quote, backslash or control character)."""
+    return not text or (text.isprintable() and '"' not in text and "\\" not in text)
+
+
 def table_rows(rows, first, pid, c_syms=None):
     """Raw rows -> tuples of the 12 dump columns."""
     c_syms = c_syms or {}
@@ -44,20 +49,50 @@ class CsvWriter:
     def __init__(self, path: str):
         self.path = path
         self._f = create_new(path)
+        self._esc: dict = {}  # text -> its CSV field
         self._f.write(HEADER + "\n")
         self._f.flush()
 
     def write(self, rows, first, pid, c_syms=None) -> None:
+        # One f-string per row, specialised for the frequent kinds; op names and
+        # stacks repeat, so their CSV text is cached. This loop is the cost of a
+        # flush, paid at every step: keep it lean.
         c_syms = c_syms or {}
+        esc = self._esc
+        if len(esc) > 200_000:
+            esc.clear()
         out = []
         add = out.append
-        for i, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows):
-            a = format_attr(ev, attr)
-            add("%d,%s,%s,%s,%d,%d,%d,%s,%s,%s,%s,%s\n" % (
-                first + i, ev, et, _csv_text(name), ts, pid, tid, dev,
-                "N/A" if ptr is None else "0x%016x" % ptr,
-                '"' + a.replace('"', '""') + '"' if a else "",
-                _csv_text(ps) if ps else "", _csv_text(c_syms.get(i, ""))))
+        i = first
+        for n, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows):
+            nm = esc.get(name)
+            if nm is None:
+                nm = esc[name] = _csv_text(name)
+            if ps:
+                st = esc.get(ps)
+                if st is None:
+                    st = esc[ps] = _csv_text(ps)
+            else:
+                st = ""
+            cs = _csv_text(c_syms[n]) if n in c_syms else ""
+            if ev == "OP_LAUNCH":
+                add(f"{i},OP_LAUNCH,{et},{nm},{ts},{pid},{tid},{dev},N/A,,{st},{cs}\n")
+            elif type(attr) is tuple and ev == "MALLOC" and _plain(attr[5]):
+                ow = attr[5]
+                add(f'{i},MALLOC,{et},{nm},{ts},{pid},{tid},{dev},0x{ptr:016x},"{{""allocation_id"":{attr[0]},'
+                    f'""addr"":""0x{attr[1]:016x}"",""size"":{attr[2]},""used"":{attr[3]},""total"":{attr[4]},'
+                    f'""owner"":""{ow}""}}",{st},{cs}\n')
+            elif type(attr) is tuple and ev == "FREE":
+                add(f'{i},FREE,{et},{nm},{ts},{pid},{tid},{dev},0x{ptr:016x},"{{""allocation_id"":{attr[0]},'
+                    f'""addr"":""0x{attr[1]:016x}"",""size"":{attr[2]},""used"":{attr[3]},""total"":{attr[4]}}}",'
+                    f'{st},{cs}\n')
+            else:
+                a = format_attr(ev, attr)
+                add("%d,%s,%s,%s,%d,%d,%d,%s,%s,%s,%s,%s\n" % (
+                    i, ev, et, nm, ts, pid, tid, dev,
+                    "N/A" if ptr is None else "0x%016x" % ptr,
+                    '"' + a.replace('"', '""') + '"' if a else "", st, cs))
+            i += 1
         self._f.write("".join(out))
         self._f.flush()  # reaches the kernel: survives SIGKILL of this process
 
