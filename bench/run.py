@@ -30,7 +30,8 @@ CONFIGS = {
     "default": "msmemscope, default events (alloc,free,launch)",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
-    "profiler": "torch.profiler(profile_memory=True)",
+    "profiler": "torch.profiler(profile_memory=True), collection only (its data never leaves C++)",
+    "profiler+read": "torch.profiler(profile_memory=True) and key_averages() at the end: the cost to see the data",
     "memtracker": "torch.distributed._tools.MemTracker",
 }
 
@@ -83,7 +84,7 @@ if config in ("default", "access", "stack"):
     msmemscope.config(**kw)
 model, step = build()
 ctx = None
-if config == "profiler":
+if config in ("profiler", "profiler+read"):
     from torch.profiler import profile, ProfilerActivity
     ctx = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     ctx.__enter__()
@@ -97,6 +98,10 @@ t0 = time.perf_counter()
 for _ in range(steps):
     step()
     if config == "memtracker": ctx.reset_mod_stats()
+if config == "profiler+read":
+    ctx.__exit__(None, None, None)
+    ctx.key_averages()
+    ctx = None
 dt = time.perf_counter() - t0
 if ctx is not None:
     ctx.__exit__(None, None, None)
@@ -118,7 +123,7 @@ def run_one(workload, config, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="mlp,transformer")
-    p.add_argument("--configs", default="plain,default,access,stack,profiler,memtracker")
+    p.add_argument("--configs", default="plain,default,access,stack,profiler,profiler+read,memtracker")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="also write the results here")
