@@ -261,18 +261,17 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     polars scan: the Attr fields are extracted from the MALLOC/FREE/ACCESS rows only).
     None when the file is not a plain, complete CSV dump: then ``read_dump`` reads it and
     says what is wrong (bad header, bad ID, truncated file, SQLite…)."""
-    from ..events import HEADER
-    from ..io.reader import NAMES, max_input_bytes
+    from ..io.reader import NAMES, DumpError, check_csv, max_input_bytes
     try:
         if os.path.getsize(path) > max_input_bytes():
             return None
         with open(path, "rb") as f:
-            first = f.readline(4096).rstrip(b"\r\n").decode("utf-8", errors="replace").lstrip("\ufeff")
-            f.seek(-1, os.SEEK_END)
-            complete = f.read(1) == b"\n"
-    except OSError:
+            if f.read(16).startswith(b"SQLite format 3"):
+                return None
+        complete, size = check_csv(path)  # header, no over-long line, complete: one cheap streaming pass
+    except (OSError, DumpError):
         return None
-    if first != HEADER or not complete:
+    if complete != size:
         return None
     ev, et, attr = pl.col("event"), pl.col("event_type"), pl.col("attr")
     kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
