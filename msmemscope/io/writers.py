@@ -30,6 +30,14 @@ def _csv_text(v: str) -> str:
     return v
 
 
+def csv_safe(column: str):
+    """A polars expression: the string ``column`` with text that starts with ``= + - @`` prefixed
+    by ``'`` (as ``_csv_text`` does for the dump), so a spreadsheet shows it instead of running it."""
+    import polars as pl
+    c = pl.col(column).cast(pl.String)
+    return pl.when(c.str.contains(r"^[=+\-@]")).then(pl.lit("'") + c).otherwise(c).alias(column)
+
+
 def table_rows(rows, first, pid, c_syms=None):
     """Raw rows -> tuples of the 12 dump columns."""
     c_syms = c_syms or {}
