@@ -397,8 +397,19 @@ class Session:
         first = self.next_id + 1
         self.next_id += n
         if rows:
-            c_syms = self._symbolize(rows) if self.c_depth else None
-            self.writer.write(rows, first, self.pid, c_syms)
+            try:
+                c_syms = self._symbolize(rows) if self.c_depth else None
+                self.writer.write(rows, first, self.pid, c_syms)
+            except BaseException:
+                # interrupted inside the write (KeyboardInterrupt, or SystemExit raised by the
+                # program's own signal handler): the rows are out of the buffer, so write them
+                # now unless they reached the file, then let the exception go on
+                try:
+                    if self.writer.last_id() < first:
+                        self.writer.write(rows, first, self.pid, None)
+                except Exception:
+                    pass
+                raise
         for s in self.sinks:
             if rows:
                 s.consume(rows, first)

@@ -42,8 +42,11 @@ elif phase == "flush":
     s = capture.current()
     real_write = s.writer.write
 
+    fired = []
+
     def write(rows, first, pid, c_syms=None):
-        if any(r[0] == "SYSTEM" and r[1] == "STEP" for r in rows):
+        if not fired and any(r[0] == "SYSTEM" and r[1] == "STEP" for r in rows) and step == at:
+            fired.append(1)  # once, as a signal arrives once
             fire()
         return real_write(rows, first, pid, c_syms)
     s.writer.write = write

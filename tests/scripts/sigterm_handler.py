@@ -1,5 +1,6 @@
-"""A training loop that handles SIGTERM itself: it finishes the step, saves, and exits 0
-(what a checkpointing job does when the scheduler preempts it)."""
+"""A training loop that runs until stopped. With an exit code as argument it handles SIGTERM
+itself: it finishes the step, "saves", and exits with that code (what a checkpointing job does
+when the scheduler preempts it); with ``default`` SIGTERM kills it."""
 import signal
 import sys
 
@@ -7,7 +8,8 @@ import torch
 from torch import nn
 
 stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+if sys.argv[1] != "default":
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 torch.manual_seed(0)
 model = nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -19,4 +21,4 @@ for step in range(1, 100000):
     print("step", step, flush=True)
     if stop:
         print("saved at", step, flush=True)
-        sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+        sys.exit(int(sys.argv[1]))
