@@ -284,22 +284,29 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     try:
         ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
                           schema_overrides={n: pl.String for n in NAMES})
-              .select("id", "name", "attr", "py_stack", kind=kind)
+              .select("id", "name", "attr", "py_stack", kind=kind,
+                      # every row's ID and timestamp must be numbers, as read_dump requires
+                      bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()
+                               | (pl.col("ts").cast(pl.Int64, strict=False).is_null()
+                                  & pl.col("ts").is_not_null())).any())
               .filter(pl.col("kind") != K_OTHER)
               .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
                       name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
                       alloc_id=pl.when(k >= K_MALLOC).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?(\d+)', 1)
+                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?([^",}]*)', 1)
                           .cast(pl.Int64, strict=False)),
-                      size=pl.when(k == K_MALLOC).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?(\d+)', 1).cast(pl.Int64, strict=False)),
+                      size=pl.when((k == K_MALLOC) | (k == K_FREE)).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?([^",}]*)', 1).cast(pl.Int64, strict=False)),
                       before=(k == K_MALLOC) & attr.str.contains("before_op", literal=True),
-                      stack=pl.when(k == K_MALLOC).then("py_stack"))
+                      stack=pl.when(k == K_MALLOC).then("py_stack"), bad_row="bad_row")
               .collect())
     except Exception:
         return None
-    if ch["pos"].null_count() or ch.filter((pl.col("kind") == K_MALLOC) & pl.col("size").is_null()).height:
+    # a MALLOC/FREE row without a readable size: read_dump says which (same rule as the reader)
+    if (not ch.height or ch["pos"].null_count() or ch["bad_row"][0]
+            or ch.filter(pl.col("kind").is_in([K_MALLOC, K_FREE]) & pl.col("size").is_null()).height):
         return None
+    ch = ch.with_columns(size=pl.when(pl.col("kind") == K_MALLOC).then("size")).drop("bad_row")
     if not ch["pos"].is_sorted():
         ch = ch.sort("pos")
     return ch.cast(CHUNK_SCHEMA)
