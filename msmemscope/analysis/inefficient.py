@@ -285,10 +285,10 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
         ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
                           schema_overrides={n: pl.String for n in NAMES})
               .select("id", "name", "attr", "py_stack", kind=kind,
-                      # every row's ID and timestamp must be numbers, as read_dump requires
+                      # the rows read_dump refuses: ID or timestamp not a number, a short row
                       bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()
-                               | (pl.col("ts").cast(pl.Int64, strict=False).is_null()
-                                  & pl.col("ts").is_not_null())).any())
+                               | pl.col("ts").cast(pl.Int64, strict=False).is_null()
+                               | pl.col("event").is_null() | pl.col("ptr").is_null()).any())
               .filter(pl.col("kind") != K_OTHER)
               .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
                       name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
