@@ -83,8 +83,19 @@ def parse_options(ns) -> O.Options:
     return opts
 
 
+def _one_line_warnings():
+    """Offline commands: a warning (e.g. a dump cut short) is one line on stderr, not Python's two."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{PROG}: warning: {message}", file=sys.stderr)
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith("--input") for a in argv)):
+        _one_line_warnings()
     if argv and argv[0] in SUBCOMMANDS:
         import importlib
         try:

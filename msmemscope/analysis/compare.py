@@ -469,6 +469,8 @@ def _assemble(da: pl.DataFrame, db: pl.DataFrame, ai: np.ndarray, bi: np.ndarray
 
 def write_csv(res: CompareResult, output: str) -> str:
     from ..io.files import create_new, make_dirs, unique_path
+    from ..io.writers import csv_safe
+    make_dirs(os.path.abspath(output))  # a symlink planted at the output root is refused
     folder = make_dirs(os.path.join(os.path.abspath(output), "compare"))
     ts = time.strftime("%Y%m%d%H%M%S")
     for _ in range(100):
@@ -482,7 +484,8 @@ def write_csv(res: CompareResult, output: str) -> str:
         raise OSError(f"cannot create a new file in {folder}")
     with f:
         f.write(HEADER.replace("\r\n", "\n").encode())
-        res.table.select("event", "name", "device", "base_bytes", "compare_bytes", "diff").write_csv(
+        res.table.select(csv_safe("event"), csv_safe("name"), csv_safe("device"),
+                         "base_bytes", "compare_bytes", "diff").write_csv(
             f, include_header=False, null_value="N/A")
     return path
 

@@ -170,10 +170,10 @@ def format_table(res: dict) -> str:
 
 
 def write_result(folder: str, res: dict) -> str:
-    from ..io.files import make_dirs, unique_path
+    from ..io.files import create_new, make_dirs, unique_path
     out_dir = make_dirs(os.path.join(folder, "analysis"))
     path = unique_path(os.path.join(out_dir, "decompose.json"))
-    with open(path, "x", encoding="utf-8") as f:
+    with create_new(path) as f:
         json.dump(res, f, indent=1)
     return path
 
@@ -210,13 +210,23 @@ def make_sink(session):
 
 def main(argv) -> int:
     """``msmemscope decompose <dump or folder>``: print the decomposition of a dump, write JSON with -o."""
-    import argparse
+    from ..cli import UsageError, _Parser, error_exit
+    from ..io.files import create_new, unique_path
     from ..io.reader import DumpError, read_dump
     from ..io.ranks import find_rank_dumps, heading
-    p = argparse.ArgumentParser(prog="msmemscope decompose")
+    p = _Parser(prog="msmemscope decompose", allow_abbrev=False)
     p.add_argument("dump", help="a dump, a run folder, or the root of a distributed run (one report per rank)")
-    p.add_argument("-o", "--output", help="write the JSON summary to this file")
-    a = p.parse_args(argv)
+    p.add_argument("-o", "--output", help="write the JSON summary to this file (never overwrites: a new name)")
+    try:
+        a = p.parse_args(argv)
+    except UsageError as e:
+        return error_exit(str(e))
+    if a.output:
+        d = os.path.dirname(os.path.abspath(a.output))
+        if not os.path.isdir(d):
+            return error_exit(f"-o {a.output}: folder {d} does not exist")
+        if os.path.isdir(a.output):
+            return error_exit(f"-o {a.output}: is a folder; give a file name")
     try:
         rds = find_rank_dumps(a.dump)
         if len(rds) == 1:
@@ -230,12 +240,13 @@ def main(argv) -> int:
                 print(format_table(r))
                 res["ranks"].append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "result": r})
     except DumpError as e:
-        print(f"msmemscope: error: {e}", file=sys.stderr)
-        return 2
+        return error_exit(str(e))
     if a.output:
-        from ..io.files import unique_path
         path = unique_path(a.output)
-        with open(path, "x", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
+        try:
+            with create_new(path) as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:
+            return error_exit(f"-o {a.output}: cannot write {path}: {e.strerror or e}")
         print(f"written to {path}", file=sys.stderr)
     return 0

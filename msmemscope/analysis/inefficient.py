@@ -261,18 +261,17 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     polars scan: the Attr fields are extracted from the MALLOC/FREE/ACCESS rows only).
     None when the file is not a plain, complete CSV dump: then ``read_dump`` reads it and
     says what is wrong (bad header, bad ID, truncated file, SQLite…)."""
-    from ..events import HEADER
-    from ..io.reader import NAMES, max_input_bytes
+    from ..io.reader import NAMES, DumpError, check_csv, max_input_bytes
     try:
         if os.path.getsize(path) > max_input_bytes():
             return None
         with open(path, "rb") as f:
-            first = f.readline(4096).rstrip(b"\r\n").decode("utf-8", errors="replace").lstrip("\ufeff")
-            f.seek(-1, os.SEEK_END)
-            complete = f.read(1) == b"\n"
-    except OSError:
+            if f.read(16).startswith(b"SQLite format 3"):
+                return None
+        complete, size = check_csv(path)  # header, no over-long line, complete: one cheap streaming pass
+    except (OSError, DumpError):
         return None
-    if first != HEADER or not complete:
+    if complete != size:
         return None
     ev, et, attr = pl.col("event"), pl.col("event_type"), pl.col("attr")
     kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
@@ -285,22 +284,29 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     try:
         ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
                           schema_overrides={n: pl.String for n in NAMES})
-              .select("id", "name", "attr", "py_stack", kind=kind)
+              .select("id", "name", "attr", "py_stack", kind=kind,
+                      # the rows read_dump refuses: ID or timestamp not a number, a short row
+                      bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()
+                               | pl.col("ts").cast(pl.Int64, strict=False).is_null()
+                               | pl.col("event").is_null() | pl.col("ptr").is_null()).any())
               .filter(pl.col("kind") != K_OTHER)
               .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
                       name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
                       alloc_id=pl.when(k >= K_MALLOC).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?(\d+)', 1)
+                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?([^",}]*)', 1)
                           .cast(pl.Int64, strict=False)),
-                      size=pl.when(k == K_MALLOC).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?(\d+)', 1).cast(pl.Int64, strict=False)),
+                      size=pl.when((k == K_MALLOC) | (k == K_FREE)).then(
+                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?([^",}]*)', 1).cast(pl.Int64, strict=False)),
                       before=(k == K_MALLOC) & attr.str.contains("before_op", literal=True),
-                      stack=pl.when(k == K_MALLOC).then("py_stack"))
+                      stack=pl.when(k == K_MALLOC).then("py_stack"), bad_row="bad_row")
               .collect())
     except Exception:
         return None
-    if ch["pos"].null_count() or ch.filter((pl.col("kind") == K_MALLOC) & pl.col("size").is_null()).height:
+    # a MALLOC/FREE row without a readable size: read_dump says which (same rule as the reader)
+    if (not ch.height or ch["pos"].null_count() or ch["bad_row"][0]
+            or ch.filter(pl.col("kind").is_in([K_MALLOC, K_FREE]) & pl.col("size").is_null()).height):
         return None
+    ch = ch.with_columns(size=pl.when(pl.col("kind") == K_MALLOC).then("size")).drop("bad_row")
     if not ch["pos"].is_sorted():
         ch = ch.sort("pos")
     return ch.cast(CHUNK_SCHEMA)

@@ -28,12 +28,29 @@ import torch
 
 from .. import __version__
 from ..events import Event, Mstx, Pool, System, attr_dict, NA
-from ..io.files import make_dirs
+from ..io.files import create_new, make_dirs, unique_path
 from ..io.writers import open_writer
 from ..options import Options
 from . import backends, stacks
 
 log = logging.getLogger("msmemscope")
+
+
+class _LogFile(logging.StreamHandler):
+    """The run's log: a new file with our permissions (0o640), never opened through a planted
+    symlink (``logging.FileHandler`` appends to whatever is at the path)."""
+
+    def __init__(self, path: str):
+        super().__init__(create_new(path))
+
+    def close(self):
+        self.acquire()
+        try:
+            if self.stream is not None and not self.stream.closed:
+                self.stream.close()
+        finally:
+            self.release()
+        super().close()
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
 
 
@@ -108,6 +125,8 @@ class Session:
         self.flush_rows = FLUSH_ROWS
         self.lock = threading.RLock()        # MALLOC/FREE rows and pool counters change together
         self.flush_lock = threading.RLock()
+        self._flushing = None                # thread id of the flush in progress
+        self._pending_signal = None          # SIGTERM that arrived during that flush
         self.tls = threading.local()
         self.live: dict[int, Block] = {}     # id(storage) -> Block; the storage object lives as long as the memory
         self.used: dict = {}                 # (device, pool) -> allocated bytes
@@ -149,8 +168,8 @@ class Session:
         self.writer = open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"))
         self.dump_path = self.writer.path
         log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
-        self.log_path = os.path.join(log_dir, f"msmemscope_{ts}.log")
-        self._log_handler = logging.FileHandler(self.log_path, encoding="utf-8")
+        self.log_path = unique_path(os.path.join(log_dir, f"msmemscope_{ts}.log"))
+        self._log_handler = _LogFile(self.log_path)
         self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(self._log_handler)
         log.setLevel(getattr(logging, self.opts.log_level.upper(), logging.INFO))
@@ -166,9 +185,10 @@ class Session:
     def _write_config(self):
         path = os.path.join(self.folder, "config.json")
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)  # a stale or planted name: removed, never written through
+        with create_new(tmp) as f:
             json.dump(self.config, f, indent=2)
-        os.chmod(tmp, 0o640)
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ flags
@@ -355,23 +375,46 @@ class Session:
     # ------------------------------------------------------------------ flushing
     def flush(self, step_end=None):
         with self.flush_lock:
-            if self.closed:
+            if self._flushing == threading.get_ident():  # a signal handler inside this thread's flush
                 return
-            if self.labeler is not None:
-                self.labeler.before_flush()
-            n = len(self.buf)
-            rows = self.buf[:n]
-            del self.buf[:n]
-            first = self.next_id + 1
-            self.next_id += n
-            if rows:
+            self._flushing = threading.get_ident()
+            try:
+                self._flush(step_end)
+            finally:
+                self._flushing = None
+            if self._pending_signal is not None:
+                signum, self._pending_signal = self._pending_signal, None
+                self._on_sigterm(signum, None)
+
+    def _flush(self, step_end=None):
+        if self.closed:
+            return
+        if self.labeler is not None:
+            self.labeler.before_flush()
+        n = len(self.buf)
+        rows = self.buf[:n]
+        del self.buf[:n]
+        first = self.next_id + 1
+        self.next_id += n
+        if rows:
+            try:
                 c_syms = self._symbolize(rows) if self.c_depth else None
                 self.writer.write(rows, first, self.pid, c_syms)
-            for s in self.sinks:
-                if rows:
-                    s.consume(rows, first)
-                if step_end is not None:
-                    s.step_end(self, step_end)
+            except BaseException:
+                # interrupted inside the write (KeyboardInterrupt, or SystemExit raised by the
+                # program's own signal handler): the rows are out of the buffer, so write them
+                # now unless they reached the file, then let the exception go on
+                try:
+                    if self.writer.last_id() < first:
+                        self.writer.write(rows, first, self.pid, None)
+                except Exception:
+                    pass
+                raise
+        for s in self.sinks:
+            if rows:
+                s.consume(rows, first)
+            if step_end is not None:
+                s.step_end(self, step_end)
 
     def _symbolize(self, rows):
         raw = [(i, r[9]) for i, r in enumerate(rows) if r[9] is not None]
@@ -553,6 +596,11 @@ class Session:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _on_sigterm(self, signum, frame):
+        if self._flushing == threading.get_ident():
+            # arrived while this thread writes a batch: finish that batch first (flush ends by
+            # calling us again), so no row taken from the buffer is lost and IDs stay contiguous
+            self._pending_signal = signum
+            return
         try:
             self.close(exit_code=128 + signum)
         finally:

@@ -9,9 +9,19 @@ DIR_MODE = 0o750
 
 
 def make_dirs(path: str) -> str:
+    """Create ``path`` and any missing parents, each 0o750; refuse a symlink planted at ``path``."""
     if os.path.islink(path):
         raise OSError(f"refusing to write through the symlink {path}")
-    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    if os.path.isdir(path):
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    if parent and not os.path.isdir(parent):
+        make_dirs(parent)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise
     return path
 
 

@@ -22,6 +22,8 @@ from ..events import COLUMNS, HEADER
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
 DEFAULT_MAX_INPUT = 8 << 30
+DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a corrupt file
+CHUNK = 16 << 20              # block size of the streaming line scan
 
 
 class DumpError(Exception):
@@ -40,12 +42,24 @@ def max_input_bytes() -> int:
         return DEFAULT_MAX_INPUT
 
 
+def max_line_bytes() -> int:
+    v = os.environ.get("MSMEMSCOPE_MAX_LINE_BYTES")
+    try:
+        return max(1024, int(v)) if v else DEFAULT_MAX_LINE
+    except ValueError:
+        return DEFAULT_MAX_LINE
+
+
 def find_dumps(path: str) -> list[str]:
     """The dump files under an output folder (any depth), or the file itself."""
     if not os.path.exists(path):
         raise DumpError(f"{path}: no such file or directory")
     if os.path.isfile(path):
         return [path]
+    if not os.path.isdir(path):
+        raise DumpError(f"{path}: not a regular file or directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = sorted(set(glob.glob(os.path.join(path, "**", "memscope_dump_*.csv"), recursive=True)
                        + glob.glob(os.path.join(path, "**", "memscope_dump_*.db"), recursive=True)))
     if not found:
@@ -74,8 +88,11 @@ def read_dump(path: str) -> pl.DataFrame:
                         "(set MSMEMSCOPE_MAX_INPUT_BYTES to raise it)")
     if size == 0:
         raise DumpError(f"{path}: empty file")
-    with open(path, "rb") as f:
-        head = f.read(16)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     if head.startswith(b"SQLite format 3"):
         df = _read_db(path)
     else:
@@ -102,26 +119,16 @@ def _read_db(path: str) -> pl.DataFrame:
 
 
 def _read_csv(path: str) -> pl.DataFrame:
-    with open(path, "rb") as f:
-        header = f.readline(len(HEADER) + 8).rstrip(b"\r\n")  # bounded: a first line of 1 GB is not read whole
-        f.seek(-1, os.SEEK_END)
-        complete = f.read(1) == b"\n"
-    try:
-        header_text = header.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DumpError(f"{path}: not a text file (line 1 is not UTF-8)") from None
-    if header_text.lstrip("\ufeff") != HEADER:
-        raise DumpError(f"{path}: line 1 is not the msmemscope header (expected '{HEADER[:40]}…')")
+    complete, size = check_csv(path)
     source = path
-    if not complete:
+    if complete < size:
         # cut short by a kill: keep every complete row, say so
         with open(path, "rb") as f:
-            data = f.read()
-        cut = data.rfind(b"\n")
-        lines = data.count(b"\n", 0, cut + 1)
+            data = f.read(complete)
+        lines = data.count(b"\n")
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
-        source = io.BytesIO(data[:cut + 1])
+        source = io.BytesIO(data)
     try:
         df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
                          schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
@@ -136,6 +143,44 @@ def _read_csv(path: str) -> pl.DataFrame:
         i = int(short.arg_max())
         raise DumpError(f"{path}: line {i + 2} has too few fields, expected {len(NAMES)}")
     return df
+
+
+def check_csv(path: str) -> tuple[int, int]:
+    """A cheap streaming pass over a CSV dump (blocks of at most ``CHUNK`` bytes, bounded memory):
+    the header, and no line longer than ``max_line_bytes()`` (a corrupt file with a gigabyte-long
+    line is refused without being loaded). Returns ``(bytes up to the end of the last complete
+    line, file size)``; raises ``DumpError`` naming the file and line."""
+    limit = max_line_bytes()
+    block_size = min(CHUNK, limit)  # a line inside one block is never over the limit
+    with open(path, "rb") as f:
+        header = f.readline(len(HEADER) + 8).rstrip(b"\r\n")  # bounded: a first line of 1 GB is not read whole
+        try:
+            header_text = header.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DumpError(f"{path}: not a text file (line 1 is not UTF-8)") from None
+        if header_text.lstrip("\ufeff") != HEADER:
+            raise DumpError(f"{path}: line 1 is not the msmemscope header (expected '{HEADER[:40]}…')")
+        f.seek(0)
+        pos = 0          # bytes read
+        since = 0        # bytes since the last newline
+        lines = 0        # newlines seen
+        while True:
+            block = f.read(block_size)
+            if not block:
+                break
+            first = block.find(b"\n")
+            if first < 0:
+                since += len(block)
+            else:
+                since += first
+            if since > limit:
+                raise DumpError(f"{path}: line {lines + 1} is longer than {limit} bytes "
+                                "(not a dump row; MSMEMSCOPE_MAX_LINE_BYTES sets the limit)")
+            if first >= 0:
+                lines += block.count(b"\n")
+                since = len(block) - 1 - block.rfind(b"\n")
+            pos += len(block)
+    return pos - since, pos
 
 
 def _locate_csv_error(path: str) -> str:

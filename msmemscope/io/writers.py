@@ -35,6 +35,14 @@ def _plain(text: str) -> bool:
     return not text or (text.isprintable() and '"' not in text and "\\" not in text)
 
 
+def csv_safe(column: str):
+    """A polars expression: the string ``column`` with text that starts with ``= + - @`` prefixed
+    by ``'`` (as ``_csv_text`` does for the dump), so a spreadsheet shows it instead of running it."""
+    import polars as pl
+    c = pl.col(column).cast(pl.String)
+    return pl.when(c.str.contains(r"^[=+\-@]")).then(pl.lit("'") + c).otherwise(c).alias(column)
+
+
 def table_rows(rows, first, pid, c_syms=None):
     """Raw rows -> tuples of the 12 dump columns."""
     c_syms = c_syms or {}
@@ -96,6 +104,24 @@ class CsvWriter:
         self._f.write("".join(out))
         self._f.flush()  # reaches the kernel: survives SIGKILL of this process
 
+    def last_id(self) -> int:
+        """ID of the last row in the file (0 if none): what reached it, whatever interrupted a write."""
+        self._f.flush()
+        with open(self.path, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            tail = b""
+            while pos > 0:
+                n = min(1 << 16, pos)
+                pos -= n
+                f.seek(pos)
+                tail = f.read(n) + tail
+                i = tail.rfind(b"\n", 0, len(tail) - 1)
+                if i >= 0:
+                    tail = tail[i + 1:]
+                    break
+        head = tail.split(b",", 1)[0]
+        return int(head) if head.isdigit() else 0
+
     def close(self) -> None:
         if not self._f.closed:
             self._f.flush()
@@ -117,6 +143,9 @@ class DbWriter:
     def write(self, rows, first, pid, c_syms=None) -> None:
         self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
         self._db.commit()
+
+    def last_id(self) -> int:
+        return self._db.execute(f"SELECT MAX(ID) FROM {SQL_TABLE}").fetchone()[0] or 0
 
     def close(self) -> None:
         if self._db is not None:

@@ -7,7 +7,7 @@ import warnings
 
 import polars as pl
 
-from ..io.reader import DumpError, find_dumps, read_dump
+from ..io.reader import DumpError, TruncatedDumpWarning, find_dumps, read_dump
 
 
 class ReportError(Exception):
@@ -49,6 +49,7 @@ def read_all(dumps: list[str]) -> pl.DataFrame:
     frames = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        warnings.simplefilter("default", TruncatedDumpWarning)  # a dump cut short is said, once
         for d in dumps:
             try:
                 frames.append(read_dump(d))

@@ -111,22 +111,35 @@ def _width():
 
 
 def main(argv) -> int:
-    """``msmemscope show <folder-or-dump>``: print the summary of a dump."""
+    """``msmemscope show <folder-or-dump>``: print the summary of a dump. A dump that cannot be
+    read is an error (one line, exit 2); a dump cut short is read with a warning."""
     if len(argv) != 1:
         print("msmemscope: error: show takes one path: msmemscope show <output-folder-or-dump>", file=sys.stderr)
         return 2
+    path = argv[0]
+    frames = []
     try:
-        find_dumps(argv[0])
+        for d in find_dumps(path):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                df = read_dump(d)
+            for w in caught:
+                print(f"msmemscope: warning: {w.message}", file=sys.stderr)
+            frames.append((d, df, dump_summary(df)))
     except DumpError as e:
         print(f"msmemscope: error: {e}", file=sys.stderr)
         return 2
-    run_summary([argv[0]], out=sys.stdout)
-    for d in find_dumps(argv[0]):
+    for d, df, s in frames:
+        print(format_summary(path, d, s))
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
         try:
-            with warnings.catch_warnings(record=True):
-                warnings.simplefilter("always")
-                df = read_dump(d)
-        except DumpError:
-            continue
-        print_tables(df, sys.stdout)
+            with open(cfg) as f:
+                rank = json.load(f).get("rank")
+            if rank is not None:
+                print(f"  rank {rank}")
+        except (OSError, ValueError):
+            pass
+    for d, df, s in frames:
+        print_tables(df, sys.stdout, s)
     return 0

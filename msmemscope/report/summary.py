@@ -52,16 +52,16 @@ def load_columns(path: str):
     original's files, a dump cut short, a malformed one) goes through ``read_dump``, which says
     what is wrong."""
     import polars as pl
-    from ..events import HEADER
-    from ..io.reader import NAMES, max_input_bytes, read_dump
+    from ..io.reader import NAMES, DumpError, check_csv, max_input_bytes, read_dump
     df = None
     try:
         ok = os.path.getsize(path) <= max_input_bytes()
         with open(path, "rb") as f:
-            first = f.readline(4096).rstrip(b"\r\n").decode("utf-8", errors="replace").lstrip("\ufeff")
-            f.seek(-1, os.SEEK_END)
-            ok = ok and first == HEADER and f.read(1) == b"\n"
-    except OSError:
+            ok = ok and not f.read(16).startswith(b"SQLite format 3")
+        if ok:  # the reader's gate: header, no over-long line, complete
+            complete, size = check_csv(path)
+            ok = complete == size
+    except (OSError, DumpError):
         ok = False
     if ok:
         try:
@@ -75,6 +75,7 @@ def load_columns(path: str):
             counts = dict(raw.group_by("event").len().iter_rows())
             # a row that is not ours (bad ID, unknown event) sends the dump to read_dump, which names the line
             if (raw["id"].cast(pl.Int64, strict=False).null_count()
+                    or raw["event"].null_count() or raw["device"].null_count()  # a short row, as read_dump refuses
                     or not set(counts) <= KNOWN_EVENTS):
                 raise ValueError("not a plain dump")
             df = (raw.lazy().filter(keep)
@@ -503,6 +504,9 @@ def main(argv) -> int:
         s = build(ns.root, workers)
     except DumpError as e:
         return error_exit(str(e))
+    if len(s["ranks"]) == 1 and "error" in s["ranks"][0]:
+        # one dump that cannot be read: the same one error line as every other command
+        return error_exit(str(s["ranks"][0]["error"]))
     print_summary(s)
     if ns.json_out:
         from ..io.files import create_new, unique_path
