@@ -3,7 +3,7 @@ raises ``DumpError`` (never another exception), the streamed CSV check gives the
 whatever its block size, and rows that parse keep the SPEC column types.
 
 Quick in CI (HYPOTHESIS_PROFILE unset). A long campaign: ``HYPOTHESIS_PROFILE=long pytest
-tests/test_fuzz_readers.py`` (20,000 examples per test; see docs/reliability.md)."""
+tests/test_fuzz_readers.py`` (20,000 examples per test; see RELIABILITY.md)."""
 import os
 import sqlite3
 import warnings

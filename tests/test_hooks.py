@@ -340,6 +340,20 @@ def _sources():
     return roots
 
 
+def _source_version(path, package):
+    """The version of the package whose sources hold ``path`` (an unpacked wheel or a checkout)."""
+    import re
+    root = path[: path.rfind(os.sep + package + os.sep) + len(package) + 1]
+    for cand in ("_version.py", os.path.join("version", "version"), "version.py"):
+        f = os.path.join(root, cand)
+        if os.path.exists(f):
+            m = re.search(r"(\d+\.\d+(?:\.\d+)?)", open(f, encoding="utf-8").read().split("version", 1)[-1]
+                          if cand.endswith(".py") else open(f, encoding="utf-8").read())
+            if m:
+                return m.group(1)
+    return None
+
+
 def _find(roots, module):
     rel = module.replace(".", os.sep)
     for r in roots:
@@ -352,10 +366,11 @@ def _find(roots, module):
 @pytest.mark.skipif(not _sources(), reason="set MSMEMSCOPE_HOOK_SOURCES to folders holding vllm / vllm_ascend / "
                                            "verl sources (unpacked wheels or checkouts)")
 def test_patch_points_exist_in_sources():
-    """Every vllm / vllm_ascend / verl entry whose module is in the given sources names a
-    class that defines the method (or inherits it from a class of the same sources)."""
-    from msmemscope.integrations import frameworks
-    roots, checked = _sources(), 0
+    """Every vllm / vllm_ascend / verl entry whose module is in the given sources, and whose
+    version range admits the sources' version, names a class that defines the method (or
+    inherits it from a class of the same sources). All mismatches are listed at once."""
+    from msmemscope.integrations import frameworks, in_range, parse_version
+    roots, checked, bad = _sources(), 0, []
     for fw in frameworks().values():
         if fw.name not in ("vllm", "vllm_ascend", "verl"):
             continue
@@ -363,20 +378,29 @@ def test_patch_points_exist_in_sources():
             path = _find(roots, e.module)
             if path is None:
                 continue
+            ver = _source_version(path, e.module.split(".")[0])
+            if ver is not None and not in_range(parse_version(ver), e.versions):
+                continue
             tree = ast.parse(open(path, encoding="utf-8").read())
             cls_name, meth = e.path.split(".")
             classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-            assert cls_name in classes, (e.target, path)
+            if cls_name not in classes:
+                if not e.optional:
+                    bad.append(f"{e.target} (sources {ver}): no class {cls_name} in {path}")
+                continue
             methods = {n.name: n for n in classes[cls_name].body
                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
             if meth not in methods:
                 bases = [ast.unparse(b) for b in classes[cls_name].bases]
-                assert e.optional or any("ModelRunner" in b or "Worker" in b for b in bases), (e.target, path)
+                if not (e.optional or any("ModelRunner" in b or "Worker" in b for b in bases)):
+                    bad.append(f"{e.target} (sources {ver}): {cls_name} has no {meth}")
                 continue
             args = [a.arg for a in methods[meth].args.args]
-            assert args[0] == "self", (e.target, args)
-            if meth in ("initialize_kv_cache", "initialize_kv_cache_tensors", "initialize_from_config"):
-                assert args[1] == "kv_cache_config", (e.target, args)
+            if args[0] != "self" or (meth in ("initialize_kv_cache", "initialize_kv_cache_tensors",
+                                              "initialize_from_config") and args[1] != "kv_cache_config"):
+                bad.append(f"{e.target} (sources {ver}): unexpected signature {args}")
+                continue
             checked += 1
+    assert not bad, "\n".join(bad)
     assert checked > 0, "no module of the table found under MSMEMSCOPE_HOOK_SOURCES"
     print(f"checked {checked} patch points")

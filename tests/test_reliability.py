@@ -237,7 +237,7 @@ def _run_inproc(argv, capsys, monkeypatch):
     return rc, cap.out, [line for line in cap.err.splitlines() if line.strip()]
 
 
-# known gaps, left to the owners of these fast paths (docs/reliability.md): a lazy polars scan
+# known gaps, left to the owners of these fast paths (RELIABILITY.md): a lazy polars scan
 # does not see extra fields, and summary reads Attr numbers by their leading digits
 KNOWN_GAPS = {
     ("long_row", "check-inefficient"): "lazy scan ignores extra fields on a row",

@@ -33,6 +33,23 @@ ROLES = {
     "reward": [(f"{W}:RewardModelWorker", m) for m in ("init_model", "compute_rm_score")],
 }
 
+# verl 0.9 moved the workers to engine_workers.py (rollout runs behind a server, the
+# critic is a TrainingWorker) and the task runner to TaskRunnerV1 (the legacy one
+# lives on in main_ppo_v0, optional). Read from the verl 0.9.1 wheel.
+CHECKED_09 = "verl 0.9.1 wheel (verl/trainer/main_ppo.py, main_ppo_v0.py, workers/engine_workers.py)"
+V09 = ("0.9", None)
+E = "verl.workers.engine_workers"
+ROLES_09 = {
+    "task_runner": [("verl.trainer.main_ppo:TaskRunnerV1", "run", False),
+                    ("verl.trainer.main_ppo_v0:TaskRunner", "run", True)],
+    "actor_rollout": [(f"{E}:ActorRolloutRefWorker", m, False) for m in
+                      ("init_model", "compute_log_prob", "update_actor", "save_checkpoint")],
+    "ref": [(f"{E}:ActorRolloutRefWorker", "compute_ref_log_prob", False)],
+    "critic": [(f"{E}:TrainingWorker", m, False) for m in ("train_batch", "infer_batch", "save_checkpoint")],
+}
+
 FRAMEWORKS = [Framework("verl", "verl", entries=[
     Entry("verl", role, f"{cls}.{m}", ("verl", role, m), versions=V, checked=CHECKED)
-    for role, targets in ROLES.items() for cls, m in targets])]
+    for role, targets in ROLES.items() for cls, m in targets] + [
+    Entry("verl", role, f"{cls}.{m}", ("verl", role, m), versions=V09, optional=opt, checked=CHECKED_09)
+    for role, targets in ROLES_09.items() for cls, m, opt in targets])]
