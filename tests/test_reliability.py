@@ -239,11 +239,7 @@ def _run_inproc(argv, capsys, monkeypatch):
 
 # known gaps, left to the owners of these fast paths (RELIABILITY.md): a lazy polars scan
 # does not see extra fields, and summary reads Attr numbers by their leading digits
-KNOWN_GAPS = {
-    ("long_row", "check-inefficient"): "lazy scan ignores extra fields on a row",
-    ("long_row", "summary"): "lazy scan ignores extra fields on a row",
-    ("attr_bad_number", "summary"): "summary's Attr parser reads '12abc' as 12",
-}
+KNOWN_GAPS: dict = {}  # (kind, command) -> why, for a gap found and not yet fixed
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -267,8 +263,6 @@ def test_bad_input_one_clear_line(tmp_path, capsys, monkeypatch, request, kind, 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_truncated_dump_read_with_one_warning(tmp_path, request, command):
-    if command == "summary":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="summary reads a cut dump silently"))
     src = os.path.join(ROOT, "tests", "data", "peer-dumps", "baseline.csv")
     data = open(src, "rb").read()
     p = tmp_path / "cut.csv"

@@ -284,6 +284,7 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     try:
         ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
                           schema_overrides={n: pl.String for n in NAMES})
+              .collect().lazy()  # every column parsed: a row with extra fields is an error, as in read_dump
               .select("id", "name", "attr", "py_stack", kind=kind,
                       # the rows read_dump refuses: ID or timestamp not a number, a short row
                       bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()

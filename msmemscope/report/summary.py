@@ -41,7 +41,7 @@ NEEDED = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "pt
 # ------------------------------------------------------------------ per rank (runs in a worker process)
 def _attr_int(key):
     import polars as pl
-    pat = r'(?:^|[{,\s])"?' + key + r'"?\s*:\s*"?(-?\d+)'
+    pat = r'(?:^|[{,\s])"?' + key + r'"?\s*:\s*"?([^",}]*)'  # the whole value: '12abc' is no number
     return pl.col("attr").str.extract(pat, 1).cast(pl.Int64, strict=False)
 
 
@@ -70,8 +70,8 @@ def load_columns(path: str):
             keep = mem | (ev == "SYSTEM")
             raw = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
                                schema_overrides={n: pl.String for n in NAMES}, quote_char='"')
-                   .select("id", "event", "event_type", "name", "device", "attr")
-                   .collect())
+                   .collect()  # every column parsed: a row with extra fields is an error, as in read_dump
+                   .select("id", "event", "event_type", "name", "device", "attr"))
             counts = dict(raw.group_by("event").len().iter_rows())
             # a row that is not ours (bad ID, unknown event) sends the dump to read_dump, which names the line
             if (raw["id"].cast(pl.Int64, strict=False).null_count()
@@ -99,9 +99,11 @@ def load_columns(path: str):
         except Exception:
             df = None
     if df is None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             full = read_dump(path)
+        for w in caught:  # a dump cut short is read, and said so in one line
+            print(f"msmemscope: warning: {w.message}", file=sys.stderr)
         counts = dict(full.group_by("event").len().iter_rows())
         df = full.filter(pl.col("event").is_in(["MALLOC", "FREE", "SYSTEM"])).select(
             "id", "event", "event_type", pl.when(pl.col("event") == "MALLOC").then("name").alias("name"),
