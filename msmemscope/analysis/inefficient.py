@@ -647,12 +647,28 @@ class InefficientSink:
             self.idle_threshold = DEFAULT_IDLE_THRESHOLD
         self.tracker = Tracker(self.idle_threshold)
         self.failed = None
+        self.pending, self.pending_first = [], None
+
+    # The tracker's columnar work has a fixed cost per call: feed it in batches of
+    # BATCH_ROWS (and at close), not at every step of a fast training loop.
+    BATCH_ROWS = 1 << 16
 
     def consume(self, rows, first_id):
         if self.failed:
             return
+        if self.pending_first is None:
+            self.pending_first = first_id
+        self.pending.extend(rows)
+        if len(self.pending) >= self.BATCH_ROWS:
+            self._feed()
+
+    def _feed(self):
+        rows, first = self.pending, self.pending_first
+        self.pending, self.pending_first = [], None
+        if not rows or self.failed:
+            return
         try:
-            self.tracker.feed(chunk_from_rows(rows, first_id))
+            self.tracker.feed(chunk_from_rows(rows, first))
         except Exception as e:  # never let the analysis break the traced program
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
@@ -661,6 +677,7 @@ class InefficientSink:
         pass
 
     def close(self, session):
+        self._feed()
         if self.failed:
             print(f"[msmemscope] inefficient memory: analysis failed ({self.failed}); the dump is complete",
                   file=sys.stderr)
