@@ -15,19 +15,12 @@ import argparse
 import io
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import polars as pl  # noqa: E402
-
-
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
 
 
 def main(argv=None) -> int:
@@ -38,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true")
     a = p.parse_args(argv)
     import inefficient_bench
+    from inefficient_bench import timed
     from msmemscope.io.reader import read_dump
     if not (a.reuse and os.path.exists(a.out)):
         if os.path.exists(a.out):

@@ -241,15 +241,21 @@ class Tracker:
 
 
 # ------------------------------------------------------------------ chunks from the two sources
-def chunk_from_frame(df: pl.DataFrame) -> pl.DataFrame:
-    """Chunk columns from ``read_dump`` columns."""
+def _kind_expr():
+    """The row kind the tracker works on, from the ``event`` / ``event_type`` columns."""
     ev, et = pl.col("event"), pl.col("event_type")
-    kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
+    return (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
             .when((ev == "OP_LAUNCH") & (et == "ATEN_END")).then(K_END)
             .when((ev == "MALLOC") & ~et.is_in(SKIP_POOLS)).then(K_MALLOC)
             .when((ev == "FREE") & ~et.is_in(SKIP_POOLS)).then(K_FREE)
             .when(ev == "ACCESS").then(K_ACCESS)
             .otherwise(K_OTHER).cast(pl.Int8))
+
+
+def chunk_from_frame(df: pl.DataFrame) -> pl.DataFrame:
+    """Chunk columns from ``read_dump`` columns."""
+    ev = pl.col("event")
+    kind = _kind_expr()
     ch = df.select(pos="id", kind=kind, name="name", alloc_id="alloc_id", size="size",
                    before=(ev == "MALLOC") & pl.col("attr").str.contains("before_op", literal=True),
                    stack="py_stack")
@@ -273,13 +279,8 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
         return None
     if complete != size:
         return None
-    ev, et, attr = pl.col("event"), pl.col("event_type"), pl.col("attr")
-    kind = (pl.when((ev == "OP_LAUNCH") & (et == "ATEN_START")).then(K_START)
-            .when((ev == "OP_LAUNCH") & (et == "ATEN_END")).then(K_END)
-            .when((ev == "MALLOC") & ~et.is_in(SKIP_POOLS)).then(K_MALLOC)
-            .when((ev == "FREE") & ~et.is_in(SKIP_POOLS)).then(K_FREE)
-            .when(ev == "ACCESS").then(K_ACCESS)
-            .otherwise(K_OTHER).cast(pl.Int8))
+    attr = pl.col("attr")
+    kind = _kind_expr()
     k = pl.col("kind")
     try:
         ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,

@@ -342,20 +342,27 @@ class WatchEngine:
             if self.entries:
                 self._sync(self.entries)
             for e in list(self.entries):
-                st = e.storage()
+                st, cs = self._read(e)
                 if st is None:
-                    self._stop(e, "was freed", warn=True)
-                    continue
-                try:
-                    cs = self._checksum(e, st)
-                except Exception as exc:
-                    self._stop(e, f"could not be read ({exc})", warn=True)
                     continue
                 if e.last is not None and cs != e.last:
                     self._untraced(e, short, call)
                 self._dump(e, st, short, call, tid, "before", cs)
                 checked.append((e, cs))
             self.tls.pending = (name, call, checked, opener, closer)
+
+    def _read(self, e):
+        """(storage, checksum) of a watched block, or (None, None) after stopping its watch
+        with a warning when the block was freed or cannot be read."""
+        st = e.storage()
+        if st is None:
+            self._stop(e, "was freed", warn=True)
+            return None, None
+        try:
+            return st, self._checksum(e, st)
+        except Exception as exc:
+            self._stop(e, f"could not be read ({exc})", warn=True)
+            return None, None
 
     def after(self, func, name, args, kwargs, out, touched):
         with self.lock:
@@ -371,14 +378,8 @@ class WatchEngine:
             for e, b in checked:
                 if e not in self.entries:
                     continue
-                st = e.storage()
+                st, a = self._read(e)
                 if st is None:
-                    self._stop(e, "was freed", warn=True)
-                    continue
-                try:
-                    a = self._checksum(e, st)
-                except Exception as exc:
-                    self._stop(e, f"could not be read ({exc})", warn=True)
                     continue
                 self._dump(e, st, short, call, tid, "after", a)
                 e.dumps += 1
