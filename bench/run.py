@@ -30,7 +30,8 @@ CONFIGS = {
     "default": "msmemscope, default events (alloc,free,launch)",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
-    "profiler": "torch.profiler(profile_memory=True), collection only (its data never leaves C++)",
+    "profiler": "torch.profiler(profile_memory=True): the with-block, collection and its stop (what every user pays)",
+    "profiler-collect": "torch.profiler(profile_memory=True), collection only: its stop left out of the timing (no user gets this)",
     "profiler+read": "torch.profiler(profile_memory=True) and key_averages() at the end: the cost to see the data",
     "memtracker": "torch.distributed._tools.MemTracker",
 }
@@ -84,7 +85,7 @@ if config in ("default", "access", "stack"):
     msmemscope.config(**kw)
 model, step = build()
 ctx = None
-if config in ("profiler", "profiler+read"):
+if config in ("profiler", "profiler-collect", "profiler+read"):
     from torch.profiler import profile, ProfilerActivity
     ctx = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     ctx.__enter__()
@@ -98,9 +99,10 @@ t0 = time.perf_counter()
 for _ in range(steps):
     step()
     if config == "memtracker": ctx.reset_mod_stats()
-if config == "profiler+read":
-    ctx.__exit__(None, None, None)
-    ctx.key_averages()
+if config in ("profiler", "profiler+read"):
+    ctx.__exit__(None, None, None)  # the stop turns the collected records into results: part of its cost
+    if config == "profiler+read":
+        ctx.key_averages()
     ctx = None
 dt = time.perf_counter() - t0
 if ctx is not None:
@@ -109,11 +111,11 @@ json.dump({{"seconds": dt}}, open(out, "w"))
 ''')
 
 
-def run_one(workload, config, steps):
+def run_one(workload, config, steps, env=None):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
@@ -123,17 +125,23 @@ def run_one(workload, config, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="mlp,transformer")
-    p.add_argument("--configs", default="plain,default,access,stack,profiler,profiler+read,memtracker")
+    p.add_argument("--configs", default="plain,default,access,stack,profiler-collect,profiler,profiler+read,memtracker")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--stable-malloc", action="store_true",
+                   help="fix glibc malloc's mmap and trim thresholds in every run (GLIBC_TUNABLES), so that "
+                        "page faults from its adaptive heuristics do not move the figures")
     a = p.parse_args(argv)
     results = {}
+    env = None
+    if a.stable_malloc:
+        env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432")
     for w in a.workloads.split(","):
         for rep in range(a.repeats):  # interleave configs so drift hits all alike
             for c in a.configs.split(","):
                 try:
-                    results.setdefault((w, c), []).append(run_one(w, c, a.steps))
+                    results.setdefault((w, c), []).append(run_one(w, c, a.steps, env))
                 except RuntimeError as e:
                     print(f"  skipped: {e}", file=sys.stderr)
                     results.setdefault((w, c), [])

@@ -197,9 +197,22 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
             signal.signal(s, h)
     code = rc if rc >= 0 else 128 - rc
     new = sorted(d for d in set(os.listdir(opts.output)) - before if d.startswith("msmemscope_"))
+    _wait_for_writers([os.path.join(opts.output, d) for d in new])
     if not quiet:
         _print_results(opts, [os.path.join(opts.output, d) for d in new], time.time() - started)
     return code
+
+
+def _wait_for_writers(folders):
+    """A program killed by a signal may leave its dump writer process draining the last rows."""
+    from .io.spool import wait_for_writer
+    for folder in folders:
+        for root, _dirs, files in os.walk(folder):
+            for f in files:
+                if f.startswith("memscope_dump_") and f.endswith((".csv", ".db")):
+                    if not wait_for_writer(os.path.join(root, f)):
+                        print(f"[{PROG}] the dump writer of {folder} is still busy; its results may be incomplete",
+                              file=sys.stderr)
 
 
 def _print_results(opts, folders, seconds):

@@ -162,3 +162,53 @@ def test_module_and_shell_programs(out_dir, tmp_path):
     assert r.returncode == 7  # the program's own status
     assert "no-torch-here" in r.stdout
     assert len(run_folders(out_dir)) == 2  # the python child traced, the shell itself not
+
+
+def test_torch_compile_under_tracing(out_dir, tmp_path):
+    """A torch.compile'd loss under tracing: the losses are those of the plain run, the ops are
+    recorded, and Dynamo never compiles the tracer's own frames (without the code flag of
+    capture/ops.py it compiles ~30 frames of it, with graph breaks and recompilation warnings)."""
+    script = os.path.join(SCRIPTS, "compiled.py")
+    plain = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env_for_tests())
+    assert plain.returncode == 0, plain.stderr
+    r = run_cli(["-o", str(out_dir), script])
+    assert r.returncode == 0, r.stderr
+    losses = [l for l in r.stdout.splitlines() if l.startswith("loss")]
+    assert losses == [l for l in plain.stdout.splitlines() if l.startswith("loss")] and len(losses) == 3
+    assert "dynamo frames 0" in r.stdout
+    assert "recompil" not in r.stderr.lower() and "graph break" not in r.stderr.lower()
+    [folder] = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    names = set(df.filter(pl.col("event") == "OP_LAUNCH")["name"].to_list())
+    assert "torch._ops.aten.gelu.default" in names and "torch._ops.aten.mse_loss.default" in names
+    assert df.filter(pl.col("event_type") == "STEP").height == 3
+
+
+def test_dump_writer_process_and_its_fallback(out_dir, tmp_path):
+    """The rows reach the same dump whether a writer process writes them (the default) or the
+    traced process does (MSMEMSCOPE_WRITER=inline, or a writer process that cannot start)."""
+    mlp = os.path.join(EXAMPLES, "mlp.py")
+    seqs = {}
+    for how in ("spool", "inline", "broken"):
+        out = tmp_path / how
+        env = env_for_tests()
+        if how == "inline":
+            env["MSMEMSCOPE_WRITER"] = "inline"
+        prog = [mlp, "--steps", "3"]
+        if how == "broken":  # the writer process's interpreter does not exist: the run writes itself
+            wrapper = tmp_path / "broken.py"
+            wrapper.write_text(f"import sys, runpy\nsys.executable = '/nonexistent/python'\n"
+                               f"sys.argv = [{mlp!r}, '--steps', '3']\nrunpy.run_path({mlp!r}, run_name='__main__')\n")
+            prog = [str(wrapper)]
+        r = subprocess.run([sys.executable, "-m", "msmemscope", "-o", str(out), *prog], capture_output=True,
+                           text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        [folder] = run_folders(out)
+        df = read(dump_of(folder))
+        check_invariants(df)
+        seqs[how] = df.select("event", "event_type", "name", "size").rows()
+        log = open(os.path.join(folder, "msmemscope_logs", os.listdir(os.path.join(folder, "msmemscope_logs"))[0])).read()
+        assert ("writing in this process" in log) == (how == "broken"), log
+    assert len(seqs["spool"]) > 500
+    assert seqs["spool"] == seqs["inline"] == seqs["broken"]

@@ -19,8 +19,10 @@ _get_ident = threading.get_ident
 OP_LAUNCH, ATEN_START, ATEN_END = Event.OP_LAUNCH, Op.START, Op.END
 ACCESS, READ, WRITE = Event.ACCESS, Access.READ, Access.WRITE
 
-# func -> (name, written positional indices, written kwarg names, is_view)
+# func -> (name, written positional indices, written kwarg names, is_view, outputs are inputs)
 _INFO: dict = {}
+# in-place ops that may give ``self`` a new or resized storage: their outputs are always looked at
+_RESTORAGE = ("resize_", "resize_as_", "set_", "_resize_output_", "resize_as_sparse_")
 
 
 def op_info(func):
@@ -34,12 +36,25 @@ def op_info(func):
                 kw_writes.add(a.name)
         rets = schema.returns
         is_view = bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets) and not writes
-        info = _INFO[func] = (f"torch._ops.{func}", frozenset(writes), frozenset(kw_writes), is_view)
+        # a view or a plain in-place op returns tensors whose storages were inputs (already seen):
+        # its outputs need no look. ``out=`` variants do (an empty ``out`` gets its memory inside).
+        base = schema.name.split("::")[-1]
+        in_place = (base.endswith("_") and base not in _RESTORAGE and 0 in writes
+                    and all(r.alias_info is not None for r in rets))
+        info = _INFO[func] = (f"torch._ops.{func}", frozenset(writes), frozenset(kw_writes), is_view,
+                              is_view or in_place)
     return info
 
 
 class OpTracer(TorchDispatchMode):
     """One instance per traced thread (the dispatch-mode stack is thread local)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # No per-call torch._disable_dynamo wrapper (~1 us an op, a fifth of the cost of an empty
+        # mode): Dynamo is kept out of this frame and everything it calls by a flag on the code
+        # object instead (_keep_dynamo_out).
+        return False
 
     def __init__(self, session):
         super().__init__()
@@ -51,7 +66,7 @@ class OpTracer(TorchDispatchMode):
             kwargs = {}
         if not s.active:
             return func(*args, **kwargs)
-        name, writes, kw_writes, is_view = _INFO.get(func) or op_info(func)
+        name, writes, kw_writes, is_view, outs_seen = _INFO.get(func) or op_info(func)
         tls = s.tls
         prev = getattr(tls, "op", None)
         tls.op = name
@@ -64,26 +79,46 @@ class OpTracer(TorchDispatchMode):
             buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None, stack, None))
         access = s.emit_access and not is_view
         block_of = s.block_of
+        live = s.live
         touched = [] if access else None
         # inputs: blocks first seen here existed before the op (made outside dispatch or before tracing)
-        for i, a in enumerate(args):
-            if isinstance(a, Tensor):
-                b = block_of(a, name)
-                if access and b is not None:
-                    touched.append((b, a, WRITE if i in writes else READ))
-            elif type(a) in (list, tuple):
-                w = WRITE if i in writes else READ
-                for x in a:
-                    if isinstance(x, Tensor):
-                        b = block_of(x, name)
-                        if access and b is not None:
-                            touched.append((b, x, w))
-        if kwargs:
-            for k, a in kwargs.items():
+        if not access:
+            # the common case, kept lean: only register what was never seen
+            for a in args:
+                if isinstance(a, Tensor):
+                    try:
+                        if live.get(id(a.untyped_storage())) is not None:
+                            continue
+                    except Exception:  # no plain storage (wrapper subclass, sparse): block_of decides
+                        pass
+                    block_of(a, name)
+                elif type(a) in (list, tuple):
+                    for x in a:
+                        if isinstance(x, Tensor):
+                            block_of(x, name)
+            if kwargs:
+                for a in kwargs.values():
+                    if isinstance(a, Tensor):
+                        block_of(a, name)
+        else:
+            for i, a in enumerate(args):
                 if isinstance(a, Tensor):
                     b = block_of(a, name)
-                    if access and b is not None:
-                        touched.append((b, a, WRITE if k in kw_writes else READ))
+                    if b is not None:
+                        touched.append((b, a, WRITE if i in writes else READ))
+                elif type(a) in (list, tuple):
+                    w = WRITE if i in writes else READ
+                    for x in a:
+                        if isinstance(x, Tensor):
+                            b = block_of(x, name)
+                            if b is not None:
+                                touched.append((b, x, w))
+            if kwargs:
+                for k, a in kwargs.items():
+                    if isinstance(a, Tensor):
+                        b = block_of(a, name)
+                        if b is not None:
+                            touched.append((b, a, WRITE if k in kw_writes else READ))
         if s.watch_active:
             s.watch_before(func, name, args, kwargs)
         try:
@@ -96,8 +131,9 @@ class OpTracer(TorchDispatchMode):
             tls.stack = None
             raise
         new_block = s.new_block
-        live = s.live
-        if type(out) is Tensor or isinstance(out, Tensor):
+        if outs_seen and not s.watch_active:
+            outs = ()
+        elif type(out) is Tensor or isinstance(out, Tensor):
             outs = (out,)
         elif type(out) in (tuple, list):
             outs = out
@@ -141,3 +177,22 @@ class OpTracer(TorchDispatchMode):
         if len(buf) >= s.flush_rows:
             s.flush()
         return out
+
+
+def _keep_dynamo_out(code) -> bool:
+    """Tell Dynamo never to compile ``code`` nor any frame it calls. The flag lives in torch's C
+    module, so setting it imports nothing. Without it a torch.compile'd function that runs under
+    tracing would have Dynamo try to compile the tracer itself (inside __torch_dispatch__ the mode
+    is off the stack, so Dynamo's own "a dispatch mode is active" skip does not apply)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        return True
+    except Exception:
+        return False
+
+
+if not _keep_dynamo_out(OpTracer.__torch_dispatch__.__code__):
+    # a torch without the flag: fall back to the wrapper
+    OpTracer._should_skip_dynamo = classmethod(lambda cls: True)
+    OpTracer.__torch_dispatch__ = torch._disable_dynamo(OpTracer.__dict__["__torch_dispatch__"], recursive=True)

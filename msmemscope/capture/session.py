@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 import weakref
-from functools import partial
 from time import time_ns
 
 import torch
@@ -64,16 +63,33 @@ def _dtype_name(dt) -> str:
     return n
 
 
-class Block:
-    """A live memory block (one tensor storage)."""
-    __slots__ = ("alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "ref", "stack")
+_KIND: dict = {}  # torch.device -> its type: a dict hit costs half of ``device.type``
 
-    def __init__(self, alloc_id, addr, size, device, pool, step, op, ts):
-        self.alloc_id, self.addr, self.size, self.device, self.pool = alloc_id, addr, size, device, pool
+
+def _kind_of(dev) -> str:
+    k = _KIND[dev] = dev.type
+    return k
+
+
+class Block(weakref.ref):
+    """A live memory block (one tensor storage). The block is itself the weak reference to the
+    storage whose callback reports the free: one object per block on the hot path, not three."""
+    __slots__ = ("key", "alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "stack")
+
+    def __new__(cls, storage, on_free, *_):
+        return weakref.ref.__new__(cls, storage, on_free)
+
+    def __init__(self, storage, on_free, key, alloc_id, addr, size, device, pool, step, op, ts):
+        super().__init__(storage, on_free)
+        self.key, self.alloc_id, self.addr, self.size, self.device, self.pool = key, alloc_id, addr, size, device, pool
         self.step, self.op, self.ts = step, op, ts
         self.owner = None
-        self.ref = None
         self.stack = None
+
+    @property
+    def ref(self):
+        """The weak reference to the storage (the block itself)."""
+        return self
 
 
 def _timestamp() -> str:
@@ -150,6 +166,7 @@ class Session:
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self._update_flags()
+        self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
 
     # ------------------------------------------------------------------ output
@@ -165,7 +182,7 @@ class Session:
         dev_dir = "device_cpu" if self.op_device == "cpu" else f"device_{self.op_device}"
         self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
         dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
-        self.writer = open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"))
+        self.writer = open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"), spool=True)
         self.dump_path = self.writer.path
         log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
         self.log_path = unique_path(os.path.join(log_dir, f"msmemscope_{ts}.log"))
@@ -247,12 +264,12 @@ class Session:
         try:
             size = st.nbytes()
             dev = st.device
-            if size == 0 or dev.type == "meta":
+            kind = _KIND.get(dev) or _kind_of(dev)
+            if size == 0 or kind == "meta":
                 return None
             addr = st.data_ptr()
         except Exception:
             return None
-        kind = dev.type
         device = "cpu" if kind == "cpu" else backends.device_id(dev)
         pool = Pool.PTA
         key = id(st)
@@ -269,9 +286,8 @@ class Session:
             if used > self.peak.get(pk, 0):
                 self.peak[pk] = used
             total = backends.reserved_bytes(kind, dev.index) if kind != "cpu" else used
-            b = Block(aid, addr, size, device, pool, self.step_no, op_name, ts)
+            b = Block(st, self._gone, key, aid, addr, size, device, pool, self.step_no, op_name, ts)
             b.stack = stack
-            b.ref = weakref.ref(st, partial(self._freed, key))
             self.live[key] = b
             if self.labeler is not None:
                 self.labeler.on_new(b)
@@ -284,9 +300,19 @@ class Session:
                                  stack, stacks.capture_c() if self.c_depth else None))
         return b
 
-    def _freed(self, key, _ref):
-        b = self.live.pop(key, None)
-        if b is None or self.closed:
+    def _freed(self, key, _ref=None):
+        """The block behind the storage with this id is gone (resize_(0) keeps the storage object)."""
+        b = self.live.get(key)
+        if b is not None:
+            self._gone(b)
+
+    def _gone(self, b):
+        # the storage's weakref callback (b is the Block), or _freed
+        live = self.live
+        if live.get(b.key) is not b:  # already reported (resize_), or a newer block at that id
+            return
+        del live[b.key]
+        if self.closed:
             return
         with self.lock:
             pk = (b.device, b.pool)
@@ -479,6 +505,7 @@ class Session:
             self.stop()
             self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
             self.flush()
+            self.writer.close()  # the whole dump on disk before an analysis reads or annotates it
             for s in self.sinks:
                 try:
                     s.close(self)
@@ -590,7 +617,7 @@ class Session:
         self.closed = True
         self._update_flags()
         self.buf = []
-        self.writer.close()
+        getattr(self.writer, "abort", self.writer.close)()
         log.removeHandler(self._log_handler)
         self._log_handler.close()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -613,3 +640,6 @@ class Session:
         self.closed = True
         self.buf = []
         self._update_flags()
+        forget = getattr(self.writer, "forget", None)
+        if forget is not None:
+            forget()  # the parent's writer process is the parent's

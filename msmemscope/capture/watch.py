@@ -424,7 +424,7 @@ class WatchEngine:
     def _declared(self, func, args, kwargs, out, lo, hi):
         """Does the op's schema declare a write to [lo, hi): a written argument or a fresh output over it?"""
         try:
-            _, writes, kw_writes, _ = op_info(func)
+            writes, kw_writes = op_info(func)[1:3]
         except Exception:
             return False
         for i in writes:

@@ -61,6 +61,19 @@ class CsvWriter:
         self._f.write(HEADER + "\n")
         self._f.flush()
 
+    @classmethod
+    def attach(cls, fd: int) -> "CsvWriter":
+        """A writer on a dump another process created (the spool's writer process)."""
+        w = cls.__new__(cls)
+        w._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        w._esc = {}
+        return w
+
+    def detach(self) -> None:
+        """This process stops writing; the file stays open elsewhere."""
+        self._f.close()
+
     def write(self, rows, first, pid, c_syms=None) -> None:
         # One f-string per row, specialised for the frequent kinds; op names and
         # stacks repeat, so their CSV text is cached. This loop is the cost of a
@@ -140,6 +153,25 @@ class DbWriter:
         marks = ",".join("?" * len(COLUMNS))
         self._insert = f"INSERT INTO {SQL_TABLE} VALUES ({marks})"
 
+    @classmethod
+    def attach(cls, path: str) -> "DbWriter":
+        """A writer on a dump another process created (the spool's writer process)."""
+        w = cls.__new__(cls)
+        w.path = path
+        w.reattach()
+        return w
+
+    def reattach(self) -> None:
+        self._db = sqlite3.connect(self.path, check_same_thread=False)
+        marks = ",".join("?" * len(COLUMNS))
+        self._insert = f"INSERT INTO {SQL_TABLE} VALUES ({marks})"
+
+    def detach(self) -> None:
+        """This process stops writing (the table exists); another process opens the file."""
+        self._db.commit()
+        self._db.close()
+        self._db = None
+
     def write(self, rows, first, pid, c_syms=None) -> None:
         self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
         self._db.commit()
@@ -155,7 +187,14 @@ class DbWriter:
             os.chmod(self.path, FILE_MODE)
 
 
-def open_writer(data_format: str, path_without_suffix: str):
+def open_writer(data_format: str, path_without_suffix: str, spool: bool = False):
+    """A writer on a new dump file; with ``spool``, one whose rows are written by a process of
+    its own (io/spool.py) unless MSMEMSCOPE_WRITER=inline."""
     cls = DbWriter if data_format == "db" else CsvWriter
     from .files import unique_path
-    return cls(unique_path(path_without_suffix + cls.suffix))
+    w = cls(unique_path(path_without_suffix + cls.suffix))
+    if spool:
+        from .spool import SpoolWriter, spooling_enabled
+        if spooling_enabled():
+            return SpoolWriter(w)
+    return w
