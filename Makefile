@@ -31,7 +31,7 @@ test: venv browser
 	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: venv
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10
 
 clean:
 	rm -rf $(VENV) demo-output memscopeDumpResults .pytest_cache

@@ -6,7 +6,7 @@ Traces a small MLP training loop in-process until about ``--events`` rows are
 written. Measures the process's resident memory (VmRSS) and the Python heap
 (tracemalloc) after 50,000 events and at the end: the growth is what the tracer
 keeps per event (it should keep nothing: rows go to disk every step). Prints
-the dump's bytes per event.
+the dump's bytes per event and the peak resident memory of the dump writer process.
 """
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ import tracemalloc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+def rss(pid="self", key="VmRSS:") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -57,11 +60,15 @@ def main(argv=None):
         if early is None and s.next_id >= 50_000:
             early = (s.next_id, rss(), tracemalloc.get_traced_memory()[0])
     late = (s.next_id, rss(), tracemalloc.get_traced_memory()[0])
+    proc = getattr(s.writer, "_proc", None)  # the dump writer process (io/spool.py), if any
+    writer_peak = rss(proc.pid, "VmHWM:") if proc is not None else 0
     msmemscope.stop()
+    s.close()  # waits for the writer process: the whole dump is on disk
     size = os.path.getsize(s.dump_path)
     res = {"format": a.format, "steps": steps, "events": late[0],
            "rss_growth_mb": (late[1] - early[1]) / 2**20, "heap_growth_mb": (late[2] - early[2]) / 2**20,
-           "events_between": late[0] - early[0], "dump_bytes_per_event": size / late[0]}
+           "events_between": late[0] - early[0], "dump_bytes_per_event": size / late[0],
+           "writer_process_peak_rss_mb": writer_peak / 2**20}
     print(json.dumps(res))
 
 

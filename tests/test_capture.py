@@ -212,3 +212,22 @@ def test_dump_writer_process_and_its_fallback(out_dir, tmp_path):
         assert ("writing in this process" in log) == (how == "broken"), log
     assert len(seqs["spool"]) > 500
     assert seqs["spool"] == seqs["inline"] == seqs["broken"]
+
+
+def test_dump_writer_process_killed(out_dir):
+    """The writer process dies mid-run (as under the OOM killer): the program goes on unchanged,
+    the traced process writes the rest itself, the dump stays readable and says what was lost."""
+    script = os.path.join(SCRIPTS, "writer_killed.py")
+    plain = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env_for_tests())
+    assert plain.returncode == 0, plain.stderr
+    r = run_cli(["-o", str(out_dir), script])
+    assert r.returncode == 0, r.stderr
+    assert [l for l in r.stdout.splitlines() if l.startswith("loss")] == plain.stdout.splitlines()
+    [folder] = run_folders(out_dir)
+    df = read(dump_of(folder))
+    assert df["id"].is_sorted()
+    steps = df.filter(pl.col("event_type") == "STEP")["attr"].to_list()
+    assert any('"step":6' in a for a in steps) and any('"step":4' in a for a in steps), steps
+    assert df.filter(pl.col("event") == "SYSTEM")["event_type"][-1] == "PROC_EXIT"
+    logs = os.path.join(folder, "msmemscope_logs")
+    assert "dump writer process ended" in open(os.path.join(logs, os.listdir(logs)[0])).read()

@@ -117,7 +117,13 @@ class SpoolWriter:
             data = marshal.dumps((first, pid, rows, c_syms or None))
         except ValueError:  # a C traceback object or an exotic attribute value
             data = marshal.dumps((first, pid, _plain_rows(rows), c_syms or None))
-        self._send(len(data).to_bytes(_LEN, "little") + data)
+        try:
+            self._send(len(data).to_bytes(_LEN, "little") + data)
+        except BrokenPipeError:
+            # the writer process was killed (the OOM killer, say): never let that reach the
+            # program; the rows still in the pipe are lost, the rest is written from here
+            self._take_over()
+            self.inner.write(rows, first, pid, c_syms)
         self._sent = first + len(rows) - 1
 
     def _send(self, frame: bytes) -> None:
@@ -126,9 +132,6 @@ class SpoolWriter:
         try:
             while done < len(frame):
                 done += os.write(self._fd, view[done:])
-        except BrokenPipeError:
-            self._lost()
-            raise
         finally:
             # whatever interrupted the loop (a signal handler's exception), finish the frame: the
             # writer process must never see half of one
@@ -138,9 +141,17 @@ class SpoolWriter:
                 except BrokenPipeError:
                     break
 
-    def _lost(self):
-        rc = self._proc.poll() if self._proc is not None else None
-        log.error("the dump writer process ended (status %s); rows from ID %d on are lost", rc, self._sent + 1)
+    def _take_over(self):
+        rc = self._proc.wait() if self._proc is not None else None
+        log.error("the dump writer process ended (status %s): rows after ID %d that it had not written "
+                  "are lost; the rest is written by the traced process", rc, self._sent)
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = None
+        self._inline = True
+        self.inner = self.inner.reopen()
 
     def last_id(self) -> int:
         return self._sent

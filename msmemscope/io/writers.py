@@ -74,6 +74,26 @@ class CsvWriter:
         """This process stops writing; the file stays open elsewhere."""
         self._f.close()
 
+    def reopen(self) -> "CsvWriter":
+        """Write here again after another process wrote the file: appending after its last
+        complete row (a row it was cut off in the middle of is dropped)."""
+        fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        end = os.lseek(fd, 0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            n = min(1 << 16, pos)
+            chunk = os.pread(fd, n, pos - n)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                pos = pos - n + i + 1
+                break
+            pos -= n
+        if pos != end:
+            os.ftruncate(fd, pos)
+        os.lseek(fd, 0, os.SEEK_END)
+        self._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        return self
+
     def write(self, rows, first, pid, c_syms=None) -> None:
         # One f-string per row, specialised for the frequent kinds; op names and
         # stacks repeat, so their CSV text is cached. This loop is the cost of a
@@ -165,6 +185,10 @@ class DbWriter:
         self._db = sqlite3.connect(self.path, check_same_thread=False)
         marks = ",".join("?" * len(COLUMNS))
         self._insert = f"INSERT INTO {SQL_TABLE} VALUES ({marks})"
+
+    def reopen(self) -> "DbWriter":
+        self.reattach()
+        return self
 
     def detach(self) -> None:
         """This process stops writing (the table exists); another process opens the file."""
