@@ -231,3 +231,24 @@ def test_dump_writer_process_killed(out_dir):
     assert df.filter(pl.col("event") == "SYSTEM")["event_type"][-1] == "PROC_EXIT"
     logs = os.path.join(folder, "msmemscope_logs")
     assert "dump writer process ended" in open(os.path.join(logs, os.listdir(logs)[0])).read()
+
+
+def test_read_dump_after_stop_in_the_same_process(tmp_path):
+    """stop() returns with every row on disk (the writer process has caught up), and start()
+    afterwards goes on appending to the same dump."""
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "read_after_stop.py"), str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env_for_tests())
+    assert r.returncode == 0, r.stderr
+    seen = {}
+    for line in r.stdout.splitlines():
+        which, height, written, last = line.split()
+        seen[which] = (int(height), int(written), int(last))
+    for which in ("first", "second"):
+        height, written, last = seen[which]
+        assert height == written == last, (which, seen)
+    assert seen["second"][0] > seen["first"][0] > 1000
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    kinds = df.filter(pl.col("event") == "SYSTEM")["event_type"].to_list()
+    assert kinds.count("START_TRACE") == 2 and kinds.count("STOP_TRACE") == 2

@@ -484,7 +484,7 @@ class Session:
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
         log.info("trace started")
 
-    def stop(self):
+    def stop(self, sync: bool = True):
         if not self.active:
             return
         self._pop_mode()
@@ -493,6 +493,8 @@ class Session:
         self._hooks.clear()
         self.system(System.STOP_TRACE)
         self.flush()
+        if sync and not self.closed and hasattr(self.writer, "sync"):
+            self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
         self.active = False
         self._update_flags()
         log.info("trace stopped")
@@ -502,7 +504,7 @@ class Session:
         if self.closed or os.getpid() != self.pid:
             return
         try:
-            self.stop()
+            self.stop(sync=False)  # the writer is closed below, after the last rows
             self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
             self.flush()
             self.writer.close()  # the whole dump on disk before an analysis reads or annotates it

@@ -174,6 +174,15 @@ class SpoolWriter:
         if rc != 0:
             log.error("the dump writer process failed (status %s): %s may be incomplete", rc, self.path)
 
+    def sync(self) -> None:
+        """Return when every row handed over is in the file (``stop()``: the program may read the
+        dump next). The writer process ends; the next batch starts a new one, which appends."""
+        if self._inline or self._proc is None:
+            return
+        self.close()
+        self._proc = None
+        self.inner = self.inner.reopen()
+
     def forget(self) -> None:
         """In a forked child: let go of the pipe without ending the parent's stream."""
         if self._fd is not None:
