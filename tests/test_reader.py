@@ -113,3 +113,36 @@ def test_fuzz_reader_only_raises_dump_error(tmp_path, body, cut):
             read_dump(str(p))
         except DumpError:
             pass
+
+
+def test_attr_fast_patterns_agree_with_per_key_reading():
+    """The one-pass patterns for our MALLOC/FREE/ACCESS Attr texts give exactly what the per-key
+    patterns give, and every other text still goes through the per-key patterns."""
+    import random
+
+    from msmemscope.io import reader as R
+    from msmemscope.events import format_attr
+    rng = random.Random(7)
+    texts = ["", None, '{"step":3}', '{"range_id":2}', "{allocation_id:5,addr:0x10,size:64,used:64,total:128}",
+             '{"allocation_id":1,"addr":"0x0000000000001000","size":8,"used":8,"total":8,"owner":"a,b"}',
+             '{"allocation_id":1,"addr":"0x0000000000001000","size":8,"used":8,"total":8,"owner":"","origin":"before_op"}',
+             '{"allocation_id":1,"addr":"0x00000000000010AF","size":8,"used":-8,"total":0}',
+             '{"dtype":"float32","shape":[],"size":4,"allocation_id":9}']
+    for _ in range(300):
+        aid, addr, size = rng.randrange(1, 10**9), rng.randrange(0, 2**48), rng.randrange(1, 2**40)
+        used, total = rng.randrange(-2**40, 2**41), rng.randrange(0, 2**41)
+        owner = rng.choice(["", "PTA@weight", "PTA@optimizer_state", "x y", "model.layers.0.mlp"])
+        texts.append(format_attr("MALLOC", (aid, addr, size, used, total, owner)))
+        texts.append(format_attr("FREE", (aid, addr, size, used, total)))
+        shape = tuple(rng.randrange(1, 9) for _ in range(rng.randrange(0, 4)))
+        texts.append(format_attr("ACCESS", (rng.choice(["float32", "bfloat16", "int64"]), shape, size, aid)))
+    df = pl.DataFrame({"attr": texts}, schema={"attr": pl.String})
+    fast = R._attr_columns(df)
+    slow = df.with_columns(**R._attr_exprs()).with_columns(
+        addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+    for c in R._ATTR_COLUMNS:
+        assert fast[c].to_list() == slow[c].to_list(), c
+    # the fast patterns did the work for the rows our writer prints
+    hits = df.select(pl.col("attr").str.extract_groups(R._MEM_ATTR).struct.field("size").is_not_null().sum()
+                     + pl.col("attr").str.extract_groups(R._ACCESS_ATTR).struct.field("size").is_not_null().sum())
+    assert hits.item() >= 900

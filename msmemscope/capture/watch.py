@@ -207,12 +207,12 @@ class WatchEngine:
         session.watch_after = self.after
         orig_stop = session.stop
 
-        def stop():
+        def stop(*args, **kwargs):
             # ops run while not tracing are not checked: the next check starts afresh
             with self.lock:
                 for e in self.entries:
                     e.last = None
-            return orig_stop()
+            return orig_stop(*args, **kwargs)
         session.stop = stop
         self._update_active()
 

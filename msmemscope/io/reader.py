@@ -208,6 +208,42 @@ def _attr_field(key: str, numeric: bool):
     return e.cast(pl.Int64, strict=False) if numeric else e
 
 
+_ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr")
+# The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field: one pass of
+# one pattern reads all their fields. Any other text (the original's unquoted keys, rows with
+# extra keys, an owner with a comma) goes through the per-key patterns, which accept them all.
+_MEM_ATTR = (r'^\{"allocation_id":(?P<alloc_id>\d+),"addr":"(?P<addr>0x[0-9a-fA-F]+)","size":(?P<size>\d+),'
+             r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?\}$')
+_ACCESS_ATTR = r'^\{"dtype":"[^"]*","shape":\[[^\]]*\],"size":(?P<size>\d+),"allocation_id":(?P<alloc_id>\d+)\}$'
+
+
+def _attr_exprs(mem=None, acc=None) -> dict:
+    """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
+    if mem is None:
+        return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
+                "used": _attr_field("used", True), "total": _attr_field("total", True),
+                "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+    f = mem.struct.field
+    g = acc.struct.field
+    return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
+            "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
+            "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
+            "owner": f("owner"), "addr": f("addr")}
+
+
+def _attr_columns(df: pl.DataFrame) -> pl.DataFrame:
+    """alloc_id, size, used, total, owner, addr from Attr (null where the key is absent)."""
+    attr = pl.col("attr")
+    fast = df.select(_m=attr.str.extract_groups(_MEM_ATTR), _a=attr.str.extract_groups(_ACCESS_ATTR))
+    cols = fast.select(**_attr_exprs(pl.col("_m"), pl.col("_a")))
+    other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
+    if other.len():  # the rest, per key, on those rows only
+        slow = df[other].select(**_attr_exprs())
+        cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in _ATTR_COLUMNS))
+    cols = cols.with_columns(addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+    return df.with_columns(cols)
+
+
 def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
     ids = df["id"].cast(pl.Int64, strict=False)
     bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
@@ -219,18 +255,12 @@ def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
     if bad.any():
         i = int(bad.arg_max())
         raise DumpError(f"{path}: row {i + 1} (ID {ids[i]}) has timestamp '{df['ts'][i]}', not a number")
-    addr_hex = _attr_field("addr", False)
     out = df.with_columns(
         id=ids, ts=ts,
         pid=pl.col("pid").cast(pl.Int64, strict=False),
         tid=pl.col("tid").cast(pl.Int64, strict=False),
-        alloc_id=_attr_field("allocation_id", True),
-        size=_attr_field("size", True),
-        used=_attr_field("used", True),
-        total=_attr_field("total", True),
-        owner=_attr_field("owner", False),
-        addr=addr_hex.str.strip_prefix("0x").str.to_integer(base=16, strict=False),
     )
+    out = _attr_columns(out)
     if not out["id"].is_sorted():
         out = out.sort("id")  # the original writes rows out of ID order
     mem = out.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
