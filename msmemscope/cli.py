@@ -205,14 +205,13 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
 
 def _wait_for_writers(folders):
     """A program killed by a signal may leave its dump writer process draining the last rows."""
+    from .io.files import dump_files
     from .io.spool import wait_for_writer
     for folder in folders:
-        for root, _dirs, files in os.walk(folder):
-            for f in files:
-                if f.startswith("memscope_dump_") and f.endswith((".csv", ".db")):
-                    if not wait_for_writer(os.path.join(root, f)):
-                        print(f"[{PROG}] the dump writer of {folder} is still busy; its results may be incomplete",
-                              file=sys.stderr)
+        for dump in dump_files(folder):
+            if not wait_for_writer(dump):
+                print(f"[{PROG}] the dump writer of {folder} is still busy; its results may be incomplete",
+                      file=sys.stderr)
 
 
 def _print_results(opts, folders, seconds):

@@ -380,9 +380,7 @@ class Labeler:
             cats, changed = {}, []
         live = s.live
         for b in pending:  # blocks freed since the last flush: their storage may still exist (resize_)
-            if b.ref is None:
-                continue
-            st = b.ref()
+            st = b()
             key = id(st) if st is not None else None
             if key is not None and live.get(key) is b:
                 continue
@@ -481,7 +479,7 @@ def install_resize_patch():
                 return out
             op = getattr(s.tls, "op", None) or "UntypedStorage.resize_"
             if b is not None:
-                s._freed(key, None)
+                s._freed(key)
             if self.nbytes():
                 s.new_block(self, op, False)
         except Exception:

@@ -86,11 +86,6 @@ class Block(weakref.ref):
         self.owner = None
         self.stack = None
 
-    @property
-    def ref(self):
-        """The weak reference to the storage (the block itself)."""
-        return self
-
 
 def _timestamp() -> str:
     return time.strftime("%Y%m%d%H%M%S")
@@ -300,7 +295,7 @@ class Session:
                                  stack, stacks.capture_c() if self.c_depth else None))
         return b
 
-    def _freed(self, key, _ref=None):
+    def _freed(self, key):
         """The block behind the storage with this id is gone (resize_(0) keeps the storage object)."""
         b = self.live.get(key)
         if b is not None:
@@ -493,7 +488,7 @@ class Session:
         self._hooks.clear()
         self.system(System.STOP_TRACE)
         self.flush()
-        if sync and not self.closed and hasattr(self.writer, "sync"):
+        if sync and not self.closed:
             self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
         self.active = False
         self._update_flags()
@@ -619,7 +614,7 @@ class Session:
         self.closed = True
         self._update_flags()
         self.buf = []
-        getattr(self.writer, "abort", self.writer.close)()
+        self.writer.abort()
         log.removeHandler(self._log_handler)
         self._log_handler.close()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -642,6 +637,4 @@ class Session:
         self.closed = True
         self.buf = []
         self._update_flags()
-        forget = getattr(self.writer, "forget", None)
-        if forget is not None:
-            forget()  # the parent's writer process is the parent's
+        self.writer.forget()  # the parent's writer process is the parent's

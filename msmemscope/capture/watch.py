@@ -502,7 +502,7 @@ class WatchEngine:
     def add_range(self, addr, length, name, dump_nums=0):
         found = None
         for b in list(self.s.live.values()):
-            st = b.ref() if b.ref is not None else None
+            st = b()
             if st is None:
                 continue
             try:
@@ -532,7 +532,7 @@ class WatchEngine:
                 alloc_id = b.alloc_id if b is not None else None
             else:
                 for b in self.s.live.values():
-                    if b.ref is not None and b.ref() is st:
+                    if b() is st:
                         alloc_id = b.alloc_id
                         break
             e = Watched(name, st, offset, length, req, out_id, source, dump_nums or 0, alloc_id)

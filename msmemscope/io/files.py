@@ -25,6 +25,13 @@ def make_dirs(path: str) -> str:
     return path
 
 
+def dump_files(folder: str) -> list[str]:
+    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.db``."""
+    import glob
+    return sorted(set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
+                      + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True)))
+
+
 def unique_path(path: str) -> str:
     """``path`` if free, else ``stem_1.ext``, ``stem_2.ext``…: an earlier result is never overwritten."""
     if not os.path.lexists(path):

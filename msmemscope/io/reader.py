@@ -18,6 +18,7 @@ import warnings
 import polars as pl
 
 from ..events import COLUMNS, HEADER
+from .files import dump_files
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
@@ -60,8 +61,7 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: not a regular file or directory")
     if not os.access(path, os.R_OK | os.X_OK):
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
-    found = sorted(set(glob.glob(os.path.join(path, "**", "memscope_dump_*.csv"), recursive=True)
-                       + glob.glob(os.path.join(path, "**", "memscope_dump_*.db"), recursive=True)))
+    found = dump_files(path)
     if not found:
         found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db")))
     if not found:

@@ -36,7 +36,7 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from msmemscope.io.spool import serve; serve(sys.argv[2:])")
 
 
-def spooling_enabled() -> bool:
+def _spooling_enabled() -> bool:
     return os.environ.get("MSMEMSCOPE_WRITER", "").lower() not in ("inline", "0", "off")
 
 
@@ -63,7 +63,7 @@ class SpoolWriter:
         self._proc = None
         self._fd = None
         self._sent = 0                # ID of the last row handed over
-        self._inline = False          # the writer process could not start or died: write here
+        self._inline = not _spooling_enabled()  # write here: asked to, or no writer process could run
 
     # ------------------------------------------------------------------ start
     def _start(self) -> bool:

@@ -167,11 +167,9 @@ class DbWriter:
     def __init__(self, path: str):
         self.path = path
         create_new(path, binary=True).close()  # claim the name with our permissions
-        self._db = sqlite3.connect(path, check_same_thread=False)
+        self.reattach()
         self._db.execute(f"CREATE TABLE {SQL_TABLE} ({SQL_COLUMNS})")
         self._db.commit()
-        marks = ",".join("?" * len(COLUMNS))
-        self._insert = f"INSERT INTO {SQL_TABLE} VALUES ({marks})"
 
     @classmethod
     def attach(cls, path: str) -> "DbWriter":
@@ -213,12 +211,11 @@ class DbWriter:
 
 def open_writer(data_format: str, path_without_suffix: str, spool: bool = False):
     """A writer on a new dump file; with ``spool``, one whose rows are written by a process of
-    its own (io/spool.py) unless MSMEMSCOPE_WRITER=inline."""
+    its own (io/spool.py; MSMEMSCOPE_WRITER=inline keeps them in this process)."""
     cls = DbWriter if data_format == "db" else CsvWriter
     from .files import unique_path
     w = cls(unique_path(path_without_suffix + cls.suffix))
     if spool:
-        from .spool import SpoolWriter, spooling_enabled
-        if spooling_enabled():
-            return SpoolWriter(w)
+        from .spool import SpoolWriter
+        return SpoolWriter(w)
     return w
