@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv browser demo test bench clean
+.PHONY: venv native browser demo test bench clean
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(BIN)/.ready: pyproject.toml
 
 venv: $(BIN)/.ready
 
-demo: venv
+# the native capture source (C++, ~30 s once per torch/Python/source version, into ~/.cache/msmemscope);
+# without a compiler the runs use the dispatch-mode source, slower, and say so in their log
+native: venv
+	@$(BIN)/python -m msmemscope.capture.native build || echo "the native source was not built: tracing falls back to the dispatch-mode source"
+
+demo: venv native
 	rm -rf demo-output
 	$(BIN)/msmemscope --output=demo-output --analysis=leaks,decompose examples/transformer.py --steps 4
 
@@ -27,10 +32,10 @@ browser:
 	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 || \
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
-test: venv browser
+test: venv native browser
 	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-bench: venv
+bench: venv native
 	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10
 
 clean:

@@ -3,6 +3,9 @@ floats, each allocating a block and freeing the previous one), plain, under an
 empty TorchDispatchMode, and under msmemscope with parts switched off.
 
     python bench/per_op.py [default|access]
+
+msmemscope's line is for the source the session chose (printed): the native source where it is
+built, the dispatch-mode source with MSMEMSCOPE_SOURCE=python or for access events.
 """
 import os
 import sys
@@ -53,7 +56,7 @@ def main():
     msmemscope.config(**kw)
     msmemscope.start()
     s = capture.current()
-    print(f"msmemscope: +{per_op() - base:.2f} us")
+    print(f"msmemscope ({s.config['source']} source): +{per_op() - base:.2f} us")
 
     class Null:
         def write(self, *a):

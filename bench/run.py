@@ -27,7 +27,8 @@ WORKLOADS = {
 }
 CONFIGS = {
     "plain": "the program alone",
-    "default": "msmemscope, default events (alloc,free,launch)",
+    "default": "msmemscope, default events (alloc,free,launch); the native source where it is built",
+    "default-dispatch": "msmemscope, default events, the dispatch-mode source (MSMEMSCOPE_SOURCE=python)",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
     "profiler": "torch.profiler(profile_memory=True): the with-block, collection and its stop (what every user pays)",
@@ -77,7 +78,8 @@ def build():
     return model, step
 
 tmp = tempfile.mkdtemp()
-if config in ("default", "access", "stack"):
+if config in ("default", "default-dispatch", "access", "stack"):
+    if config == "default-dispatch": os.environ["MSMEMSCOPE_SOURCE"] = "python"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
     if config == "access": kw["analysis"] = "inefficient"
@@ -125,7 +127,7 @@ def run_one(workload, config, steps, env=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="mlp,transformer")
-    p.add_argument("--configs", default="plain,default,access,stack,profiler-collect,profiler,profiler+read,memtracker")
+    p.add_argument("--configs", default="plain,default,default-dispatch,access,stack,profiler-collect,profiler,profiler+read,memtracker")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="also write the results here")

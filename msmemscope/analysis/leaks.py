@@ -202,7 +202,7 @@ class LeakSink:
 
     def _is_live(self, alloc_id) -> bool:
         if self._live_ids is None:
-            self._live_ids = {b.alloc_id for b in list(self.session.live.values())}
+            self._live_ids = self.session.live_alloc_ids()
         return alloc_id in self._live_ids
 
     def consume(self, rows, first_id):

@@ -74,7 +74,8 @@ def _kind_of(dev) -> str:
 class Block(weakref.ref):
     """A live memory block (one tensor storage). The block is itself the weak reference to the
     storage whose callback reports the free: one object per block on the hot path, not three."""
-    __slots__ = ("key", "alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "stack")
+    __slots__ = ("key", "alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "stack",
+                 "native")
 
     def __new__(cls, storage, on_free, *_):
         return weakref.ref.__new__(cls, storage, on_free)
@@ -85,6 +86,7 @@ class Block(weakref.ref):
         self.step, self.op, self.ts = step, op, ts
         self.owner = None
         self.stack = None
+        self.native = False  # counted by the native source, whose FREE row reports it
 
 
 def _timestamp() -> str:
@@ -160,9 +162,30 @@ class Session:
         self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
+        self.native = self._choose_source()  # NativeSource, or None: the dispatch-mode source (ops.py)
+        self.native_ops = self.native is not None  # the native source records ops and new blocks
         self._update_flags()
         self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
+
+    def _choose_source(self):
+        """The native source (default events recorded in C++) where the run allows it and it is
+        built; else the dispatch-mode source. ``MSMEMSCOPE_SOURCE=python|native`` chooses."""
+        want = os.environ.get("MSMEMSCOPE_SOURCE", "auto").strip().lower()
+        self.source_note = None
+        if want == "python":
+            return None
+        from . import native
+        why = native.unsupported_by(self.opts, self.kind)
+        mod = None if why else native.load_module()
+        if mod is None:
+            why = why or native.why_not()
+            self.source_note = why
+            if want == "native":
+                from .._console import say
+                say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
+            return None
+        return native.NativeSource(self, mod)
 
     # ------------------------------------------------------------------ output
     def _primary_kind(self) -> str:
@@ -190,9 +213,11 @@ class Session:
             "argv": list(sys.argv), "torch": torch.__version__, "backend": self.kind,
             "device": self.op_device, "dump": os.path.relpath(self.dump_path, self.folder),
             "start_time": ts, "options": json.loads(self.opts.to_json()),
+            "source": "native" if self.native is not None else "dispatch",
         }
         self._write_config()
-        log.info("tracing process %d into %s", self.pid, self.folder)
+        log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
+                 f"; not native: {self.source_note}" if self.source_note else "")
 
     def _write_config(self):
         path = os.path.join(self.folder, "config.json")
@@ -211,6 +236,42 @@ class Session:
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
         self.emit_free = self.emit and self.want_free
+        if self.native is not None:
+            self.native.set_flags(self.active and not self.closed, self.emit_alloc, self.emit_free, self.emit_launch)
+
+    def sync_sources(self):
+        """Move the native source's records into ``buf``: called before a Python-side row is
+        appended, so that rows keep the order in which things happened."""
+        if self.native is not None:
+            self.native.drain_into(self.buf)
+
+    def live_alloc_ids(self) -> set:
+        """Allocation ids of the blocks allocated while tracing and not yet freed."""
+        ids = {b.alloc_id for b in list(self.live.values())}
+        if self.native is not None:
+            ids |= self.native.live_alloc_ids()
+        return ids
+
+    def use_dispatch_source(self, why: str):
+        """Go over from the native source to the dispatch-mode source for the rest of the run:
+        watch and owner labels follow tensor storages, which only the dispatch mode sees. The
+        blocks the native source counted keep being reported by it when freed; both sources
+        share one bytes-in-use counter and one allocation-id sequence."""
+        if not self.native_ops:
+            return
+        with self.lock:
+            self.native.drain_into(self.buf)
+            self._next_alloc = self.native.handover()
+            self.native_ops = False
+        self.config["source"] = "native, then dispatch"
+        try:
+            self._write_config()
+        except OSError:
+            pass
+        log.info("using the dispatch-mode source from now on: %s", why)
+        if self.active:
+            self._install_threads()
+            self._push_mode()
 
     def py_stack(self):
         return stacks.python_stack(self.py_depth)
@@ -228,6 +289,38 @@ class Session:
             if b is None and type(t) is not torch.Tensor:
                 b = self.inner_block(t, op_name, True)
         return b
+
+    def storage_at(self, addr):
+        """(storage, base, size) of the live tensor storage holding ``addr``, or None."""
+        cands = [b() for b in list(self.live.values())]
+        if self.native is not None:
+            # blocks counted by the native source before the handover have no Block here yet:
+            # found through the tensors that hold them
+            import gc
+            cands += [o.untyped_storage() for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for st in cands:
+            if st is None:
+                continue
+            try:
+                base, size = st.data_ptr(), st.nbytes()
+            except Exception:
+                continue
+            if base <= addr < base + size:
+                return st, base, size
+        return None
+
+    def alloc_id_of(self, st):
+        """The allocation id of a live storage's block, or None when tracing never saw it."""
+        for b in self.live.values():
+            if b() is st:
+                return b.alloc_id
+        if self.native is not None:
+            try:
+                hit = self.native.counted_block(st.data_ptr())
+            except Exception:
+                hit = None
+            return hit[0] if hit is not None else None
+        return None
 
     def inner_block(self, t, op_name, seen_as_input):
         """The block behind a wrapper subclass (DTensor: its local tensor), via ``__tensor_flatten__``."""
@@ -272,11 +365,26 @@ class Session:
         stack = None
         if self.py_depth:
             stack = getattr(self.tls, "stack", None) or self.py_stack()
+        tail = self.native if kind == "cpu" and not self.native_ops else None
         with self.lock:
+            if tail is not None:  # after a handover from the native source
+                hit = tail.counted_block(addr)
+                if hit is not None:
+                    # a block the native source counted (and wrote the MALLOC row of): followed
+                    # here for labels and watch, its free is reported there
+                    b = Block(st, self._gone, key, hit[0], addr, size, device, pool, self.step_no, op_name, ts)
+                    b.native = True
+                    self.live[key] = b
+                    if self.labeler is not None:
+                        self.labeler.on_new(b)
+                    return b
             self._next_alloc += 1
             aid = self._next_alloc
             pk = (device, pool)
-            used = self.used.get(pk, 0) + size
+            if tail is not None:
+                used, ts = tail.account(size)  # one counter with the native source's frees
+            else:
+                used = self.used.get(pk, 0) + size
             self.used[pk] = used
             if used > self.peak.get(pk, 0):
                 self.peak[pk] = used
@@ -307,16 +415,19 @@ class Session:
         if live.get(b.key) is not b:  # already reported (resize_), or a newer block at that id
             return
         del live[b.key]
-        if self.closed:
+        if self.closed or b.native:
             return
         with self.lock:
             pk = (b.device, b.pool)
-            used = self.used.get(pk, 0) - b.size
+            if self.native is not None and b.device == "cpu":
+                used, ts = self.native.account(-b.size)
+            else:
+                used, ts = self.used.get(pk, 0) - b.size, time_ns()
             self.used[pk] = used
             if self.emit_free:
                 kind = self.kind if b.device != "cpu" else "cpu"
                 total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
-                self.buf.append((Event.FREE, b.pool, getattr(self.tls, "op", None) or NA, time_ns(),
+                self.buf.append((Event.FREE, b.pool, getattr(self.tls, "op", None) or NA, ts,
                                  threading.get_ident(), b.device, b.addr,
                                  (b.alloc_id, b.addr, b.size, used, total),
                                  None, None))
@@ -335,11 +446,15 @@ class Session:
 
     # ------------------------------------------------------------------ rows from the API
     def system(self, kind, attr=None):
+        if self.native is not None:
+            self.native.drain_into(self.buf)
         self.buf.append((Event.SYSTEM, kind, NA, time_ns(), threading.get_ident(), self.op_device, None,
                          attr, None, None))
 
     def mstx(self, kind, msg, attr=None):
         if self.emit:
+            if self.native is not None:
+                self.native.drain_into(self.buf)
             self.buf.append((Event.MSTX, kind, msg, time_ns(), threading.get_ident(), self.op_device, None,
                              attr, self.py_stack() if self.py_depth else None, None))
 
@@ -412,6 +527,8 @@ class Session:
             return
         if self.labeler is not None:
             self.labeler.before_flush()
+        if self.native is not None:
+            self.native.drain_into(self.buf)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -473,8 +590,12 @@ class Session:
                 say(f"[msmemscope] --level=kernel: no KERNEL_LAUNCH rows will be written ({why})")
             self._install_exit_handlers()
             self._skip_dataloader_workers()
-        self._install_threads()
-        self._push_mode()
+        if self.native_ops:
+            self.native.start()
+            self._update_flags()
+        else:
+            self._install_threads()
+            self._push_mode()
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
         log.info("trace started")
@@ -483,6 +604,8 @@ class Session:
         if not self.active:
             return
         self._pop_mode()
+        if self.native is not None:
+            self.native.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -522,13 +645,17 @@ class Session:
             self._log_handler.close()
 
     def _push_mode(self):
-        from .ops import OpTracer
         tid = threading.get_ident()
         if tid in self._modes:
             return
+        from .ops import OpTracer
         m = OpTracer(self)
         m.__enter__()
         self._modes[tid] = m
+
+    def watch_attached(self):
+        """The watch engine was created: its op hooks are the dispatch mode's."""
+        self.use_dispatch_source("watch")
 
     def _pop_mode(self):
         m = self._modes.pop(threading.get_ident(), None)
@@ -546,7 +673,7 @@ class Session:
         session = self
 
         def _bootstrap_inner(thread_self):
-            if session.active and os.getpid() == session.pid:
+            if session.active and os.getpid() == session.pid and not session.native_ops:
                 from .ops import OpTracer
                 m = OpTracer(session)
                 m.__enter__()
@@ -610,6 +737,8 @@ class Session:
         """Stop tracing this process and remove what it wrote."""
         import shutil
         self._pop_mode()
+        if self.native is not None:
+            self.native.stop()
         self.active = False
         self.closed = True
         self._update_flags()

@@ -49,6 +49,7 @@ def take_snapshot(device_mask=None, name: str = "Memory Snapshot") -> list:
     out = []
     if kind != "cpu":
         backends.synchronize(kind)
+    s.sync_sources()  # the native source's rows so far, and its counters
     for idx in _devices(kind, device_mask):
         attr = snapshot_counters(s, kind, idx)
         dev = "cpu" if idx is None else str(idx)

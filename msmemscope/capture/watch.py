@@ -500,18 +500,7 @@ class WatchEngine:
                          dump_nums, out_id, source, t)
 
     def add_range(self, addr, length, name, dump_nums=0):
-        found = None
-        for b in list(self.s.live.values()):
-            st = b()
-            if st is None:
-                continue
-            try:
-                base, size = st.data_ptr(), st.nbytes()
-            except Exception:
-                continue
-            if base <= addr < base + size:
-                found = (st, base, size)
-                break
+        found = self.s.storage_at(addr)
         if found is None:
             self._warn(f"cannot watch '{name}': address {hex(addr)} is not inside any live tensor block "
                        f"msmemscope has seen")
@@ -531,10 +520,7 @@ class WatchEngine:
                 b = self.s.block_of(t, "watcher.watch")
                 alloc_id = b.alloc_id if b is not None else None
             else:
-                for b in self.s.live.values():
-                    if b() is st:
-                        alloc_id = b.alloc_id
-                        break
+                alloc_id = self.s.alloc_id_of(st)
             e = Watched(name, st, offset, length, req, out_id, source, dump_nums or 0, alloc_id)
             if self.state == "open" or source == "start op":
                 try:
@@ -642,6 +628,7 @@ def attach(session) -> WatchEngine:
     eng = session.watch_engine
     if eng is None:
         eng = session.watch_engine = WatchEngine(session)
+        session.watch_attached()
     if eng not in session.sinks:
         session.sinks.append(eng)
     return eng

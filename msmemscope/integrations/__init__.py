@@ -186,6 +186,7 @@ def labeler(create=True):
     if s is None:
         return None
     if s.labeler is None and create and s.active and not s.closed:
+        s.use_dispatch_source("owner labels (framework hooks)")  # labels follow storages
         from ..capture.owners import Labeler
         lab = Labeler(s)
         s.labeler = lab

@@ -1,0 +1,212 @@
+"""The native capture source (``_native.cpp``): default events recorded in C++.
+
+Built once per torch/Python/source version into the user's cache
+(``python -m msmemscope.capture.native build``; ``make`` does it) and loaded from there
+without a compiler. When it is not built, or the run needs what only the dispatch-mode
+source sees (access events, Python call stacks, watch, owner labels, an accelerator),
+the session uses the dispatch-mode source (``ops.py``); ``MSMEMSCOPE_SOURCE=python``
+forces that, ``MSMEMSCOPE_SOURCE=native`` makes a run that cannot use it say why.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+
+import torch
+
+from ..events import NA, Event, Op, Pool
+
+log = logging.getLogger("msmemscope")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "_native.cpp")
+ALLOC_FAILED = "ALLOC_FAILED"  # a marker row from the C++ side, never written: an OOM snapshot replaces it
+_NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED)
+
+
+def _key() -> str:
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    h = hashlib.sha256(src)
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def module_name() -> str:
+    return f"msmemscope_native_{_key()}"
+
+
+def build_dir() -> str:
+    root = os.environ.get("MSMEMSCOPE_NATIVE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "msmemscope")
+    return os.path.join(root, module_name())
+
+
+def _so_path() -> str:
+    return os.path.join(build_dir(), module_name() + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def _plain_so_path() -> str:
+    return os.path.join(build_dir(), module_name() + ".so")   # the name torch's builder gives it
+
+
+def build(verbose: bool = False) -> str:
+    """Compile the source (needs a C++ compiler and ninja); returns the module's path."""
+    from torch.utils.cpp_extension import load
+    d = build_dir()
+    os.makedirs(d, exist_ok=True)
+    mod = load(module_name(), [SOURCE], build_directory=d, extra_cflags=["-O2"], verbose=verbose)
+    return mod.__file__
+
+
+_module = None
+_why_not = None
+
+
+def load_module():
+    """The built module, or None (``why_not()`` says why); never compiles."""
+    global _module, _why_not
+    if _module is not None or _why_not is not None:
+        return _module
+    path = next((p for p in (_so_path(), _plain_so_path()) if os.path.exists(p)), None)
+    if path is None:
+        _why_not = ("the native source is not built for this torch and Python "
+                    "(python -m msmemscope.capture.native build)")
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(module_name(), path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except Exception as e:  # a broken or foreign build: the dispatch-mode source still works
+        _why_not = f"the native source at {path} cannot be loaded: {e}"
+        return None
+    _module = mod
+    return mod
+
+
+def why_not() -> str | None:
+    return _why_not
+
+
+def unsupported_by(opts, kind: str) -> str | None:
+    """Why a run with these options cannot use the native source, or None when it can."""
+    ev = opts.effective_events()
+    if kind != "cpu":
+        return f"the device is {kind} (the native source wraps the CPU allocator only)"
+    from .backends import available_accelerator
+    acc = available_accelerator()
+    if acc is not None:
+        return f"a {acc} device is present (the native source wraps the CPU allocator only)"
+    if "access" in ev:
+        return "access events need the dispatch-mode source"
+    if "traceback" in ev or opts.python_stack or opts.c_stack:
+        return "call stacks are taken by the dispatch-mode source"
+    if opts.watch is not None:
+        return "--watch needs the dispatch-mode source"
+    if "oom" in opts.analysis:
+        return "--analysis=oom hooks op failures through the dispatch-mode source"
+    if "decompose" in opts.analysis or "msmemscope.integrations" in sys.modules:
+        return "owner labels (decompose, framework hooks) need the dispatch-mode source"
+    return None
+
+
+def _ts(row):
+    return row[3]
+
+
+class NativeSource:
+    """The session's handle on the C++ recorder."""
+
+    def __init__(self, session, mod):
+        self.s = session
+        self.m = mod
+        self.installed = False
+        self.handed_over = False
+
+    def start(self):
+        self.m.install(self.s.flush_rows, self._full)
+        self.installed = True
+
+    def stop(self):
+        if self.installed:
+            self.m.uninstall()
+            self.installed = False
+
+    def set_flags(self, active, alloc, free, launch):
+        self.m.set_flags(active, alloc, free, launch)
+
+    def _full(self):
+        # from the C++ op exit when the record buffer is past its bound
+        s = self.s
+        if s.active and not s.closed:
+            s.flush()
+
+    def drain_into(self, buf: list):
+        if self.handed_over:
+            # only FREE rows of the blocks counted here: merged by time with the dispatch-mode
+            # source's rows (account() gave those their times from the same clock and lock)
+            rows: list = []
+            _, failed = self.m.drain(rows, _NAMES)
+            if rows:
+                buf[:] = heapq.merge(buf, rows, key=_ts)
+        else:
+            start = len(buf)
+            _, failed = self.m.drain(buf, _NAMES)
+            if failed:
+                self._oom_snapshots(buf, start)
+        used, peak = self.m.counters()
+        s = self.s
+        s.used[("cpu", Pool.PTA)] = used
+        if peak > s.peak.get(("cpu", Pool.PTA), 0):
+            s.peak[("cpu", Pool.PTA)] = peak
+
+    def _oom_snapshots(self, buf, start):
+        """A failed allocation becomes the OOM snapshot the dispatch-mode source takes at an
+        allocation failure: the memory counters at the failure, with its time."""
+        from .snapshot import snapshot_counters
+        for i in range(start, len(buf)):
+            r = buf[i]
+            if r[0] is ALLOC_FAILED:
+                _size, used, peak = r[7]
+                attr = snapshot_counters(self.s, "cpu", None)
+                attr.update(allocated=used, max_allocated=peak, reserved=used, max_reserved=peak)
+                buf[i] = (Event.SNAPSHOT, Event.SNAPSHOT, "OOM_Snapshot", r[3], r[4], "cpu", None, attr, None, None)
+
+    def handover(self) -> int:
+        self.handed_over = True
+        self.installed = False
+        return self.m.handover()
+
+    def account(self, delta):
+        return self.m.account(delta)
+
+    def counted_block(self, addr):
+        return self.m.counted_block(addr)
+
+    def live_alloc_ids(self) -> set:
+        return self.m.live_alloc_ids()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["build"]:
+        print("usage: python -m msmemscope.capture.native build", file=sys.stderr)
+        return 2
+    try:
+        path = build(verbose="-v" in argv)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        print(f"msmemscope: the native source could not be built ({msg[-1] if msg else type(e).__name__}); "
+              "runs will use the dispatch-mode source", file=sys.stderr)
+        return 1
+    print(f"msmemscope: native source built: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
