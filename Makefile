@@ -33,7 +33,10 @@ browser:
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
 test: venv native browser
-	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	  [ $$rc -eq 0 ] || exit $$rc; \
+	  echo "capture and leak tests again on the dispatch-mode source (the suite above used the native one where built)"; \
+	  MSMEMSCOPE_SOURCE=python $(BIN)/python -m pytest tests/test_capture.py tests/test_leaks.py
 
 bench: venv native
 	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10
