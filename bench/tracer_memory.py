@@ -1,6 +1,6 @@
 """The tracer's own memory over a long run, and dump bytes per event.
 
-    python bench/tracer_memory.py [--events 1000000] [--format csv|db]
+    python bench/tracer_memory.py [--events 1000000] [--format csv|db] [--events-kind alloc,free,launch]
 
 Traces a small MLP training loop in-process until about ``--events`` rows are
 written. Measures the process's resident memory (VmRSS) and the Python heap
@@ -65,7 +65,8 @@ def main(argv=None):
     msmemscope.stop()
     s.close()  # waits for the writer process: the whole dump is on disk
     size = os.path.getsize(s.dump_path)
-    res = {"format": a.format, "steps": steps, "events": late[0],
+    res = {"format": a.format, "source": s.config["source"], "events_kind": a.events_kind,
+           "steps": steps, "events": late[0],
            "rss_growth_mb": (late[1] - early[1]) / 2**20, "heap_growth_mb": (late[2] - early[2]) / 2**20,
            "events_between": late[0] - early[0], "dump_bytes_per_event": size / late[0],
            "writer_process_peak_rss_mb": writer_peak / 2**20}
