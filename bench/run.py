@@ -109,7 +109,11 @@ if config in ("profiler", "profiler+read"):
 dt = time.perf_counter() - t0
 if ctx is not None:
     ctx.__exit__(None, None, None)
-json.dump({{"seconds": dt}}, open(out, "w"))
+source = None
+if config in ("default", "default-dispatch", "access", "stack"):
+    from msmemscope import capture
+    source = capture.current().config["source"]
+json.dump({{"seconds": dt, "source": source}}, open(out, "w"))
 ''')
 
 
@@ -121,7 +125,12 @@ def run_one(workload, config, steps, env=None):
     if r.returncode != 0:
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
-        return json.load(f)["seconds"]
+        res = json.load(f)
+    want = {"default": "native", "default-dispatch": "dispatch", "access": "dispatch", "stack": "dispatch"}.get(config)
+    if want == "native" and res["source"] != "native":
+        # the native source is not built for this checkout: the figure would be the other source's
+        raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")
+    return res["seconds"]
 
 
 def main(argv=None):

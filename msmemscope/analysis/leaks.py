@@ -116,12 +116,14 @@ def fluct_json(fluct: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------- online: the tracker
 class StepLeakTracker:
-    """The step rule and fluctuation over a stream of MALLOC/FREE/STEP events, in ID order."""
+    """The step rule and fluctuation over a stream of MALLOC/FREE/STEP events, in ID order.
+    Online it sees every allocation: a suspect is a tuple until it is judged a leak."""
 
     def __init__(self):
         self.step = 1
-        self.by_step: dict = {}      # step -> {key: leak record} for live blocks of steps >= 2 not yet judged
-        self.where: dict = {}        # key -> step of a live block not yet judged
+        # (device, pool, alloc_id) -> (step, row_id, addr, size, op, py_stack) for the live blocks
+        # of steps >= 2 not yet judged (at most those of the last two steps)
+        self.pending: dict = {}
         self.reported: dict = {}     # key -> leak record (to note a later free)
         self.leaks: list = []
         self.level: dict = {}        # (device, pool) -> used after the last event
@@ -150,22 +152,12 @@ class StepLeakTracker:
         self._used((device, pool), used)
         s = self.step
         if s >= 2:
-            key = (device, pool, alloc_id)
-            rec = {"device": str(device), "pool": pool, "addr": addr, "size": size, "step": s, "op": op,
-                   "alloc_id": alloc_id, "id": row_id, "stack": py_stack}
-            bucket = self.by_step.get(s)
-            if bucket is None:
-                bucket = self.by_step[s] = {}
-            bucket[key] = rec
-            self.where[key] = s
+            self.pending[(device, pool, alloc_id)] = (s, row_id, addr, size, op, py_stack)
 
     def free(self, device, pool, alloc_id, used):
         self._used((device, pool), used)
         key = (device, pool, alloc_id)
-        s = self.where.pop(key, None)
-        if s is not None:
-            self.by_step[s].pop(key, None)
-        elif self.reported:
+        if self.pending.pop(key, None) is None and self.reported:
             rec = self.reported.pop(key, None)
             if rec is not None:
                 rec["freed_at_step"] = self.step
@@ -176,16 +168,18 @@ class StepLeakTracker:
         ``is_live(alloc_id)``, when given, confirms a suspect against the allocator's own view: a
         FREE that was not recorded (``--steps``, a stop/start gap) must not make a leak."""
         new = []
-        for s in sorted(k for k in self.by_step if k <= n - 1):
-            for key, rec in self.by_step.pop(s).items():
-                self.where.pop(key, None)
-                if is_live is not None and not is_live(rec["alloc_id"]):
-                    continue
-                rec["detected_at_step"] = n
-                rec["python"] = _user_line(rec.pop("stack", None))
-                rec["address"] = hex_addr(rec["addr"])
-                self.reported[key] = rec
-                new.append(rec)
+        pending = self.pending
+        due = [k for k, v in pending.items() if v[0] <= n - 1]  # in allocation order
+        for key in sorted(due, key=lambda k: pending[k][0]):
+            s, row_id, addr, size, op, stack = pending.pop(key)
+            device, pool, alloc_id = key
+            if is_live is not None and not is_live(alloc_id):
+                continue
+            rec = {"device": str(device), "pool": pool, "addr": addr, "size": size, "step": s, "op": op,
+                   "alloc_id": alloc_id, "id": row_id, "detected_at_step": n, "python": _user_line(stack),
+                   "address": hex_addr(addr)}
+            self.reported[key] = rec
+            new.append(rec)
         self.leaks.extend(new)
         self.step = n + 1
         return new
@@ -209,6 +203,8 @@ class LeakSink:
         t = self.t
         for i, r in enumerate(rows):
             ev = r[0]
+            if ev == "OP_LAUNCH":  # most rows: nothing to do
+                continue
             if ev == "MALLOC":
                 a = r[7]
                 if type(a) is tuple:

@@ -5,8 +5,9 @@
 //    bytes in use after it) and keeps the block's original deleter in a side table keyed by the
 //    data pointer (context == data, so raw_deleter() keeps working for raw_allocate users);
 //  * a global RecordFunction callback (FUNCTION scope: dispatcher ops) records the start and end
-//    of each top-level op of a thread; nested ops only move a depth counter, and allocations
-//    are attributed to the top-level op running on their thread.
+//    of each top-level op of a thread; nested ops only move a nesting counter, and allocations
+//    are attributed to the top-level op running on their thread. RecordFunctions named by a
+//    string (the autograd engine's per-node wrappers) are not ops: the ops inside them are.
 //
 // Records go into one vector under a mutex; Python drains it (at step boundaries, before each
 // Python-side row so that the order holds, and from the op exit when it grows past a bound)
@@ -52,8 +53,8 @@ std::mutex& mu = *new std::mutex();
 std::vector<Rec>& recs = *new std::vector<Rec>();
 std::unordered_map<void*, Block>& live = *new std::unordered_map<void*, Block>();
 // op names. A dispatcher op's name and overload strings live in its schema for the process's
-// life, so their pointers key a cache; a RecordFunction named by a string owns that string,
-// so those are looked up by content (rare: FUNCTION scope is almost only dispatcher ops).
+// life, so their pointers key a cache; the text map gives one index per name whatever the
+// pointers (an op registered again after a library reload).
 std::unordered_map<const char*, std::unordered_map<const char*, int32_t>>& op_index =
     *new std::unordered_map<const char*, std::unordered_map<const char*, int32_t>>();
 std::unordered_map<std::string, int32_t>& op_index_by_text = *new std::unordered_map<std::string, int32_t>();
