@@ -201,6 +201,7 @@ def test_source_choice_and_fallbacks(out_dir, tmp_path):
     assert config_of(folder)["source"] == "dispatch"
     log = open(next(iter(__import__("glob").glob(os.path.join(folder, "msmemscope_logs", "*.log"))))).read()
     assert "not native: the native source is not built" in log
+    assert "captured through the dispatch mode, slower: the native source is not built" in r.stderr
     df = read(dump_of(folder))
     assert df.filter(df["event"] == "MALLOC").height > 0
     # a broken build is not loaded, and the run still traces

@@ -173,12 +173,14 @@ class Session:
         built; else the dispatch-mode source. ``MSMEMSCOPE_SOURCE=python|native`` chooses."""
         want = os.environ.get("MSMEMSCOPE_SOURCE", "auto").strip().lower()
         self.source_note = None
+        self.native_missing = False  # the run could have used it, but it is not built or broken
         if want == "python":
             return None
         from . import native
         why = native.unsupported_by(self.opts, self.kind)
         mod = None if why else native.load_module()
         if mod is None:
+            self.native_missing = why is None
             why = why or native.why_not()
             self.source_note = why
             if want == "native":
@@ -214,6 +216,8 @@ class Session:
             "device": self.op_device, "dump": os.path.relpath(self.dump_path, self.folder),
             "start_time": ts, "options": json.loads(self.opts.to_json()),
             "source": "native" if self.native is not None else "dispatch",
+            "source_note": self.source_note,   # why not native, when it is not
+            "native_missing": self.native_missing,
         }
         self._write_config()
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],

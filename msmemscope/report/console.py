@@ -64,9 +64,12 @@ def run_summary(folders, seconds=None, out=sys.stderr):
         if os.path.exists(cfg):
             try:
                 with open(cfg) as f:
-                    rank = json.load(f).get("rank")
+                    conf = json.load(f)
+                rank = conf.get("rank")
                 if rank is not None:
                     print(f"  rank {rank}", file=out)
+                if conf.get("native_missing"):  # the run paid for the slower source, and need not have
+                    print(f"  captured through the dispatch mode, slower: {conf.get('source_note')}", file=out)
             except (OSError, ValueError):
                 pass
 
