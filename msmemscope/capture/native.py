@@ -15,7 +15,6 @@ import importlib.util
 import logging
 import os
 import sys
-import sysconfig
 
 import torch
 
@@ -48,10 +47,6 @@ def build_dir() -> str:
 
 
 def _so_path() -> str:
-    return os.path.join(build_dir(), module_name() + sysconfig.get_config_var("EXT_SUFFIX"))
-
-
-def _plain_so_path() -> str:
     return os.path.join(build_dir(), module_name() + ".so")   # the name torch's builder gives it
 
 
@@ -73,8 +68,8 @@ def load_module():
     global _module, _why_not
     if _module is not None or _why_not is not None:
         return _module
-    path = next((p for p in (_so_path(), _plain_so_path()) if os.path.exists(p)), None)
-    if path is None:
+    path = _so_path()
+    if not os.path.exists(path):
         _why_not = ("the native source is not built for this torch and Python "
                     "(python -m msmemscope.capture.native build)")
         return None
