@@ -595,8 +595,7 @@ class Session:
             self._install_exit_handlers()
             self._skip_dataloader_workers()
         if self.native_ops:
-            self.native.start()
-            self._update_flags()
+            self.native.start()  # its flags were set by _update_flags() above
         else:
             self._install_threads()
             self._push_mode()

@@ -141,17 +141,22 @@ class SpoolWriter:
                 except BrokenPipeError:
                     break
 
+    def _drop_pipe(self, inner):
+        """Write inline from now on, into ``inner``, without the pipe."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        self._inline = True
+        self.inner = inner
+
     def _take_over(self):
         rc = self._proc.wait() if self._proc is not None else None
         log.error("the dump writer process ended (status %s): rows after ID %d that it had not written "
                   "are lost; the rest is written by the traced process", rc, self._sent)
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
-        self._fd = None
-        self._inline = True
-        self.inner = self.inner.reopen()
+        self._drop_pipe(self.inner.reopen())
 
     def last_id(self) -> int:
         return self._sent
@@ -185,15 +190,8 @@ class SpoolWriter:
 
     def forget(self) -> None:
         """In a forked child: let go of the pipe without ending the parent's stream."""
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
         self._proc = None
-        self._inline = True
-        self.inner = _Nowhere()
+        self._drop_pipe(_Nowhere())
 
     def abort(self) -> None:
         """The run is being discarded: stop the writer process, whatever it has left."""
