@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv native browser demo test bench clean
+.PHONY: venv native browser demo test test-full bench clean
 
 $(BIN)/.ready: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: venv native browser
 	  [ $$rc -eq 0 ] || exit $$rc; \
 	  echo "capture and leak tests again on the dispatch-mode source (the suite above used the native one where built)"; \
 	  MSMEMSCOPE_SOURCE=python $(BIN)/python -m pytest tests/test_capture.py tests/test_leaks.py
+
+# the long forms of the tests (conftest.full): more steps, examples and repetitions
+test-full: venv native browser
+	MSMEMSCOPE_TEST_FULL=1 $(BIN)/python -m pytest tests
 
 bench: venv native
 	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10

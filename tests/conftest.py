@@ -13,6 +13,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
+# `make test` runs every test in its short form; MSMEMSCOPE_TEST_FULL=1 (make test-full) runs the
+# long forms (more steps, more hypothesis examples, more repetitions). Scale with `full(short, long)`.
+FULL = os.environ.get("MSMEMSCOPE_TEST_FULL") == "1"
+
+
+def full(short, long):
+    return long if FULL else short
+
+
 PEER = os.path.join(os.path.dirname(ROOT), "shared", "peer-dumps")
 if not os.path.isdir(PEER):
     PEER = os.path.join(ROOT, "tests", "data", "peer-dumps")
