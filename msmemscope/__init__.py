@@ -33,15 +33,41 @@ def config(**kwargs):
     opts = _options.build(base, **kwargs)
     _config = opts
     s = capture.current()
+    if s is not None and s.launched and not s.closed:
+        return _merge_with_launcher(s, kwargs)
     if s is not None:
         import logging
         logging.getLogger("msmemscope").warning(
-            "config() called while a trace is already set up (by the msmemscope launcher or an earlier "
-            "start()); its options stay in force")
+            "config() called while a trace is already set up (by an earlier start() or snapshot); "
+            "its options stay in force")
         return opts
     if opts.collect_mode == "immediate":
         start()
     return opts
+
+
+def _merge_with_launcher(s, kwargs):
+    """Under the ``msmemscope`` launcher, as in the original: the script's config() sets every
+    option the command line did not; the command line's own stay. Said in one stderr line."""
+    import os
+    from ._console import say
+    global _config
+    cli = {k for k in os.environ.get("MSMEMSCOPE_CLI_SET", "").split(",") if k}
+    mine = {k: v for k, v in kwargs.items() if _options.canonical(k) not in cli}
+    kept = [k for k in kwargs if k not in mine]
+    opts = _options.build(s.opts, **mine)
+    late = s.reconfigure(opts) if mine else []
+    _config = s.opts
+    parts = []
+    if mine:
+        parts.append("applied " + ", ".join(f"{k}={v!r}" for k, v in mine.items()))
+    if kept:
+        parts.append("kept the command line's " + ", ".join(kept))
+    if late:
+        parts.append("not applied: " + "; ".join(late))
+    if parts:
+        say("[msmemscope] msmemscope.config() in the script: " + "; ".join(parts))
+    return s.opts
 
 
 def start():

@@ -126,13 +126,7 @@ class Session:
     def __init__(self, opts: Options, launched: bool = False):
         self.opts = opts
         self.launched = launched
-        ev = opts.effective_events()
-        self.want_alloc = "alloc" in ev
-        self.want_free = "free" in ev
-        self.want_launch = "launch" in ev and "op" in opts.level
-        self.want_access = "access" in ev
-        self.py_depth = opts.python_stack if ("traceback" in ev or opts.python_stack) else 0
-        self.c_depth = opts.c_stack
+        self._set_wants()
         self.pid = os.getpid()
         self.buf: list = []
         self.flush_rows = FLUSH_ROWS
@@ -149,6 +143,9 @@ class Session:
         self.ranges: dict = {}
         self.step_no = 1
         self.explicit_steps = False
+        self._held_step = None               # the first optimizer step's boundary, until the program shows whether it numbers steps itself
+        self._flushes = 0
+        self._exit_installed = False
         self.active = False
         self.started_once = False
         self.closed = False
@@ -167,6 +164,63 @@ class Session:
         self._update_flags()
         self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
+
+    def _set_wants(self):
+        opts = self.opts
+        ev = opts.effective_events()
+        self.want_alloc = "alloc" in ev
+        self.want_free = "free" in ev
+        self.want_launch = "launch" in ev and "op" in opts.level
+        self.want_access = "access" in ev
+        self.py_depth = opts.python_stack if ("traceback" in ev or opts.python_stack) else 0
+        self.c_depth = opts.c_stack
+
+    def reconfigure(self, opts) -> list:
+        """A script's ``msmemscope.config()`` under the launcher, merged with the command line's
+        options (cli wins where it set one): in force from now on. The output folder and format
+        move only while nothing has been written; returns what could not be applied."""
+        import dataclasses
+        old, late = self.opts, []
+        moved = (opts.output, opts.data_format) != (old.output, old.data_format)
+        if moved and (self.next_id > 0 or self.closed):
+            late.append(f"output_path/format (the dump had already begun in {self.folder})")
+            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format)
+            moved = False
+        self.opts = opts
+        self._set_wants()
+        if moved:
+            import shutil
+            self.writer.abort()
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self._open_output()
+        if self.started_once and (opts.analysis, opts.oom_k) != (old.analysis, old.oom_k):
+            if self.next_id == 0:
+                from ..analysis import online_sinks
+                self.sinks = online_sinks(self) + [x for x in self.sinks if x is self.watch_engine]
+            else:
+                late.append("analysis (rows were already analysed)")
+        if self.started_once and opts.watch is not None and self.watch_engine is None:
+            from .watch import attach
+            attach(self)
+        if self.native_ops:
+            from . import native
+            why = native.unsupported_by(opts, self.kind)
+            if why:
+                self.use_dispatch_source(why)
+        self.config["options"] = json.loads(opts.to_json())
+        try:
+            self._write_config()
+        except OSError:
+            pass
+        self._update_flags()
+        if opts.collect_mode != old.collect_mode:
+            if opts.collect_mode == "deferred" and self.active:
+                self.stop()   # recording waits for the script's msmemscope.start()
+            elif opts.collect_mode == "immediate" and not self.active:
+                self.start()
+        return late
 
     def _choose_source(self):
         """The native source (default events recorded in C++) where the run allows it and it is
@@ -220,6 +274,13 @@ class Session:
             "native_missing": self.native_missing,
         }
         self._write_config()
+        runs = os.environ.get("MSMEMSCOPE_RUNS")
+        if runs and self.launched:
+            try:  # tells the launcher where this run is, wherever config() put it
+                with open(runs, "a") as f:
+                    f.write(self.folder + "\n")
+            except OSError:
+                pass
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
                  f"; not native: {self.source_note}" if self.source_note else "")
 
@@ -235,7 +296,8 @@ class Session:
     # ------------------------------------------------------------------ flags
     def _update_flags(self):
         steps = self.opts.steps
-        self.emit = self.active and (not steps or self.step_no in steps)
+        held = self._held_step is not None  # the rows may belong to this step or the next
+        self.emit = self.active and (not steps or self.step_no in steps or (held and self.step_no + 1 in steps))
         self.emit_launch = self.emit and self.want_launch
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
@@ -482,18 +544,52 @@ class Session:
             self.step("range")
 
     def step(self, source="api"):
-        """End the current step. Explicit steps (API, 'step start' ranges) switch off the optimizer hook."""
+        """End the current step. Explicit steps (API, 'step start' ranges) switch off the optimizer hook.
+
+        A program that numbers its steps (``msmemscope.step()``, 'step start' ranges) owns the
+        numbering from its first iteration: the first optimizer step's boundary is held until the
+        program shows which it does: a ``msmemscope.step()`` drops it, a second optimizer step
+        (or stop) puts it in the dump where it happened."""
         if source == "optimizer":
-            if self.explicit_steps:
+            if self.explicit_steps or not self.active:
                 return
+            if self.step_no == 1 and self._held_step is None and not getattr(self, "_optimizer_steps", False):
+                self.sync_sources()
+                self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                self._update_flags()
+                return
+            self._release_held_step()
+            self._optimizer_steps = True
         else:
             self.explicit_steps = True
+            if self._held_step is not None:
+                self._held_step = None
+                self._update_flags()
         if not self.active:
             return
         ended = self.step_no
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
         self.flush(step_end=ended)
+        self._update_flags()
+
+    def _release_held_step(self):
+        """The program's steps are its optimizer steps: step 1 ended at the first one."""
+        held, self._held_step = self._held_step, None
+        if held is None:
+            return
+        self._optimizer_steps = True
+        idx, flushes, ts, tid = held
+        self.sync_sources()
+        row = (Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None)
+        if flushes == self._flushes and idx <= len(self.buf):
+            # (with --steps=1 the rows of step 2 up to here stay in the dump, labelled step 2:
+            # dropping them could leave a later FREE without its MALLOC)
+            self.buf.insert(idx, row)
+        else:  # a flush came between: the boundary is written now
+            self.buf.append(row)
+        self.step_no = 2
+        self.flush(step_end=1)
         self._update_flags()
 
     def op_failed(self, name, exc):
@@ -536,6 +632,7 @@ class Session:
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
+        self._flushes += 1
         first = self.next_id + 1
         self.next_id += n
         if rows:
@@ -606,6 +703,7 @@ class Session:
     def stop(self, sync: bool = True):
         if not self.active:
             return
+        self._release_held_step()
         self._pop_mode()
         if self.native is not None:
             self.native.stop()
@@ -686,6 +784,9 @@ class Session:
         threading.Thread._msmemscope_patched = True
 
     def _install_exit_handlers(self):
+        if self._exit_installed:
+            return
+        self._exit_installed = True
         atexit.register(self.close)
         os.register_at_fork(after_in_child=self._after_fork_child)
         try:
