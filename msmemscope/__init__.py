@@ -72,9 +72,15 @@ def _merge_with_launcher(s, kwargs):
 
 def start():
     """Start (or resume) recording."""
+    _session_for_api().start()
+
+
+def _session_for_api():
+    """The process's session, made from the current config() if there is none yet (not started:
+    ``take_snapshot()`` and ``tracer.start()`` work without ``start()``, as in the original)."""
     from . import capture
     opts = _config or _options.Options(collect_mode="deferred")
-    capture.create(opts).start()
+    return capture.create(opts)
 
 
 def stop():
@@ -115,6 +121,8 @@ def __getattr__(name):
         "watcher": ("msmemscope.watcher", None),
         "describe": ("msmemscope.describe", None),
         "mstx": ("msmemscope.mstx", None),
+        "tracer": ("msmemscope.tracer", None),
+        "analyzer": ("msmemscope.analyzer", None),
     }
     if name in lazy:
         mod, attr = lazy[name]

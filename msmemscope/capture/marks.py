@@ -19,13 +19,15 @@ def _session():
     return s if s is not None and s.active else None
 
 
-def mark(msg: str) -> None:
+def mark(msg: str, stream=None) -> None:
+    """``stream``: the original's device stream argument (``mstx.mark(msg, stream)``), accepted and
+    not used (a mark is a point on the host timeline)."""
     s = _session()
     if s is not None:
         s.mark(str(msg))
 
 
-def range_start(msg: str) -> int:
+def range_start(msg: str, stream=None) -> int:
     s = _session()
     return s.range_start(str(msg)) if s is not None else 0
 

@@ -698,12 +698,20 @@ class Session:
             self._push_mode()
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
+        if "traceback" in self.opts.events:  # the original's Python trace (capture/pytrace.py)
+            from . import pytrace
+            pytrace.tracer_for(os.path.dirname(self.dump_path)).start()
         log.info("trace started")
 
     def stop(self, sync: bool = True):
         if not self.active:
             return
         self._release_held_step()
+        if "traceback" in self.opts.events:
+            from . import pytrace
+            t = pytrace.current()
+            if t is not None:
+                t.stop()
         self._pop_mode()
         if self.native is not None:
             self.native.stop()
