@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("-h", "--help", action="store_true", help="show this help and exit")
     a("-V", "--version", action="store_true", help="print the version and exit")
+    a("--load-api-env", "--unload-api-env", dest="api_env", action="store_true",
+      help="the original's environment setup for its API: not needed here (says so and exits)")
     a("--events", help="alloc,free,launch,access,traceback (default alloc,free,launch)")
     a("--level", help="op (default), kernel; both allowed")
     a("--call-stack", help="python[:N],c[:N] (N in 0-1000, default 50)")
@@ -148,6 +150,10 @@ def main(argv=None) -> int:
         return 0
     if ns.version:
         print(f"{PROG} {__version__}")
+        return 0
+    if ns.api_env:
+        print(f"[{PROG}] --load-api-env/--unload-api-env: nothing to set; the Python API (import msmemscope) "
+              f"needs no LD_PRELOAD or LD_LIBRARY_PATH here", file=sys.stderr)
         return 0
     program = ns.program
     if program and program[0] == "--":

@@ -144,6 +144,7 @@ class Session:
         self.step_no = 1
         self.explicit_steps = False
         self._held_step = None               # the first optimizer step's boundary, until the program shows whether it numbers steps itself
+        self._optimizer_steps = False        # settled: the optimizer steps are the steps
         self._flushes = 0
         self._exit_installed = False
         self.active = False
@@ -296,8 +297,8 @@ class Session:
     # ------------------------------------------------------------------ flags
     def _update_flags(self):
         steps = self.opts.steps
-        held = self._held_step is not None  # the rows may belong to this step or the next
-        self.emit = self.active and (not steps or self.step_no in steps or (held and self.step_no + 1 in steps))
+        held = self._held_step is not None  # the rows may belong to step 2 (as numbered now) or still to 1
+        self.emit = self.active and (not steps or self.step_no in steps or (held and 1 in steps))
         self.emit_launch = self.emit and self.want_launch
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
@@ -553,17 +554,19 @@ class Session:
         if source == "optimizer":
             if self.explicit_steps or not self.active:
                 return
-            if self.step_no == 1 and self._held_step is None and not getattr(self, "_optimizer_steps", False):
+            if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
                 self.sync_sources()
                 self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
             self._release_held_step()
             self._optimizer_steps = True
         else:
             self.explicit_steps = True
-            if self._held_step is not None:
+            if self._held_step is not None:  # the program numbers its steps: still step 1
                 self._held_step = None
+                self.step_no = 1
                 self._update_flags()
         if not self.active:
             return
@@ -588,7 +591,6 @@ class Session:
             self.buf.insert(idx, row)
         else:  # a flush came between: the boundary is written now
             self.buf.append(row)
-        self.step_no = 2
         self.flush(step_end=1)
         self._update_flags()
 
