@@ -122,7 +122,7 @@ def _one_line_warnings():
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith("--input") for a in argv)):
+    if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith(("--input", "-i")) for a in argv)):
         _one_line_warnings()
     if argv and argv[0] in SUBCOMMANDS:
         import importlib

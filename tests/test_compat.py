@@ -66,7 +66,9 @@ def _one(name, tmp):
     # the README's "msmemscope python test_x.py": `python` is this interpreter
     bindir = os.path.join(cwd, "bin")
     os.mkdir(bindir)
-    os.symlink(sys.executable, os.path.join(bindir, "python"))
+    with open(os.path.join(bindir, "python"), "w") as f:   # a wrapper: a symlink would lose the venv
+        f.write(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    os.chmod(os.path.join(bindir, "python"), 0o755)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     cmd = [sys.executable, "-m", "msmemscope", *args] if launched else [sys.executable, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

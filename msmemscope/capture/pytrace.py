@@ -57,7 +57,9 @@ class PyTracer:
         self.mode = None
         self.files: list[str] = []
         self._names: dict = {}
-        self._module_codes = _module_call_codes()
+        self._on = [False]
+        self._module_codes = _module_call_codes()   # kept: their ids stay theirs
+        self._module_ids = frozenset(id(c) for c in self._module_codes)
 
     # ------------------------------------------------------------------ per thread
     def _state(self) -> _Thread:
@@ -67,44 +69,56 @@ class PyTracer:
             self.threads.append(st)
         return st
 
-    def _begin(self, code, frame):
-        st = getattr(self.tls, "st", None) or self._state()
-        cls = None
-        if code in self._module_codes and frame is not None:
+    def _hooks(self):
+        """(begin(code, frame), end()) as closures over locals: they run on every Python call."""
+        tls, new_state, now, mod_ids, on = self.tls, self._state, time_ns, self._module_ids, self._on
+        write = self._write
+
+        def begin(code, frame):
             try:
-                cls = type(frame.f_locals.get("self")).__name__
-            except Exception:
-                cls = None
-        st.stack.append((code, time_ns(), cls))
+                st = tls.st
+            except AttributeError:
+                st = new_state()
+            cls = None
+            if id(code) in mod_ids and frame is not None:
+                try:
+                    cls = type(frame.f_locals.get("self")).__name__
+                except Exception:
+                    cls = None
+            st.stack.append((code, now(), cls))
 
-    def _end(self):
-        end = time_ns()
-        st = getattr(self.tls, "st", None)
-        if st is None or not st.stack:  # a call that began before the trace
-            return
-        code, start, cls = st.stack.pop()
-        st.rows.append((code, start, end, cls))
-        if len(st.rows) >= FLUSH_ROWS:
-            self._write(st)
+        def end():
+            t = now()
+            try:
+                st = tls.st
+            except AttributeError:
+                return
+            if st.stack:  # else a call that began before the trace
+                code, start, cls = st.stack.pop()
+                rows = st.rows
+                rows.append((code, start, t, cls))
+                if len(rows) >= FLUSH_ROWS:
+                    write(st)
 
-    # ------------------------------------------------------------------ sys.setprofile (before 3.12)
-    def _profile(self, frame, event, arg):
-        if not self.active:  # stopped from another thread: this thread stops here
-            sys.setprofile(None)
-            return
-        if event == "call":
-            self._begin(frame.f_code, frame)
-        elif event == "return":
-            self._end()
+        def profile(frame, event, arg):  # sys.setprofile (before 3.12)
+            if event == "call":
+                if not on[0]:  # stopped from another thread: this thread stops here
+                    sys.setprofile(None)
+                    return
+                begin(frame.f_code, frame)
+            elif event == "return":
+                end()
+
+        def mon_start(code, offset):  # sys.monitoring (3.12+)
+            begin(code, sys._getframe(1) if id(code) in mod_ids else None)
+
+        def mon_end(code, offset, value):
+            end()
+
+        return profile, mon_start, mon_end
 
     # ------------------------------------------------------------------ sys.monitoring (3.12+)
-    def _mon_start(self, code, offset):
-        self._begin(code, sys._getframe(1) if code in self._module_codes else None)
-
-    def _mon_end(self, code, offset, value):
-        self._end()
-
-    def _start_monitoring(self) -> bool:
+    def _start_monitoring(self, mon_start, mon_end) -> bool:
         mon = getattr(sys, "monitoring", None)
         if mon is None:
             return False
@@ -115,9 +129,9 @@ class PyTracer:
             return False
         E = mon.events
         for ev in (E.PY_START, E.PY_RESUME, E.PY_THROW):
-            mon.register_callback(tool, ev, self._mon_start)
+            mon.register_callback(tool, ev, mon_start)
         for ev in (E.PY_RETURN, E.PY_YIELD, E.PY_UNWIND):
-            mon.register_callback(tool, ev, self._mon_end)
+            mon.register_callback(tool, ev, mon_end)
         mon.set_events(tool, E.PY_START | E.PY_RESUME | E.PY_THROW | E.PY_RETURN | E.PY_YIELD | E.PY_UNWIND)
         return True
 
@@ -135,12 +149,14 @@ class PyTracer:
         if self.active:
             return
         self.active = True
-        if self._start_monitoring():
+        self._on[0] = True
+        profile, mon_start, mon_end = self._hooks()
+        if self._start_monitoring(mon_start, mon_end):
             self.mode = "sys.monitoring"
         else:
             self.mode = "sys.setprofile"
-            threading.setprofile(self._profile)
-            sys.setprofile(self._profile)
+            threading.setprofile(profile)
+            sys.setprofile(profile)
 
     def stop(self):
         if not self.active:
@@ -151,6 +167,7 @@ class PyTracer:
             sys.setprofile(None)
             threading.setprofile(None)
         self.active = False
+        self._on[0] = False
         now = time_ns()
         with self.lock:
             threads = list(self.threads)
