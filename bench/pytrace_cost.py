@@ -3,7 +3,7 @@
     python bench/pytrace_cost.py            # this interpreter (sys.setprofile before 3.12, sys.monitoring after)
     python bench/pytrace_cost.py --no-torch # the per-call part only (runs on an interpreter without torch)
 
-Prints the best of a few repeats; no thresholds."""
+Prints the best of a few repeats of CPU time (process_time: less disturbed by a loaded machine); no thresholds."""
 import os
 import sys
 import tempfile
@@ -33,9 +33,9 @@ def best(fn, traced):
         t = PyTracer(tempfile.mkdtemp()) if traced else None
         if t:
             t.start()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         if t:
             t.stop()
         out.append(dt)

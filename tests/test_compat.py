@@ -201,8 +201,7 @@ def test_tracer_api_every_thread_and_the_dumps_clock(runs):
     assert {"compat mark", "compat range"} <= set(mstx["name"].to_list())
 
 
-PY312 = sorted(glob.glob("/root/.pyenv/versions/3.1[2-9]*/bin/python3.1[2-9]") +
-               [p for p in (shutil.which("python3.12"), shutil.which("python3.13")) if p])
+PY312 = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3.1[2-9]")))
 
 
 @pytest.mark.skipif(sys.version_info < (3, 12) and not PY312,
@@ -248,7 +247,7 @@ def test_inefficient_example_api_marks_the_dump(runs):
     folder = r.folder("output")
     _layout(folder)
     text = open(dump_of(folder)).read()
-    assert '""inefficient"":""' in text                # Attr of the flagged MALLOC rows
+    assert '""inefficient_type"":""' in text           # Attr of the flagged MALLOC rows (the original's key)
     assert "early_allocation" in r.err and "late_deallocation" in r.err
     assert "--call-stack=python, or msmemscope.config(call_stack=" in r.err
 
@@ -325,7 +324,7 @@ def test_example_cmd_cli_inefficient(runs):
     folder = r.folder("memscopeDumpResults")
     conf = _layout(folder)
     assert conf["options"]["analysis"] == ["inefficient"]
-    assert '""inefficient"":""' in open(dump_of(folder)).read()
+    assert '""inefficient_type"":""' in open(dump_of(folder)).read()
     assert "Test finished." in r.out
 
 
@@ -448,8 +447,7 @@ def test_analyzer_names(tmp_path):
                             inefficient_type=["early_allocation", "late_deallocation", "temporary_idleness"],
                             idle_threshold=3000)
     res = InefficientAnalyzer().analyze(cfg)
-    assert res is not None
-    assert "inefficient" in dump.read_text()
+    assert res.output and "inefficient_type" in open(res.output).read()   # an annotated copy beside it
     with pytest.raises(TypeError, match="unknown parameter 'bogus'"):
         LeaksConfig(input_path="x", bogus=1)
     with pytest.raises(TypeError, match="takes a LeaksConfig"):

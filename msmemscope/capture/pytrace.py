@@ -21,8 +21,6 @@ No torch import here: the module runs on any interpreter.
 """
 from __future__ import annotations
 
-import csv
-import io
 import os
 import sys
 import threading
@@ -178,41 +176,56 @@ class PyTracer:
                 st.rows.append((code, start, now, cls))
             self._write(st)
 
-    # ------------------------------------------------------------------ files
-    def _info(self, code, cls):
-        if cls is not None:
-            return f"nn.Module: {cls}"
-        n = self._names.get(code)
-        if n is None:
-            n = self._names[code] = f"{code.co_filename}({code.co_firstlineno}): {code.co_name}"
-        return n
+    def move(self, folder: str):
+        """The run moved (config() under the launcher, before anything was written): files from now
+        on go to ``folder``; the calls already written went with the old folder."""
+        with self.lock:
+            self.folder = folder
+            for st in self.threads:
+                st.path = None
+            self.files = []
 
+    # ------------------------------------------------------------------ files
     def _write(self, st: _Thread):
         n = len(st.rows)
         if not n:
             return
         rows = st.rows[:n]
         del st.rows[:n]
-        out = io.StringIO()
-        w = csv.writer(out, lineterminator="\n")
         if st.path is None:
             from ..io.files import create_new, unique_path
             ts = time.strftime("%Y%m%d%H%M%S")
             st.path = unique_path(os.path.join(self.folder, f"python_trace_{st.tid}_{ts}.csv"))
-            with create_new(st.path):
-                pass
-            w.writerow(HEADER)
+            with create_new(st.path) as f:
+                f.write(",".join(HEADER) + "\n")
             self.files.append(st.path)
-        pid, tid = self.pid, st.tid
+        names, tail = self._names, f",{st.tid},{self.pid}\n"
+        lines = []
         for code, start, end, cls in rows:
-            if code.co_filename != _HERE:  # the tracer's own start()/stop() frames
-                w.writerow((self._info(code, cls), start, end, tid, pid))
+            if cls is None:
+                ent = names.get(id(code))
+                if ent is None or ent[0] is not code:  # (an id is reused only once its code is gone)
+                    ent = names[id(code)] = (code, _field(f"{code.co_filename}({code.co_firstlineno}): "
+                                                          f"{code.co_name}"), code.co_filename == _HERE)
+                if ent[2]:  # the tracer's own start()/stop() frames
+                    continue
+                info = ent[1]
+            else:
+                info = _field("nn.Module: " + cls)
+            lines.append(f"{info},{start},{end}{tail}")
         try:
             with open(st.path, "a") as f:
-                f.write(out.getvalue())
+                f.write("".join(lines))
         except OSError as e:
             import logging
             logging.getLogger("msmemscope").error("python trace: cannot write %s: %s", st.path, e)
+
+
+def _field(text: str) -> str:
+    """A CSV field (quoted when it holds a comma, a quote or a line break)."""
+    if "," in text or '"' in text or "\n" in text or "\r" in text:
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def _module_call_codes() -> frozenset:

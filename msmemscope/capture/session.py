@@ -191,11 +191,21 @@ class Session:
         self._set_wants()
         if moved:
             import shutil
+            from . import pytrace
             self.writer.abort()
             log.removeHandler(self._log_handler)
             self._log_handler.close()
             shutil.rmtree(self.folder, ignore_errors=True)
             self._open_output()
+            t = pytrace.current()
+            if t is not None:
+                t.move(os.path.dirname(self.dump_path))
+        if self.active and ("traceback" in opts.events) != ("traceback" in old.events):
+            from . import pytrace
+            if "traceback" in opts.events:
+                pytrace.tracer_for(os.path.dirname(self.dump_path)).start()
+            elif pytrace.current() is not None:
+                pytrace.current().stop()
         if self.started_once and (opts.analysis, opts.oom_k) != (old.analysis, old.oom_k):
             if self.next_id == 0:
                 from ..analysis import online_sinks
@@ -586,12 +596,18 @@ class Session:
         self.sync_sources()
         row = (Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None)
         if flushes == self._flushes and idx <= len(self.buf):
-            # (with --steps=1 the rows of step 2 up to here stay in the dump, labelled step 2:
-            # dropping them could leave a later FREE without its MALLOC)
-            self.buf.insert(idx, row)
+            # step 1's rows and its boundary are flushed alone, so that the analyses see the end of
+            # step 1 where it was; the rows since then go back at the head of the buffer. (With
+            # --steps=1 those rows stay in the dump, labelled step 2: dropping them could leave a
+            # later FREE without its MALLOC.)
+            rest = self.buf[idx:]
+            del self.buf[idx:]
+            self.buf.append(row)
+            self.flush(step_end=1, drain=False)
+            self.buf[:0] = rest
         else:  # a flush came between: the boundary is written now
             self.buf.append(row)
-        self.flush(step_end=1)
+            self.flush(step_end=1)
         self._update_flags()
 
     def op_failed(self, name, exc):
@@ -611,25 +627,25 @@ class Session:
         pass
 
     # ------------------------------------------------------------------ flushing
-    def flush(self, step_end=None):
+    def flush(self, step_end=None, drain=True):
         with self.flush_lock:
             if self._flushing == threading.get_ident():  # a signal handler inside this thread's flush
                 return
             self._flushing = threading.get_ident()
             try:
-                self._flush(step_end)
+                self._flush(step_end, drain)
             finally:
                 self._flushing = None
             if self._pending_signal is not None:
                 signum, self._pending_signal = self._pending_signal, None
                 self._on_sigterm(signum, None)
 
-    def _flush(self, step_end=None):
+    def _flush(self, step_end=None, drain=True):
         if self.closed:
             return
         if self.labeler is not None:
             self.labeler.before_flush()
-        if self.native is not None:
+        if self.native is not None and drain:
             self.native.drain_into(self.buf)
         n = len(self.buf)
         rows = self.buf[:n]
