@@ -169,7 +169,7 @@ def test_profile_example_cli_with_traceback(runs):
     assert {int(x[3]) for x in body} == {tid} and {int(x[4]) for x in body} == {pid}
     assert tid in set(df["tid"].to_list())           # the dump's Thread Id
     funcs = [x[0] for x in body]
-    assert any(f.endswith("test_profile.py(37): forward") for f in funcs), funcs[:20]
+    assert any(f.endswith("test_profile.py(33): forward") for f in funcs), funcs[:20]   # its def line
     assert funcs.count("nn.Module: SimpleModel") == 6 and funcs.count("nn.Module: MSELoss") == 6
     # the dump's clock: every call lies inside the traced window
     t0, t1 = df["ts"].min(), df["ts"].max()
@@ -439,15 +439,22 @@ def test_describer_tensor_labels_not_capped():
         describe.describer(torch.ones(1), owner=f"tensor{i}")   # no trace: labels only checked
 
 
-def test_analyzer_names(tmp_path):
+def test_analyzer_names(runs, tmp_path):
+    """api.md's analyzer classes, on the dumps of the examples above."""
+    from msmemscope.analysis.leaks import MarkError
     from msmemscope.analyzer import InefficientAnalyzer, InefficientConfig, LeaksAnalyzer, LeaksConfig
-    dump = tmp_path / "b.csv"
-    shutil.copy(os.path.join(PEER, "baseline.csv"), dump)
+    dump = tmp_path / "ex.csv"
+    shutil.copy(dump_of(runs["example_api"].folder("output")), dump)   # has ACCESS rows
     cfg = InefficientConfig(input_path=str(dump), mem_size=0,
                             inefficient_type=["early_allocation", "late_deallocation", "temporary_idleness"],
                             idle_threshold=3000)
     res = InefficientAnalyzer().analyze(cfg)
-    assert res.output and "inefficient_type" in open(res.output).read()   # an annotated copy beside it
+    assert len(res) > 0 and res.output and '""inefficient_type"":""' in open(res.output).read()
+    leaks_cfg = LeaksConfig(input_path=dump_of(runs["api_extras"].folder("out")), mstx_info="compat mark",
+                            start_index=0)
+    assert leaks_cfg.mstx_info == "compat mark"
+    with pytest.raises(MarkError, match="compat mark"):   # one mark in that dump; the rule needs A, B, C
+        LeaksAnalyzer().analyze(leaks_cfg)
     with pytest.raises(TypeError, match="unknown parameter 'bogus'"):
         LeaksConfig(input_path="x", bogus=1)
     with pytest.raises(TypeError, match="takes a LeaksConfig"):
