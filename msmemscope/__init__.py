@@ -35,6 +35,10 @@ def config(**kwargs):
     s = capture.current()
     if s is not None and s.launched and not s.closed:
         return _merge_with_launcher(s, kwargs)
+    if s is None and _launched():
+        # under the launcher before `import torch`: merged when the launcher's trace starts there
+        _launcher_pending.update(kwargs)
+        return opts
     if s is not None:
         import logging
         logging.getLogger("msmemscope").warning(
@@ -44,6 +48,14 @@ def config(**kwargs):
     if opts.collect_mode == "immediate":
         start()
     return opts
+
+
+_launcher_pending: dict = {}
+
+
+def _launched() -> bool:
+    import os
+    return bool(os.environ.get("MSMEMSCOPE_OPTIONS"))
 
 
 def _merge_with_launcher(s, kwargs):

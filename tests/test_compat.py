@@ -467,3 +467,23 @@ def test_analyzer_names(runs, tmp_path):
         LeaksConfig(input_path="x", bogus=1)
     with pytest.raises(TypeError, match="takes a LeaksConfig"):
         LeaksAnalyzer().analyze(cfg)
+
+
+def test_config_before_import_torch_under_the_launcher(tmp_path):
+    """config() before `import torch` (no trace yet in that process) is merged when tracing starts."""
+    prog = tmp_path / "early.py"
+    prog.write_text("import msmemscope\n"
+                    "msmemscope.config(output_path='./early_out', analysis='decompose', steps='1,2')\n"
+                    "import torch\n"
+                    "x = [torch.ones(100) for _ in range(3)]\n"
+                    "print('ok')\n")
+    r = run_cli(["--analysis=leaks", str(prog)], cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    assert ("msmemscope.config() in the script: applied output_path='./early_out', steps='1,2'; "
+            "kept the command line's analysis") in r.stderr
+    folders = glob.glob(str(tmp_path / "early_out" / "msmemscope_*"))
+    assert len(folders) == 1 and not os.path.exists(tmp_path / "memscopeDumpResults")
+    with open(os.path.join(folders[0], "config.json")) as f:
+        o = json.load(f)["options"]
+    assert o["analysis"] == ["leaks"] and o["steps"] == [1, 2]
+    assert _dump(folders[0]).filter(pl.col("event") == "MALLOC").height == 3

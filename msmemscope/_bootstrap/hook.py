@@ -25,7 +25,11 @@ def start_from_env():
         return
     opts = Options.from_json(os.environ["MSMEMSCOPE_OPTIONS"])
     s = capture.create(opts, launched=True)
-    if opts.collect_mode == "immediate":
+    api = sys.modules.get("msmemscope")
+    if getattr(api, "_launcher_pending", None):  # msmemscope.config() ran before `import torch`
+        api._merge_with_launcher(s, dict(api._launcher_pending))
+        api._launcher_pending.clear()
+    if s.opts.collect_mode == "immediate":
         s.start()
 
 
