@@ -566,6 +566,8 @@ class Session:
                 return
             if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
                 self.sync_sources()
+                if self.labeler is not None:
+                    self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
                 self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
@@ -600,6 +602,8 @@ class Session:
             # step 1 where it was; the rows since then go back at the head of the buffer. (With
             # --steps=1 those rows stay in the dump, labelled step 2: dropping them could leave a
             # later FREE without its MALLOC.)
+            if self.labeler is not None:
+                self.labeler.before_flush()  # label the rows of both parts while they are in the buffer
             rest = self.buf[idx:]
             del self.buf[idx:]
             self.buf.append(row)
