@@ -85,7 +85,7 @@ class AllocatorSource:
         self._settings = {}
         self._lock = threading.RLock()
         self.oom_k = int(getattr(session.opts, "oom_k", 10) or 10) if "oom" in session.opts.analysis else 0
-        self._oom_seen = 0
+        self.last_step_end: dict = {}   # device index -> the last "Step End" snapshot's Attr
 
     # ------------------------------------------------------------------ life cycle
     def _enable(self, clear: bool):
@@ -318,6 +318,7 @@ class AllocatorSource:
                     "headroom": max(0, total - outside - c.step_peak_reserved)}
             buf.append((Event.SNAPSHOT, Event.SNAPSHOT, "Step End", time_ns(), tid, str(idx), None, attr,
                         None, None))
+            self.last_step_end[idx] = attr
             c.device_total = total
             c.new_step()
         if self.grow_to and self.ours and self.grow_to > self.capacity:
