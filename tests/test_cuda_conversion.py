@@ -2,9 +2,14 @@
 torch/cuda/memory.py), recorded traces under tests/data/ when a GPU has made some, a fake allocator
 behind the live source, fragmentation on hand-made layouts. Hardware tests skip without CUDA."""
 import glob
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import polars as pl
 import pytest
@@ -280,7 +285,7 @@ class FakeAllocator:
 
     def __init__(self, capacity=64):
         self.trace, self.capacity, self.next = [], capacity, 0
-        self.t = 1_800_000_000_000_000
+        self.t = time.time_ns() // 1000
         self.segs = []       # [addr, size, bump, {addr: [size, req, state]}]
         self.enabled = False
         self.base = 0x7E0000000000
@@ -291,7 +296,7 @@ class FakeAllocator:
             return
         self.tick += 1
         if self.tick % 2:
-            self.t += 1      # pairs of entries share a time stamp
+            self.t = max(self.t + 1, time.time_ns() // 1000)  # pairs of entries share a time stamp
         e = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": self.t}
         if len(self.trace) < self.capacity:
             self.trace.append(e)
@@ -468,6 +473,98 @@ def test_live_source_oom_goes_to_the_oom_analysis(fakedev, capsys):
     assert len(sink.events) == 1 and sink.events[0]["trigger"]["size"] == 90 << 30
     assert [r[1] for r in s.buf if r[0] == "OOM_DETAIL"] == ["OOM_TRIGGER", "OOM_RECENT_ALLOC", "OOM_TOP_ALLOC"]
     assert "reserved but unallocated" in capsys.readouterr().err
+
+
+def test_leak_rule_leaves_cached_segments_out(tmp_path):
+    from msmemscope.analysis.leaks import step_leaks
+    e = Clock()
+    rows = []
+    conv = AllocatorConverter("0", step=lambda: len([r for r in rows if r[1] == "STEP"]) + 1)
+
+    def step(n):
+        rows.append(("SYSTEM", "STEP", "N/A", e("x")["time_us"] * 1000, 1, "0", None, {"step": n}, None, None))
+    step(1)
+    conv.convert([e("segment_alloc", L0, 20 * MiB), e("alloc", L0, 4 * MiB)], rows)   # step 2: both stay
+    step(2)
+    step(3)
+    df = write_and_read(tmp_path, rows)
+    check_invariants(df)
+    assert [(lk["pool"], lk["size"]) for lk in step_leaks(df)] == [("PTA", 4 * MiB)]
+
+
+def test_session_with_the_allocator_source_end_to_end(tmp_path):
+    """A real Session (CPU training, its own sources) with the allocator-trace source on a fake device:
+    the session's wiring (drain at flush, Step End snapshots, OOM, fragmentation sink, config)."""
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {HERE!r})
+        from test_cuda_conversion import FakeAllocator, MiB
+        import msmemscope.capture as cap
+        from msmemscope.capture import cuda_source
+        from msmemscope.capture.session import Session
+        from msmemscope.options import Options
+        fake = FakeAllocator(capacity=256)
+
+        class Mod:
+            memory = fake
+            mem_get_info = staticmethod(lambda i=None: ((80 << 30) - fake.reserved() - (1 << 29), 80 << 30))
+            memory_reserved = staticmethod(lambda i=None: fake.reserved())
+            memory_allocated = staticmethod(lambda i=None: fake.allocated())
+        torch.fakedev = Mod
+        s = cap._session = Session(Options(output={str(out)!r}, analysis=("leaks", "oom")))
+        s.device_source = cuda_source.AllocatorSource(s, "fakedev", fake)
+        s.start()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        held, checks = [], []
+        for step in range(4):
+            loss = model(torch.randn(8, 16)).square().mean()
+            held += [fake.malloc((step + 1) * 700_000), fake.malloc(3000)]
+            loss.backward()
+            fake.free(held.pop(0))
+            opt.step()
+            opt.zero_grad()
+            a = s.device_source.last_step_end[0]
+            checks.append([a["traced_allocated"], fake.allocated(), a["traced_reserved"], fake.reserved()])
+        fake._rec("oom", 0, 99 << 30)
+        fake.trace[-1]["device_free"] = fake.trace[-1].pop("addr")
+        s.device_source.on_oom()
+        s.close()
+        print("CHECKS " + json.dumps(checks))
+    """))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), MSMEMSCOPE_WRITER="inline")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    checks = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("CHECKS ")][0][7:])
+    assert len(checks) == 4 and all(c[0] == c[1] and c[2] == c[3] for c in checks), checks
+    [folder] = glob.glob(str(out / "msmemscope_*"))
+    [dump] = glob.glob(os.path.join(folder, "device_*", "dump", "*.csv"))
+    df = read(dump)
+    check_invariants(df)
+    pta = df.filter((pl.col("event") == "MALLOC") & (pl.col("event_type") == "PTA") & (pl.col("device") == "0"))
+    assert pta.height == 8 and df.filter(pl.col("event_type") == "HAL").height >= 2
+    assert df.filter(pl.col("event") == "MALLOC").filter(pl.col("device") == "cpu").height > 0  # the CPU side too
+    snaps = df.filter((pl.col("event") == "SNAPSHOT") & (pl.col("name") == "Step End"))
+    assert snaps.height == 4
+    assert df.filter(pl.col("event_type") == "OOM_TRIGGER").height == 1
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["allocator_trace"]["lost"] == 0 and cfg["allocator_trace"]["ooms"] == 1
+    frag = json.load(open(os.path.join(folder, "analysis", "fragmentation.json")))
+    assert [s_["step"] for s_ in frag["steps"]] == [1, 2, 3, 4]
+    assert frag["steps"][-1]["reserved"] == checks[-1][3]
+    oom = json.load(open(os.path.join(folder, "analysis", "oom.json")))
+    assert oom["events"][0]["trigger"]["size"] == 99 << 30
+    assert "Fragmentation on device 0" in r.stderr and "reserved but unallocated" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None, reason="torch_npu is not installed")
+def test_npu_offers_the_allocator_history():
+    import torch_npu  # noqa: F401
+    mem, why = cuda_source.memory_module("npu")
+    assert mem is not None, why
 
 
 def test_device_source_choice_says_why_not():

@@ -8,7 +8,7 @@ free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, sn
 ``stream``, ``blocks`` of ``address``, ``size``, ``requested_size``, ``state``) to start from
 or to re-synchronize with.
 
-Output: raw row tuples (see session.py) for one device:
+Output: raw row tuples (see session.py) for one device (Attr dicts; ``addr`` an int, written as hex):
 - pool ``PTA``: one MALLOC per ``alloc``, one FREE per ``free_completed`` (the block is reusable
   only then; a free that waited on ``record_stream`` events carries ``deferred: true`` and the
   time of the request, ``requested_ts``). ``size`` is the allocator's block size, ``used`` the
@@ -133,6 +133,7 @@ class AllocatorConverter:
         self._tid = threading.get_ident()
         self._n = 0                 # entries converted so far
         self._batch = 0             # convert() calls so far
+        self._last_ts = 0
         self.ooms_passed = 0        # OOM accounts handed to the OOM analysis
         self.device_total = None    # the device's capacity, when the live source knows it
         self.step_peak_allocated = 0
@@ -201,7 +202,7 @@ class AllocatorConverter:
         return NA, self._tid
 
     def _malloc(self, out, b, extra=None):
-        attr = {"allocation_id": b.alloc_id, "addr": "0x%016x" % b.addr, "size": b.size, "used": self.used,
+        attr = {"allocation_id": b.alloc_id, "addr": b.addr, "size": b.size, "used": self.used,
                 "total": self.reserved, "owner": "", "requested_size": b.requested, "stream": b.stream}
         if extra:
             attr.update(extra)
@@ -209,14 +210,14 @@ class AllocatorConverter:
 
     def _free(self, out, b, ts, extra=None):
         name, tid = self._who(ts)
-        attr = {"allocation_id": b.alloc_id, "addr": "0x%016x" % b.addr, "size": b.size, "used": self.used,
+        attr = {"allocation_id": b.alloc_id, "addr": b.addr, "size": b.size, "used": self.used,
                 "total": self.reserved, "stream": b.stream}
         if extra:
             attr.update(extra)
         out.append((Event.FREE, Pool.PTA, name, ts, tid, self.device, b.addr, attr, None, None))
 
     def _seg_row(self, out, ev, s, ts, extra=None):
-        attr = {"allocation_id": s.alloc_id, "addr": "0x%016x" % s.addr, "size": s.size, "used": self.reserved,
+        attr = {"allocation_id": s.alloc_id, "addr": s.addr, "size": s.size, "used": self.reserved,
                 "total": self.reserved, "alloc_type": s.kind, "stream": s.stream}
         if extra:
             attr.update(extra)
@@ -269,7 +270,12 @@ class AllocatorConverter:
             self._n += 1
             i = self._n  # entries counted over every batch: a free completed right after its request
             act = e.get("action")
+            # rows of one device keep the trace's order: times (whole microseconds) never go back,
+            # also after a resync stamped with the reading's nanosecond time
             ts = int(e.get("time_us") or 0) * 1000
+            if ts < self._last_ts:
+                ts = self._last_ts
+            self._last_ts = ts
             if act == "alloc":
                 addr, req = int(e["addr"]), int(e["size"])
                 size, inferred = self.block_size(addr, req)
@@ -385,6 +391,8 @@ class AllocatorConverter:
         """Make the layout the snapshot's: rows free what is gone and allocate what is new (marked
         ``origin``). At the start of tracing this writes what was allocated before it."""
         segs, blocks = self._snap_layout(segments)
+        ts = max(ts, self._last_ts)
+        self._last_ts = ts
         if self.segs or self.blocks:
             self.counts["resyncs"] += 1
         flag = {"origin": why}
