@@ -277,6 +277,10 @@ def check_dump(folder, results, label):
     results[f"{label}.rows"] = df.height
     results[f"{label}.pta_mallocs"] = df.filter((pl.col("event") == "MALLOC") & (pl.col("event_type") == "PTA")
                                                 & (pl.col("device") != "cpu")).height
+    dev_pta = df.filter((pl.col("event") == "MALLOC") & (pl.col("event_type") == "PTA") & (pl.col("device") != "cpu"))
+    if dev_pta.height:  # attribution by time stamp: how many device blocks found no op around them
+        results[f"{label}.pta_unattributed_fraction"] = round(dev_pta.filter(pl.col("name") == "N/A").height
+                                                              / dev_pta.height, 4)
     results[f"{label}.hal_segments"] = df.filter((pl.col("event") == "MALLOC") & (pl.col("event_type") == "HAL")).height
     frag = glob.glob(os.path.join(folder, "analysis", "fragmentation*.json"))
     if results["cuda"] and not frag:

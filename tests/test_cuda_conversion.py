@@ -457,6 +457,30 @@ def test_live_source_reports_a_wrapped_buffer_and_resyncs(fakedev, tmp_path):
     check_invariants(write_and_read(tmp_path, [r for r in s.buf if r[0] in ("MALLOC", "FREE")]))
 
 
+def test_live_source_clears_at_step_end_and_catches_what_the_clear_dropped(fakedev, tmp_path):
+    s = FakeSession()
+    src = cuda_source.AllocatorSource(s, "fakedev", fakedev)
+    src.start()
+    keep = [fakedev.malloc(5000), fakedev.malloc(3 * MiB)]
+    src.at_step_end(s.buf, 1)
+    assert fakedev.trace == [] and src.window_resyncs == 0   # cleared: the next read copies one step
+    real = fakedev._record_memory_history
+
+    def racing(*a, **k):  # another thread allocates between the read and the clear
+        keep.append(fakedev.malloc(7000))
+        fakedev.free(keep.pop(0))
+        real(*a, **k)
+    fakedev._record_memory_history = racing
+    fakedev.malloc(100)
+    src.at_step_end(s.buf, 2)
+    [c] = src.conv.values()
+    assert src.window_resyncs == 1 and c.used == fakedev.allocated() and c.reserved == fakedev.reserved()
+    fakedev._record_memory_history = real
+    src.stop()
+    assert s.config["allocator_trace"]["window_resyncs"] == 1
+    check_invariants(write_and_read(tmp_path, [r for r in s.buf if r[0] in ("MALLOC", "FREE")]))
+
+
 def test_live_source_oom_goes_to_the_oom_analysis(fakedev, capsys):
     from msmemscope.analysis.oom import OomSink
     s = FakeSession(analysis=("oom",))

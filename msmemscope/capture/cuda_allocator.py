@@ -387,6 +387,15 @@ class AllocatorConverter:
         self.counts["size_mismatches"] += bad
         return bad
 
+    def differs(self, segments) -> bool:
+        """Whether the active blocks differ from a snapshot's (address and size)."""
+        segs, blocks = self._snap_layout(segments)
+        if len(blocks) != len(self.blocks):
+            return True
+        if not any(k == "create" for _s, k, _t in segs.values()) and sum(v[0] for v in segs.values()) != self.reserved:
+            return True
+        return any(blocks.get(a, (None,))[0] != b.size for a, b in self.blocks.items())
+
     def resync(self, segments, ts: int, out: list, why: str = "resync") -> list:
         """Make the layout the snapshot's: rows free what is gone and allocate what is new (marked
         ``origin``). At the start of tracing this writes what was allocated before it."""

@@ -7,10 +7,14 @@ the last time stamp read and how many entries had it), converts them (``cuda_all
 merges the rows by time into the session's buffer. Stacks are not recorded (``context=None``):
 the snapshot then costs about a microsecond per entry.
 
-The ring buffer is sized so that one flush interval fits twice: when a read finds more than half
-of it new, it grows four-fold at the next step end; when a read finds entries overwritten before
-they were read (``lost``), the layout is set from the snapshot's segments (rows marked
+Reading copies the whole ring buffer, so at every step end the buffer is cleared (re-enabled with
+``clear_history``; a second read right after converts what came since the first and compares the
+layout with the allocator's, resyncing when the allocator moved in between): a read costs the
+entries of one step, not the buffer's size. A step that does not fit: when a read finds more than
+half of the buffer new, it grows four-fold at the step end; when it finds entries overwritten
+before they were read (``lost``), the layout is set from the snapshot's segments (rows marked
 ``origin: "resync"``), the loss is counted in config.json (``allocator_trace.lost``) and logged.
+A program that recorded its own history before tracing keeps it: then nothing is cleared.
 
 Why this and not a C++ ``attachAllocatorTraceTracker`` callback: see docs/DEVELOPING.md.
 """
@@ -26,8 +30,8 @@ from ..events import Event
 from .cuda_allocator import AllocatorConverter, TraceCursor
 
 log = logging.getLogger("msmemscope")
-INITIAL_ENTRIES = 1 << 16
-MAX_ENTRIES = 1 << 22
+INITIAL_ENTRIES = 1 << 16   # a few MB of C++ entries without stacks
+MAX_ENTRIES = 1 << 21
 _INF = 1 << 62
 
 
@@ -80,6 +84,7 @@ class AllocatorSource:
         self.installed = False
         self.wanted = False
         self.lost = 0
+        self.window_resyncs = 0         # restarts that found the allocator moved between read and clear
         self.max_new = 0
         self._open: dict = {}           # tid -> [(op, start ts)] open at the last drain
         self._settings = {}
@@ -89,8 +94,11 @@ class AllocatorSource:
 
     # ------------------------------------------------------------------ life cycle
     def _enable(self, clear: bool):
-        self.mem._record_memory_history("all", context=None, stacks="python", max_entries=self.capacity,
-                                        clear_history=clear)
+        try:
+            self.mem._record_memory_history("all", context=None, stacks="python", max_entries=self.capacity,
+                                            clear_history=clear)
+        except TypeError:  # a build whose history API has no clear_history (older torch, torch_npu)
+            self.mem._record_memory_history("all", context=None, stacks="python", max_entries=self.capacity)
 
     def start(self):
         """Switch the history on once the device's allocator exists (at its lazy init; starting
@@ -113,8 +121,12 @@ class AllocatorSource:
         try:
             self._install()
         except Exception as e:  # never break the program's device initialization
-            log.warning("the %s allocator trace could not start (%s): device blocks are not traced", self.kind, e)
-            self.s.config["device_source_note"] = f"allocator trace failed to start: {e}"
+            log.warning("the %s allocator trace could not start (%s): device blocks come from the "
+                        "dispatch-mode source", self.kind, e)
+            s = self.s
+            s.config["device_source"] = "dispatch"
+            s.config["device_source_note"] = f"the allocator trace failed to start: {e}"
+            s.device_source = None  # new_block takes the device's storages again
 
     def _install(self):
         import torch
@@ -161,6 +173,7 @@ class AllocatorSource:
             for k, v in c.counts.items():
                 counts[k] = counts.get(k, 0) + v
         return {"kind": self.kind, "ring_buffer_entries": self.capacity, "lost": self.lost,
+                "window_resyncs": self.window_resyncs,
                 "largest_drain": self.max_new, "history_owned": self.ours, **counts}
 
     # ------------------------------------------------------------------ conversion
@@ -275,7 +288,8 @@ class AllocatorSource:
                     self.grow_to = min(MAX_ENTRIES, self.capacity * 4)
             self._emit(rows)
             if rows:
-                buf[:] = heapq.merge(buf, rows, key=_ts)
+                n = len(buf)  # rows another thread appends meanwhile stay after the merged ones
+                buf[:n] = list(heapq.merge(buf[:n], rows, key=_ts))
             self._pass_ooms()
 
     def _pass_ooms(self):
@@ -296,6 +310,8 @@ class AllocatorSource:
     def at_step_end(self, buf: list, step: int):
         """Drain, then one SNAPSHOT row per device: the device's own used/free beside the reserved bytes."""
         self.drain_into(buf)
+        if self.ours and self.installed:
+            self._restart(buf)
         import torch
         mod = getattr(torch, self.kind)
         tid = threading.get_ident()
@@ -321,31 +337,38 @@ class AllocatorSource:
             self.last_step_end[idx] = attr
             c.device_total = total
             c.new_step()
-        if self.grow_to and self.ours and self.grow_to > self.capacity:
-            self._grow()
 
-    def _grow(self):
-        """A larger ring buffer (re-enabling clears it): read what is there first, then start clean."""
-        self.drain_into(self.s.buf)
-        self.capacity = self.grow_to
+    def _restart(self, buf):
+        """Start the ring buffer afresh (and larger when a read found it too small), so that the
+        next read copies only the next step's entries. Entries the allocator made between the last
+        read and the clear are gone: a second read right after the clear converts what came since
+        and compares the layout with the allocator's; where they differ, the snapshot wins."""
+        if self.grow_to and self.grow_to > self.capacity:
+            self.capacity = self.grow_to
+            log.info("%s allocator trace: ring buffer grown to %d entries", self.kind, self.capacity)
         self.grow_to = None
         try:
             self._enable(clear=True)
+            snap = self.mem._snapshot()
         except Exception as e:
-            log.warning("could not grow the %s allocator trace: %s", self.kind, e)
+            log.warning("could not restart the %s allocator trace: %s", self.kind, e)
             return
-        # entries made between the last read and the clear are gone: the snapshot says where things are
-        snap = self.mem._snapshot()
         rows: list = []
-        ts = time_ns()
-        for idx, segs in self._by_device(snap).items():
-            self._converter(idx).resync(segs, ts, rows)
+        segs_of = self._by_device(snap)
         for idx, trace in enumerate(snap.get("device_traces") or []):
             cur = self.cursors[idx] = TraceCursor()
-            cur.new(trace)
+            new, _lost = cur.new(trace)
+            if idx not in self.conv and not new:
+                continue
+            c = self._converter(idx)
+            c.convert(new, rows)
+            if c.differs(segs_of.get(idx, [])):
+                self.window_resyncs += 1
+                c.resync(segs_of.get(idx, []), time_ns(), rows)
         self._emit(rows)
-        self.s.buf.extend(rows)
-        log.info("%s allocator trace: ring buffer grown to %d entries", self.kind, self.capacity)
+        if rows:
+            n = len(buf)
+            buf[:n] = list(heapq.merge(buf[:n], rows, key=_ts))
 
     def live_alloc_ids(self) -> set:
         ids: set = set()
