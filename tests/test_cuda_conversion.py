@@ -464,21 +464,36 @@ def test_live_source_clears_at_step_end_and_catches_what_the_clear_dropped(faked
     keep = [fakedev.malloc(5000), fakedev.malloc(3 * MiB)]
     src.at_step_end(s.buf, 1)
     assert fakedev.trace == [] and src.window_resyncs == 0   # cleared: the next read copies one step
-    real = fakedev._record_memory_history
+    real = src._record  # the history API under the source's watch on the program's own calls
 
     def racing(*a, **k):  # another thread allocates between the read and the clear
         keep.append(fakedev.malloc(7000))
         fakedev.free(keep.pop(0))
         real(*a, **k)
-    fakedev._record_memory_history = racing
+    src._record = racing
     fakedev.malloc(100)
     src.at_step_end(s.buf, 2)
     [c] = src.conv.values()
     assert src.window_resyncs == 1 and c.used == fakedev.allocated() and c.reserved == fakedev.reserved()
-    fakedev._record_memory_history = real
+    src._record = real
     src.stop()
     assert s.config["allocator_trace"]["window_resyncs"] == 1
     check_invariants(write_and_read(tmp_path, [r for r in s.buf if r[0] in ("MALLOC", "FREE")]))
+
+
+def test_live_source_leaves_the_programs_own_history_alone(fakedev):
+    s = FakeSession()
+    src = cuda_source.AllocatorSource(s, "fakedev", fakedev)
+    src.start()
+    fakedev.malloc(5000)
+    fakedev._record_memory_history("all", max_entries=1000)   # the program wants its own history
+    fakedev.malloc(7000)
+    src.at_step_end(s.buf, 1)
+    assert len(fakedev.trace) == 3 and fakedev.capacity == 1000   # not cleared, not resized
+    [c] = src.conv.values()
+    assert c.used == fakedev.allocated()
+    src.stop()
+    assert fakedev.enabled and s.config["allocator_trace"]["program_owned_history"] is True
 
 
 def test_live_source_oom_goes_to_the_oom_analysis(fakedev, capsys):

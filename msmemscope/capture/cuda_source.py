@@ -83,6 +83,8 @@ class AllocatorSource:
         self.ours = False               # we switched the history on (and switch it off)
         self.installed = False
         self.wanted = False
+        self._record = None             # the history API itself, under our wrapper
+        self.program_owned = False      # the program called the history API while we traced
         self.lost = 0
         self.window_resyncs = 0         # restarts that found the allocator moved between read and clear
         self.max_new = 0
@@ -94,11 +96,12 @@ class AllocatorSource:
 
     # ------------------------------------------------------------------ life cycle
     def _enable(self, clear: bool):
+        record = self._record or self.mem._record_memory_history
         try:
-            self.mem._record_memory_history("all", context=None, stacks="python", max_entries=self.capacity,
+            record("all", context=None, stacks="python", max_entries=self.capacity,
                                             clear_history=clear)
         except TypeError:  # a build whose history API has no clear_history (older torch, torch_npu)
-            self.mem._record_memory_history("all", context=None, stacks="python", max_entries=self.capacity)
+            record("all", context=None, stacks="python", max_entries=self.capacity)
 
     def start(self):
         """Switch the history on once the device's allocator exists (at its lazy init; starting
@@ -137,6 +140,7 @@ class AllocatorSource:
         if not enabled:
             self._enable(clear=True)
             self.ours = True
+            self._watch_program_calls()
         snap = self.mem._snapshot()
         self._settings = snap.get("allocator_settings") or {}
         ts = time_ns()
@@ -152,6 +156,29 @@ class AllocatorSource:
         log.info("%s allocator trace on (ring buffer of %d entries%s)", self.kind, self.capacity,
                  "" if self.ours else "; the program's own history settings kept")
 
+    def _watch_program_calls(self):
+        """The program may record its own history (to dump a snapshot for memory_viz): from its first
+        call on the settings are its own, and this source no longer clears or resizes the buffer."""
+        orig = self.mem._record_memory_history
+        if getattr(orig, "_msmemscope", False):
+            return
+        self._record = orig
+        src = self
+
+        def _record_memory_history(*a, **k):
+            if src.ours:
+                src.ours = False
+                src.program_owned = True
+                log.info("the program set the %s allocator history itself: its settings are kept from now on",
+                         src.kind)
+            return orig(*a, **k)
+        _record_memory_history._msmemscope = True
+        _record_memory_history.__doc__ = orig.__doc__
+        try:
+            self.mem._record_memory_history = _record_memory_history
+        except Exception:
+            pass
+
     def stop(self):
         self.wanted = False
         if not self.installed:
@@ -162,7 +189,7 @@ class AllocatorSource:
             self.installed = False
             if self.ours:
                 try:
-                    self.mem._record_memory_history(None)
+                    (self._record or self.mem._record_memory_history)(None)
                 except Exception as e:
                     log.warning("could not switch the %s allocator history off: %s", self.kind, e)
             self.s.config["allocator_trace"] = self.report()
@@ -173,7 +200,7 @@ class AllocatorSource:
             for k, v in c.counts.items():
                 counts[k] = counts.get(k, 0) + v
         return {"kind": self.kind, "ring_buffer_entries": self.capacity, "lost": self.lost,
-                "window_resyncs": self.window_resyncs,
+                "window_resyncs": self.window_resyncs, "program_owned_history": self.program_owned,
                 "largest_drain": self.max_new, "history_owned": self.ours, **counts}
 
     # ------------------------------------------------------------------ conversion
