@@ -500,17 +500,30 @@ def test_live_source_oom_goes_to_the_oom_analysis(fakedev, capsys):
     from msmemscope.analysis.oom import OomSink
     s = FakeSession(analysis=("oom",))
     s.opts.oom_k = 2
+    s.flush = lambda: None
+    s.live, s.used, s.tls, s.kind, s.op_device, s.closed = {}, {}, threading.local(), "fakedev", "0", False
     sink = OomSink.__new__(OomSink)
     sink.k, sink.events, sink._last_exc, sink._observed, sink._session = 2, [], None, None, s
     s.sinks = [sink]
-    src = cuda_source.AllocatorSource(s, "fakedev", fakedev)
+    src = s.device_source = cuda_source.AllocatorSource(s, "fakedev", fakedev)
     src.start()
     fakedev.malloc(30 * MiB)
-    fakedev._rec("oom", 0, 90 << 30)
-    fakedev.trace[-1]["device_free"] = fakedev.trace[-1].pop("addr")
-    src.on_oom()
+
+    def oom(size):
+        fakedev._rec("oom", 0, size)
+        fakedev.trace[-1]["device_free"] = fakedev.trace[-1].pop("addr")
+    # CUDA: the allocator's observer fires first, the exception reaches the op after it
+    oom(90 << 30)
+    sink._cuda_observer(0, 90 << 30, 30 * MiB, 0)
+    exc1 = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 90.00 GiB. GPU 0")  # kept: ids differ
+    sink.op_failed(s, "aten::empty", exc1)
     assert len(sink.events) == 1 and sink.events[0]["trigger"]["size"] == 90 << 30
     assert [r[1] for r in s.buf if r[0] == "OOM_DETAIL"] == ["OOM_TRIGGER", "OOM_RECENT_ALLOC", "OOM_TOP_ALLOC"]
+    # NPU: no observer; the op's exception drains the trace, which holds the OOM: one account, the trace's
+    oom(1 << 30)
+    sink.op_failed(s, "aten::empty", torch.OutOfMemoryError("NPU 0 out of memory. Tried to allocate 1.00 GiB"))
+    assert len(sink.events) == 2 and sink.events[1]["trigger"]["source"] == "allocator_trace"
+    assert sink.events[1]["trigger"]["live_blocks"] == 1
     assert "reserved but unallocated" in capsys.readouterr().err
 
 

@@ -141,6 +141,14 @@ class OomSink:
                 return
             msg = str(exc)
             device = self._device_of(session, exc, msg)
+            src = getattr(session, "device_source", None)
+            if src is not None and src.installed and device != "cpu":
+                # no observer ran (NPU): the allocator's trace holds this OOM, with its layout
+                before = src.oom_accounts()
+                src.on_oom()
+                if src.oom_accounts() > before:
+                    session.flush()
+                    return
             self.record(session, op_name, device, requested_bytes(msg), type(exc).__name__, msg, {})
         except Exception as e:  # never replace the program's exception with ours
             log.error("OOM analysis failed: %s", e)

@@ -330,6 +330,9 @@ class AllocatorSource:
                     if take is not None:
                         take(self.s, listed)
 
+    def oom_accounts(self) -> int:
+        return sum(len(c.ooms) for c in self.conv.values())
+
     def on_oom(self):
         """The allocator's OOM observer fired (before the exception): its rows now, with the layout."""
         self.drain_into(self.s.buf)
