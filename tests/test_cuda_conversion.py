@@ -280,13 +280,15 @@ def test_fragmentation_online_and_offline_agree(tmp_path):
 
 # ---------------------------------------------------------------------------- the live source, fake allocator
 class FakeAllocator:
-    """A toy caching allocator with PyTorch's trace, ring buffer and snapshot shapes (bump
-    allocation in 2 MiB / 20 MiB segments, the real split rule), for the live source's plumbing."""
+    """A toy caching allocator with PyTorch's trace, ring buffer and snapshot shapes, written
+    independently of the converter: explicit block lists per segment, best fit among free blocks
+    of the pool, split by the allocator's rule, merge with free neighbours on free, 2 MiB small
+    and 20 MiB large segments."""
 
     def __init__(self, capacity=64):
         self.trace, self.capacity, self.next = [], capacity, 0
         self.t = time.time_ns() // 1000
-        self.segs = []       # [addr, size, bump, {addr: [size, req, state]}]
+        self.segs = []       # [addr, size, small, [[addr, size, req, state], ...]] (blocks in address order)
         self.enabled = False
         self.base = 0x7E0000000000
         self.tick = 0
@@ -314,48 +316,95 @@ class FakeAllocator:
     def _snapshot(self):
         trace = self.trace[self.next:] + self.trace[:self.next]
         segs = [{"device": 0, "address": a, "total_size": s, "stream": 0,
-                 "blocks": [{"address": b, "size": v[0], "requested_size": v[1], "state": v[2]}
-                            for b, v in sorted(blk.items())]} for a, s, _bump, blk in self.segs]
+                 "blocks": [{"address": b[0], "size": b[1], "requested_size": b[2], "state": b[3]} for b in blk]}
+                for a, s, _small, blk in self.segs]
         return {"segments": segs, "device_traces": [list(trace)], "allocator_settings": {}}
 
     def malloc(self, req):
         size = round_size(req)
         small = size <= MiB
+        best = None
         for seg in self.segs:
-            a, s, bump, blk = seg
-            if (s == 2 * MiB) == small and a + s - bump >= size:
-                break
-        else:
-            s = 2 * MiB if small else max(20 * MiB, (size + 2 * MiB - 1) // (2 * MiB) * 2 * MiB)
-            a = self.base
-            self.base += s + 64 * MiB
-            seg = [a, s, a, {}]
+            if seg[2] != small:
+                continue
+            for k, b in enumerate(seg[3]):
+                if b[3] == "inactive" and b[1] >= size and (best is None or b[1] < best[0][3][best[1]][1]):
+                    best = (seg, k)
+        if best is None:
+            total = 2 * MiB if small else (20 * MiB if size < 10 * MiB else (size + 2 * MiB - 1) // (2 * MiB) * 2 * MiB)
+            seg = [self.base, total, small, [[self.base, total, 0, "inactive"]]]
+            self.base += total + 64 * MiB
             self.segs.append(seg)
-            self._rec("segment_alloc", a, s)
-        a, s, bump, blk = seg
-        rest = a + s - bump - size
-        if not (rest >= 512 if small else rest > MiB):
-            size += rest
-        blk[bump] = [size, req, "active_allocated"]
-        seg[2] = bump + size
-        self._rec("alloc", bump, req)
-        return bump
+            self._rec("segment_alloc", seg[0], total)
+            best = (seg, 0)
+        seg, k = best
+        b = seg[3][k]
+        rest = b[1] - size
+        if rest >= 512 if small else rest > MiB:
+            seg[3].insert(k + 1, [b[0] + size, rest, 0, "inactive"])
+            b[1] = size
+        b[2], b[3] = req, "active_allocated"
+        self._rec("alloc", b[0], req)
+        return b[0]
 
     def free(self, addr):
-        for a, s, bump, blk in self.segs:
-            if addr in blk:
-                req = blk[addr][1]
-                self._rec("free_requested", addr, req)
-                self._rec("free_completed", addr, req)
-                blk[addr][2] = "inactive"
-                del blk[addr]
-                return
+        for seg in self.segs:
+            for k, b in enumerate(seg[3]):
+                if b[0] == addr and b[3] == "active_allocated":
+                    self._rec("free_requested", addr, b[2])
+                    self._rec("free_completed", addr, b[2])
+                    b[3] = "inactive"
+                    blk = seg[3]
+                    if k + 1 < len(blk) and blk[k + 1][3] == "inactive":
+                        b[1] += blk.pop(k + 1)[1]
+                    if k > 0 and blk[k - 1][3] == "inactive":
+                        blk[k - 1][1] += blk.pop(k)[1]
+                    return
+
+    def empty_cache(self):
+        for seg in list(self.segs):
+            if len(seg[3]) == 1 and seg[3][0][3] == "inactive":
+                self.segs.remove(seg)
+                self._rec("segment_free", seg[0], seg[1])
 
     def allocated(self):
-        return sum(v[0] for _a, _s, _b, blk in self.segs for v in blk.values())
+        return sum(b[1] for seg in self.segs for b in seg[3] if b[3] != "inactive")
 
     def reserved(self):
-        return sum(s for _a, s, _b, _blk in self.segs)
+        return sum(seg[1] for seg in self.segs)
+
+
+def test_block_sizes_follow_the_allocator_under_reuse(fakedev, tmp_path):
+    """Random sizes, reuse of freed space, splits and merges, empty_cache: the converter's block sizes
+    and layout stay the allocator's at every read."""
+    import random
+    rnd = random.Random(5)
+    s = FakeSession()
+    src = cuda_source.AllocatorSource(s, "fakedev", fakedev)
+    src.capacity = 1 << 14
+    src.start()
+    live = []
+    for i in range(400):
+        r = rnd.random()
+        if r < 0.55 or not live:
+            size = rnd.choice([rnd.randint(1, 4096), rnd.randint(4096, MiB), rnd.randint(MiB, 12 * MiB),
+                               rnd.randint(19 * MiB, 21 * MiB)])
+            live.append(fakedev.malloc(size))
+        else:
+            fakedev.free(live.pop(rnd.randrange(len(live))))
+        if i % 97 == 96:
+            fakedev.empty_cache()
+        if i % 50 == 49:
+            src.drain_into(s.buf)
+            [c] = src.conv.values()
+            assert c.used == fakedev.allocated() and c.reserved == fakedev.reserved()
+            assert not c.differs(fakedev._snapshot()["segments"])
+    src.stop()
+    [c] = src.conv.values()
+    assert c.counts["size_mismatches"] == 0 and c.counts["inferred_sizes"] == 0 and src.lost == 0
+    splits = sum(1 for r in s.buf if r[0] == "MALLOC" and r[1] == "PTA" and r[7]["size"] > round_size(r[7]["requested_size"]))
+    assert splits > 0  # some blocks took a whole free block (the remainder too small to split)
+    check_invariants(write_and_read(tmp_path, [r for r in s.buf if r[0] in ("MALLOC", "FREE")]))
 
 
 class FakeSession:
@@ -403,7 +452,9 @@ def test_live_source_drains_each_entry_once_and_matches_the_allocator(fakedev, t
     assert src.installed and fakedev.enabled
     out, live = [], [pre]
     for step in range(1, 5):
-        s.buf.append(("OP_LAUNCH", "ATEN_START", "aten::fake_op", (fakedev.t + 1) * 1000, 77, "0", None, None,
+        fakedev.t += 5
+        fakedev.tick = 0  # the op starts before the allocator's next entry
+        s.buf.append(("OP_LAUNCH", "ATEN_START", "aten::fake_op", fakedev.t * 1000, 77, "0", None, None,
                       None, None))
         for n in range(6 + step):
             live.append(fakedev.malloc((n + 1) * 300_000))
@@ -544,7 +595,8 @@ def test_leak_rule_leaves_cached_segments_out(tmp_path):
     assert [(lk["pool"], lk["size"]) for lk in step_leaks(df)] == [("PTA", 4 * MiB)]
 
 
-def test_session_with_the_allocator_source_end_to_end(tmp_path):
+@pytest.mark.parametrize("source", ["auto", "python"])
+def test_session_with_the_allocator_source_end_to_end(tmp_path, source):
     """A real Session (CPU training, its own sources) with the allocator-trace source on a fake device:
     the session's wiring (drain at flush, Step End snapshots, OOM, fragmentation sink, config)."""
     out = tmp_path / "out"
@@ -587,7 +639,7 @@ def test_session_with_the_allocator_source_end_to_end(tmp_path):
         s.close()
         print("CHECKS " + json.dumps(checks))
     """))
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), MSMEMSCOPE_WRITER="inline")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), MSMEMSCOPE_WRITER="inline", MSMEMSCOPE_SOURCE=source)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     checks = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("CHECKS ")][0][7:])
