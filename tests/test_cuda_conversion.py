@@ -659,6 +659,13 @@ def test_session_with_the_allocator_source_end_to_end(tmp_path, source):
     frag = json.load(open(os.path.join(folder, "analysis", "fragmentation.json")))
     assert [s_["step"] for s_ in frag["steps"]] == [1, 2, 3, 4]
     assert frag["steps"][-1]["reserved"] == checks[-1][3]
+    last = frag["steps"][-1]
+    assert last["outside_allocator"] == 1 << 29 and last["device_total"] == 80 << 30
+    assert last["headroom"] == (80 << 30) - (1 << 29) - last["step_peak_reserved"]
+    offline = fr.fragmentation(df)   # the same figures from the dump alone
+    keys = ("reserved", "unallocated", "largest_free", "pinned_segments", "headroom", "outside_allocator")
+    assert [{k: x[k] for k in keys} for x in offline] == [{k: x[k] for k in keys} for x in frag["steps"]]
+    assert "GiB headroom of 80.00 GiB" in r.stderr and "0.50 GiB in use outside the caching allocator" in r.stderr
     oom = json.load(open(os.path.join(folder, "analysis", "oom.json")))
     assert oom["events"][0]["trigger"]["size"] == 99 << 30
     assert "Fragmentation on device 0" in r.stderr and "reserved but unallocated" in r.stderr

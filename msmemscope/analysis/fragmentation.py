@@ -95,16 +95,30 @@ def _attr_get(attr, key):
     return None
 
 
+DEVICE_KEYS = ("total", "free", "outside_allocator", "headroom", "max_reserved", "max_allocated")
+
+
+def _device_part(snap) -> dict:
+    """The device's own figures from a "Step End" snapshot: capacity, free, what lies outside the
+    allocator, and the headroom (capacity less that, less the step's peak reserved)."""
+    return {("device_" + k if k in ("total", "free") else "step_peak_" + k[4:] if k.startswith("max_") else k):
+            snap.get(k) for k in DEVICE_KEYS if k in snap}
+
+
 class FragmentationSink:
     def __init__(self, session):
         self.t = LayoutTracker()
         self.steps: list = []
         self.session = session
+        self.device: dict = {}   # device -> the figures of its last "Step End" snapshot
 
     def consume(self, rows, first_id):
         s = self.session
         for r in rows:
             ev = r[0]
+            if ev == "SNAPSHOT" and r[2] == "Step End" and isinstance(r[7], dict):
+                self.device[str(r[5])] = _device_part(r[7])
+                continue
             if ev != "MALLOC" and ev != "FREE":
                 continue
             pool = r[1]
@@ -120,7 +134,7 @@ class FragmentationSink:
 
     def step_end(self, session, step):
         for dev, f in sorted(self.t.figures().items()):
-            self.steps.append({"step": step, "device": str(dev), **f})
+            self.steps.append({"step": step, "device": str(dev), **f, **self.device.get(str(dev), {})})
 
     def close(self, session):
         from .leaks import write_result
@@ -155,21 +169,37 @@ def summary_lines(steps) -> list[str]:
             lines.append(line)
             if worst is ss[-1]:
                 break
+        with_dev = [s for s in ss if s.get("headroom") is not None]
+        if with_dev:
+            low = min(with_dev, key=lambda s: (s["headroom"], -s["step"]))
+            lines.append(f"[msmemscope] Device {dev} memory, step {low['step']} (least headroom): "
+                         f"{low['headroom'] / GiB:.2f} GiB headroom of {low.get('device_total', 0) / GiB:.2f} GiB at the "
+                         f"step's reserved peak ({low.get('step_peak_reserved', 0) / GiB:.2f} GiB); "
+                         f"{low.get('outside_allocator', 0) / GiB:.2f} GiB in use outside the caching allocator "
+                         f"(CUDA context, libraries, NCCL, other processes)")
     return lines
 
 
 def fragmentation(df) -> list[dict]:
     """The figures at every step end of a dump (``read_dump``'s columns), per device."""
     import polars as pl
-    rows = (df.filter(pl.col("event").is_in(["MALLOC", "FREE", "SYSTEM"]))
+    rows = (df.filter(pl.col("event").is_in(["MALLOC", "FREE", "SYSTEM", "SNAPSHOT"]))
             .select("event", "event_type", "device", "name", "step", "alloc_id", "addr", "size", "attr"))
     t = LayoutTracker()
     out = []
+    device: dict = {}
     for ev, et, dev, name, step, aid, addr, size, attr in rows.iter_rows():
+        if ev == "SNAPSHOT":
+            if name == "Step End" and attr:
+                try:
+                    device[str(dev)] = _device_part(json.loads(attr))
+                except ValueError:
+                    pass
+            continue
         if ev == "SYSTEM":
             if et == "STEP":
                 for d, f in sorted(t.figures().items()):
-                    out.append({"step": int(step), "device": str(d), **f})
+                    out.append({"step": int(step), "device": str(d), **f, **device.get(str(d), {})})
             continue
         kind = None
         if et == HAL and attr:
