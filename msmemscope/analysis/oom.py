@@ -119,8 +119,6 @@ class OomSink:
 
     def take(self, session, listed):
         """An OOM account the allocator-trace source built (its rows are already in the dump)."""
-        if id(listed) == self._last_exc:
-            return
         self.events.append(listed)
         _print(report_lines(listed))
 
