@@ -485,6 +485,35 @@ def test_live_source_drains_each_entry_once_and_matches_the_allocator(fakedev, t
     assert sum(v for k, v in live_ids.items()) == fakedev.allocated() + fakedev.reserved()
 
 
+def test_attribution_of_an_op_open_across_reads_and_flushes(fakedev):
+    s = FakeSession()
+    src = cuda_source.AllocatorSource(s, "fakedev", fakedev)
+    src.start()
+    out = []
+
+    def op_row(kind):
+        fakedev.t += 5
+        fakedev.tick = 0
+        return ("OP_LAUNCH", kind, "aten::big_op", fakedev.t * 1000, 9, "0", None, None, None, None)
+
+    s.buf.append(op_row("ATEN_START"))
+    fakedev.malloc(1000)
+    src.drain_into(s.buf)                  # a read between flushes (a step end, an OOM)
+    src.drain_into(s.buf)
+    src.drain_into(s.buf, flushing=True)   # the flush takes the buffer with the op still open
+    out += s.buf
+    s.buf = []
+    fakedev.malloc(2000)
+    s.buf.append(op_row("ATEN_END"))
+    fakedev.t += 5
+    fakedev.tick = 0
+    fakedev.malloc(3000)                   # after the op: no op around it
+    src.drain_into(s.buf, flushing=True)
+    out += s.buf
+    names = [(r[7]["requested_size"], r[2], r[4]) for r in out if r[0] == "MALLOC" and r[1] == "PTA"]
+    assert names == [(1000, "aten::big_op", 9), (2000, "aten::big_op", 9), (3000, "N/A", threading.get_ident())]
+
+
 def test_live_source_reports_a_wrapped_buffer_and_resyncs(fakedev, tmp_path):
     s = FakeSession()
     src = cuda_source.AllocatorSource(s, "fakedev", fakedev)

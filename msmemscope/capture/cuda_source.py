@@ -231,10 +231,12 @@ class AllocatorSource:
             s._next_alloc += 1
             return s._next_alloc
 
-    def _attributor(self, buf):
-        """Top-level op intervals from the op rows in ``buf`` (and those still open from the last drain)."""
+    def _attributor(self, buf, flushing):
+        """Top-level op intervals from the op rows in ``buf`` and the ops still open when the last
+        flush took the buffer (kept only when this read's buffer is the one being flushed: a read
+        between flushes sees the same rows again next time)."""
         ivs = []
-        stacks = self._open
+        stacks = {t: list(st) for t, st in self._open.items()}
         for r in buf:
             if r[0] != Event.OP_LAUNCH:
                 continue
@@ -250,7 +252,8 @@ class AllocatorSource:
         for tid, st in stacks.items():
             if st:
                 ivs.append((st[0][1], _INF, st[0][0], tid))
-        self._open = {t: st for t, st in stacks.items() if st}
+        if flushing:
+            self._open = {t: st for t, st in stacks.items() if st}
         if not ivs:
             return None
         ivs.sort()
@@ -275,7 +278,9 @@ class AllocatorSource:
         rows[:] = [r for r in rows if (r[0] == Event.MALLOC and s.emit_alloc) or (r[0] == Event.FREE and s.emit_free)
                    or r[0] not in (Event.MALLOC, Event.FREE)]
 
-    def drain_into(self, buf: list):
+    def drain_into(self, buf: list, flushing: bool = False):
+        """Convert what the allocator did since the last read into rows merged into ``buf``;
+        ``flushing``: the session writes ``buf`` out right after (Session._flush)."""
         if not self.installed:
             return
         with self._lock:
@@ -284,7 +289,7 @@ class AllocatorSource:
             except Exception as e:
                 log.warning("could not read the %s allocator trace: %s", self.kind, e)
                 return
-            attribute = self._attributor(buf)
+            attribute = self._attributor(buf, flushing)
             rows: list = []
             segs_of = self._by_device(snap)
             for idx, trace in enumerate(snap.get("device_traces") or []):

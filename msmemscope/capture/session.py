@@ -570,7 +570,7 @@ class Session:
         if self.native is not None:
             self.native.drain_into(self.buf)
         if self.device_source is not None:
-            self.device_source.drain_into(self.buf)
+            self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
