@@ -276,6 +276,12 @@ def test_fragmentation_online_and_offline_agree(tmp_path):
     assert on["largest_free"] == 16 * MiB and on["pinned_segments"] == 2   # 10% and 0.2% used
     text = "\n".join(fr.summary_lines(sink.steps))
     assert "reserved but unallocated" in text and "largest free block 0.02 GiB" in text
+    # the export for pytorch.org/memory_viz rebuilds the allocator's own segments from the HAL rows
+    from msmemscope.report.export import memory_snapshot
+    (tmp_path / "again").mkdir()
+    snap = memory_snapshot(write_and_read(tmp_path / "again", rows))
+    assert sorted(x["address"] for x in snap["segments"]) == sorted([L0, S0])
+    assert not conv.differs(snap["segments"])
 
 
 # ---------------------------------------------------------------------------- the live source, fake allocator
