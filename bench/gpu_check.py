@@ -266,8 +266,10 @@ def check_dump(folder, results, label):
     for k in ("lost", "size_mismatches", "resyncs"):
         if at.get(k):
             fails.append(f"allocator_trace.{k} = {at[k]}")
-    [dump] = find_dumps(folder)
-    df = read_dump(dump)
+    dumps = find_dumps(folder)
+    if len(dumps) != 1:
+        fails.append(f"{len(dumps)} dumps in {folder}")
+    df = read_dump(dumps[0])
     try:
         check_invariants(df)
     except AssertionError as e:
@@ -346,7 +348,10 @@ def main(argv=None) -> int:
             fails.append(f"{name}: traced run exited {tr.returncode}: {tr.stderr[-2000:]}")
         folders = sorted(glob.glob(os.path.join(work, name, "msmemscope_*")))
         if folders:
-            fails += [f"{name}: {f}" for f in check_dump(folders[-1], results, name)]
+            try:
+                fails += [f"{name}: {f}" for f in check_dump(folders[-1], results, name)]
+            except Exception as e:  # a broken dump is a failed check, and the other checks still run
+                fails.append(f"{name}: the dump could not be checked: {type(e).__name__}: {e}")
         else:
             fails.append(f"{name}: no run folder")
         say(f"  {name}: outputs identical {bool(same)}, step checks failed {len(checks)}, "
@@ -364,7 +369,11 @@ def main(argv=None) -> int:
             fails.append(f"record {name}: rc {r.returncode}: {r.stderr[-1500:]}")
     from msmemscope.capture.cuda_allocator import AllocatorConverter
     for path in sorted(glob.glob(os.path.join(traces, "*.json"))):
-        rec = json.load(open(path))
+        try:
+            rec = json.load(open(path))
+        except ValueError as e:
+            fails.append(f"{path}: {e}")
+            continue
         c = AllocatorConverter("0", expandable=bool(rec["allocator_settings"].get("expandable_segments")),
                                oom_k=5)
         rows: list = []
