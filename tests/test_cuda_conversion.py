@@ -208,6 +208,16 @@ def test_resync_from_snapshot_segments(tmp_path):
     check_invariants(write_and_read(tmp_path, rows))
 
 
+def test_size_check_counts_each_wrong_block_once():
+    e = Clock()
+    conv, rows = convert([e("alloc", L0, 19 * MiB)])   # its segment came before the trace: size inferred
+    assert conv.counts["inferred_sizes"] == 1 and rows[0][7]["size"] == 19 * MiB
+    snap = [{"device": 0, "address": L0, "total_size": 20 * MiB, "stream": 0,
+             "blocks": [{"address": L0, "size": 20 * MiB, "requested_size": 19 * MiB, "state": "active_allocated"}]}]
+    assert conv.check(snap) == 1 and conv.check(snap) == 1
+    assert conv.counts["size_mismatches"] == 1 and conv.differs(snap)
+
+
 def test_round_size():
     assert [round_size(n) for n in (1, 511, 512, 513, 4096)] == [512, 512, 512, 1024, 4096]
 

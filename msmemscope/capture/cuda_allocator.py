@@ -134,6 +134,7 @@ class AllocatorConverter:
         self._n = 0                 # entries converted so far
         self._batch = 0             # convert() calls so far
         self._last_ts = 0
+        self._mismatched: set = set()
         self.ooms_passed = 0        # OOM accounts handed to the OOM analysis
         self.device_total = None    # the device's capacity, when the live source knows it
         self.step_peak_allocated = 0
@@ -383,9 +384,11 @@ class AllocatorConverter:
     def check(self, segments) -> int:
         """Compare the active blocks with a snapshot's: count (and return) the sizes that differ."""
         _segs, blocks = self._snap_layout(segments)
-        bad = sum(1 for a, b in self.blocks.items() if a in blocks and blocks[a][0] != b.size)
-        self.counts["size_mismatches"] += bad
-        return bad
+        bad = [b.alloc_id for a, b in self.blocks.items() if a in blocks and blocks[a][0] != b.size]
+        new = set(bad) - self._mismatched
+        self._mismatched |= new
+        self.counts["size_mismatches"] += len(new)   # each block once, however often it is read
+        return len(bad)
 
     def differs(self, segments) -> bool:
         """Whether the active blocks differ from a snapshot's (address and size)."""
