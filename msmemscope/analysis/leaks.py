@@ -29,6 +29,9 @@ import sys
 log = logging.getLogger("msmemscope")
 
 MB = 1048576.0
+# The caching allocator's segments (the allocator-trace source's HAL rows): memory it keeps cached
+# for reuse is no leak; the blocks inside them (pool PTA) are judged instead.
+CACHED_SEGMENTS = "HAL"
 POOL_TITLES = {
     "PTA": "Pytorch Caching memory pool",
     "PTA_WORKSPACE": "Pytorch workspace memory pool",
@@ -151,7 +154,7 @@ class StepLeakTracker:
     def malloc(self, row_id, device, pool, alloc_id, addr, size, used, op, py_stack=None):
         self._used((device, pool), used)
         s = self.step
-        if s >= 2:
+        if s >= 2 and pool != CACHED_SEGMENTS:
             self.pending[(device, pool, alloc_id)] = (s, row_id, addr, size, op, py_stack)
 
     def free(self, device, pool, alloc_id, used):
@@ -373,7 +376,8 @@ def step_leaks(df) -> list[dict]:
     pl = _pl()
     last = ended_steps(df)
     mem = _mem(df)
-    m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last))
+    m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last)
+                   & (pl.col("event_type") != CACHED_SEGMENTS))
     f = mem.filter(pl.col("event") == "FREE").select(*_KEY, freed_at_step=pl.col("step"))
     leaked = (m.join(f, on=_KEY, how="left", nulls_equal=True)
               .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
