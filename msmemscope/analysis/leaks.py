@@ -246,6 +246,8 @@ class StepLeakTracker:
             rec = {"device": str(device), "pool": pool, "addr": addr, "size": size, "step": s, "op": op,
                    "alloc_id": alloc_id, "id": row_id, "detected_at_step": n, "python": site.python,
                    "address": hex_addr(addr)}
+            if site.label:
+                rec["label"] = site.label
             if len(site.blocks) < MAX_BLOCKS:
                 site.blocks.append(rec)
                 self.reported[key] = rec
@@ -448,7 +450,7 @@ class LeakSink:
 
 
 def _leak_json(lk):
-    keys = ("device", "pool", "address", "addr", "size", "step", "detected_at_step", "op", "python",
+    keys = ("device", "pool", "address", "addr", "size", "step", "detected_at_step", "op", "python", "label",
             "alloc_id", "id", "freed_at_step")
     return {k: lk.get(k) for k in keys if k in lk}
 

@@ -82,7 +82,7 @@ for it in range(STEPS):
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    opt.step()
+    opt.step()  # SITE:adamw
     if "graph" in cases:
         with msmemscope.RecordFunction("graph"):
             aux = torch.tanh(probe(x))  # SITE:graph
@@ -112,6 +112,9 @@ for it in range(STEPS):
                 window.pop(0)
     msmemscope.step()
 
+state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 with open(truth_path, "w") as f:
-    json.dump({"steps": STEPS, "retained_per_step": {c: v / STEPS for c, v in retained.items() if v}}, f)
+    json.dump({"steps": STEPS, "retained_per_step": {c: v / STEPS for c, v in retained.items() if v},
+               "adamw_state_bytes": sum(nbytes(v) for v in state if v.numel() > 1),
+               "param_bytes": sum(nbytes(p) for p in model.parameters())}, f)
 print("trained", STEPS, "loss", round(loss.item(), 3))
