@@ -135,6 +135,7 @@ class StepLeakTracker:
         self.level: dict = {}        # (device, pool) -> used after the last event
         self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}
         self.growth = SiteGrowth()
+        self._sites, self._blocks = self.growth.sites, self.growth.blocks
         self.steps_ended = 0
         self.labels: dict = {}       # tid -> the label of its allocations (innermost range, else last mark)
         self._ranges: dict = {}      # tid -> [(range_id, message)] open ranges
@@ -178,10 +179,13 @@ class StepLeakTracker:
             else:
                 label = self.labels.get(tid)
         key = (device, pool, alloc_id)
-        site = self.growth.site(device, pool, op, python, label)
-        site.live += size or 0
+        site = self._sites.get((device, pool, op, python, label))
+        if site is None:
+            site = self.growth.site(device, pool, op, python, label)
+        size = size or 0
+        site.live += size
         site.last_aid = alloc_id
-        self.growth.blocks[key] = (site, size or 0)
+        self._blocks[key] = (site, size)
         s = self.step
         if s >= 2:
             self.pending[key] = (s, row_id, addr, size, op, py_stack)
@@ -189,7 +193,7 @@ class StepLeakTracker:
     def free(self, device, pool, alloc_id, used):
         self._used((device, pool), used)
         key = (device, pool, alloc_id)
-        v = self.growth.blocks.pop(key, None)
+        v = self._blocks.pop(key, None)
         if v is not None:
             site = v[0]
             site.live -= v[1]

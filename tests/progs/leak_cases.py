@@ -57,6 +57,27 @@ if "infer" in cases:
     print("inference done", float(out.sum()) != 0.0)
     sys.exit(0)
 
+if "gpt2" in cases:  # a clean run on a tiny GPT-2 (transformers, no weights downloaded)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0, use_cache=False)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    msmemscope.step()
+    for it in range(STEPS):
+        ids = torch.randint(0, 1000, (2, 32))
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()  # SITE:adamw_gpt2
+        msmemscope.step()
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    with open(truth_path, "w") as f:
+        json.dump({"steps": STEPS, "retained_per_step": {},
+                   "adamw_state_bytes": sum(nbytes(v) for v in state if v.numel() > 1),
+                   "param_bytes": sum(nbytes(p) for p in model.parameters())}, f)
+    print("trained", STEPS, "loss", round(loss.item(), 3))
+    sys.exit(0)
+
 model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, C))
 probe = nn.Linear(D, H)                      # a metrics head, never trained: its outputs carry a graph
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
