@@ -1,22 +1,25 @@
-"""Leaks and memory fluctuation (SPEC §4.1 online, §4.2 offline).
+"""Leaks and memory fluctuation (SPEC §4.1 online, §4.2 offline). docs/leaks.md has the rules.
 
-Step rule (online, and offline without marks): a block allocated in step
-``s >= 2`` that is still live when step ``s + 1`` ends has outlived one full
-step and is reported once, as "leaked at step s". Blocks of step 1 (weights,
-optimizer state, warm-up caches) are never reported.
+Growth by site (``growth.py``): live bytes per allocation site at every step end; a site whose
+live bytes keep rising (>= 3 rises, one noisy step end skipped, ending at a new high) is a leak,
+whether it keeps its blocks or re-makes a bigger one each step.
 
-Fluctuation: per (device, pool) and per ended step from step 2 on, the
-smallest and largest ``used`` within the step (the level carried into the step
-counts as a value of the step); the ratio min/max is printed for the steps with
-the smallest (MinGap) and largest (MaxGap) ratio.
+Block rule (the original's): a block allocated in step ``s >= 2`` that is still live when step
+``s + 1`` ends has outlived one full step. It is a leak when its site is growing, else
+"retained" (a cache, optimizer state, a window). Blocks of step 1 are never findings.
 
-Mark rule (offline, ``check_leaks``): marks A, B, C are the Mark rows whose
-message equals ``mstx_info``, from ``start_index`` on, in ID order. A block
-allocated between A and B and not freed before C is a leak.
+Fluctuation: per (device, pool) and per ended step from step 2 on, the smallest and largest
+``used`` within the step (the level carried into the step counts as a value of the step); the
+ratio min/max is printed for the steps with the smallest (MinGap) and largest (MaxGap) ratio.
 
-The online sink consumes the session's raw rows through ``StepLeakTracker``;
-the offline functions compute the same answers with polars over the reader's
-columns (``step_leaks``, ``fluctuation``, ``leaks_between``).
+Mark rule (offline, ``check_leaks``): marks A, B, C are the Mark rows whose message equals
+``mstx_info``, from ``start_index`` on, in ID order. A block allocated between A and B and not
+freed before C is a leak.
+
+One implementation: ``StepLeakTracker`` consumes raw rows; the online sink feeds it each flush,
+``replay(df)`` feeds it a dump's rows (``check-leaks`` without marks). ``step_leaks`` and
+``fluctuation`` are the block rule and the gap table vectorized with polars over the reader's
+columns (the run summary uses them; the tests hold them equal to the tracker's).
 """
 from __future__ import annotations
 
