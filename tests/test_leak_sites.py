@@ -228,14 +228,20 @@ def test_offline_check_leaks_is_the_online_analysis(combined, tmp_path):
 
 
 # a clean run: the AdamW row of the table (state created at the first step after msmemscope.step())
-@pytest.fixture(scope="module", params=["native", "python"])
-def clean(request, tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("clean_" + request.param), ["none"], request.param, False,
-                steps=full(10, 40))
-
-
 def full(short, long):
     return long if FULL else short
+
+
+# MLP on both sources; the long form adds a tiny GPT-2 (transformers) on both
+CLEAN = [("native", "none"), ("python", "none")] + full([], [("native", "gpt2"), ("python", "gpt2")])
+
+
+@pytest.fixture(scope="module", params=CLEAN, ids=lambda v: f"{v[0]}-{v[1]}")
+def clean(request, tmp_path_factory):
+    source, model = request.param
+    if model == "gpt2":
+        pytest.importorskip("transformers")
+    return _run(tmp_path_factory.mktemp(f"clean_{source}_{model}"), [model], source, False, steps=full(10, 40))
 
 
 def test_clean_run_reports_no_leak(clean):
@@ -248,7 +254,12 @@ def test_clean_run_reports_no_leak(clean):
     # what the original's rule calls a leak at step 2: AdamW's state, now 'retained'
     kept = [r for r in res["retained"] if r["size"] > 16]
     assert {r["step"] for r in kept} == {2}
-    assert sum(r["size"] for r in kept) == tr["adamw_state_bytes"]
+    state = [s for s in res["retained_sites"] if s["op"] == "torch._ops.aten.zeros_like.default"]
+    assert len(state) == 1 and state[0]["bytes"] == tr["adamw_state_bytes"] == 2 * tr["param_bytes"]
+    records = sum(1 for r in kept if r["op"].endswith("zeros_like.default"))
+    n_params = tr["n_params"]
+    assert state[0]["count"] == 2 * n_params      # exp_avg and exp_avg_sq of every parameter
+    assert records == min(2 * n_params, 50)       # 50 block records per site are kept, the counts cover all
 
 
 def test_inference_loop_without_steps_says_how_to_mark_one(tmp_path):

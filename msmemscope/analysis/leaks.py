@@ -417,6 +417,10 @@ def result_json(t: StepLeakTracker, judged=True, res=None) -> dict:
             "leaks": [_leak_json(lk) for lk in res["leaks"]],
             "retained": [_leak_json(lk) for lk in res["retained"]],
             "summary": list(summary.values()),
+            # per retained site, all its block findings (the lists above keep MAX_BLOCKS per site)
+            "retained_sites": [{"device": str(s.device), "pool": s.pool,
+                                "op": s.op if not s.label else f"{s.op}@{s.label}", "python": s.python,
+                                "count": s.hits, "bytes": s.hit_bytes} for s in res["retained_sites"]],
             "fluctuation": fluct_json(t.fluctuation())}
 
 
@@ -693,8 +697,11 @@ def replay(df) -> StepLeakTracker:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
         else:
             attr = _attr_json(r.get("attr")) or {}
-            if ev == "SYSTEM" and "step" not in attr and "step" in has:
-                attr = {"step": r["step"]}
+            if ev == "SYSTEM":
+                n = attr.get("step")
+                if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
+                    n = r["step"] if "step" in has else None
+                attr = {"step": n} if n is not None else {}
         batch.append((ev, r["event_type"], r["name"], None, r.get("tid"), r["device"], None, attr,
                       r.get("py_stack") if ev == "MALLOC" else None, None))
         ids.append(r["id"])

@@ -74,7 +74,8 @@ if "gpt2" in cases:  # a clean run on a tiny GPT-2 (transformers, no weights dow
     with open(truth_path, "w") as f:
         json.dump({"steps": STEPS, "retained_per_step": {},
                    "adamw_state_bytes": sum(nbytes(v) for v in state if v.numel() > 1),
-                   "param_bytes": sum(nbytes(p) for p in model.parameters())}, f)
+                   "param_bytes": sum(nbytes(p) for p in model.parameters()),
+                   "n_params": len(list(model.parameters()))}, f)
     print("trained", STEPS, "loss", round(loss.item(), 3))
     sys.exit(0)
 
@@ -137,5 +138,6 @@ state = [v for st in opt.state.values() for v in st.values() if isinstance(v, to
 with open(truth_path, "w") as f:
     json.dump({"steps": STEPS, "retained_per_step": {c: v / STEPS for c, v in retained.items() if v},
                "adamw_state_bytes": sum(nbytes(v) for v in state if v.numel() > 1),
-               "param_bytes": sum(nbytes(p) for p in model.parameters())}, f)
+               "param_bytes": sum(nbytes(p) for p in model.parameters()),
+               "n_params": len(list(model.parameters()))}, f)
 print("trained", STEPS, "loss", round(loss.item(), 3))
