@@ -316,3 +316,11 @@ def test_unrecorded_free_is_not_a_leak(tmp_path):
         leaks = json.load(f)["leaks"]
     assert [(lk["step"], lk["size"], lk["op"]) for lk in leaks] == [(2, 400, "torch._ops.aten.ones.default")]
     assert len(_leak_lines(r.stderr)) == 1
+    # growth by site needs every step: with --steps it is not judged, and the report says so
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        res = json.load(f)
+    assert res["growth_judged"] is False and res["sites"] == [] and res["retained"] == []
+    assert "growth by site not judged" in r.stderr and "no leaks found" not in r.stderr
+    from msmemscope.analysis.leaks import analyze
+    off, = analyze(folder)   # offline: findings only where the dump holds the step that could free them
+    assert off["growth_judged"] is False and off["leaks"] == [] and off["steps_ended"] == 5

@@ -144,6 +144,7 @@ class StepLeakTracker:
         self._ranges: dict = {}      # tid -> [(range_id, message)] open ranges
         self._marks: dict = {}       # tid -> last mark message
         self._lines: dict = {}       # Python stack text -> the user's line
+        self.recorded = None         # offline with --steps: the recorded steps (a FREE outside is unseen)
 
     def _used(self, pk, used):
         s = self.step
@@ -247,6 +248,8 @@ class StepLeakTracker:
             device, pool, alloc_id = key
             if is_live is not None and not is_live(alloc_id):
                 continue
+            if self.recorded is not None and n not in self.recorded:
+                continue  # step n was not recorded: its FREE rows are not in the dump
             site = blocks[key][0]
             site.hits += 1
             site.hit_bytes += size or 0
@@ -391,9 +394,11 @@ def report_lines(t: StepLeakTracker, judged=True, res=None) -> list:
                 lines.append(f"... and {n - len(items)} more block(s) at the same site(s)")
             lines.append(f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {n} allocation(s)"
                          + (f" on device {dev} ======" if len(by_dev) > 1 else " ======"))
-    if t.steps_ended and not res["growing"]:
+    if not judged:
+        lines.append("msmemscope: growth by site not judged: some steps were not recorded (--steps); "
+                     "the blocks above follow the original's rule only")
+    if t.steps_ended and not res["growing"] and not res["leaks"]:
         lines.append(f"no leaks found ({t.steps_ended} step{'s' if t.steps_ended != 1 else ''} checked"
-                     + (", growth by site not judged: some steps were not recorded" if not judged else "")
                      + (")" if t.steps_ended > MIN_RISES - 1 else
                         f"; growth needs at least {MIN_RISES} step ends)"))
     lines.extend(retained_line(s) for s in res["retained_sites"])
@@ -678,10 +683,12 @@ def _attr_json(text):
     return v if isinstance(v, dict) else None
 
 
-def replay(df) -> StepLeakTracker:
-    """The online tracker run over a dump's rows (the same implementation, offline)."""
+def replay(df, recorded=None) -> StepLeakTracker:
+    """The online tracker run over a dump's rows (the same implementation, offline). ``recorded``:
+    the steps a ``--steps`` run recorded (block findings only where the dump can show the FREE)."""
     pl = _pl()
     t = StepLeakTracker()
+    t.recorded = set(recorded) if recorded else None
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
                         "owner", "py_stack", "attr", "step") if c in df.columns]
     q = (df.lazy().filter(pl.col("event").is_in(["MALLOC", "FREE", "MSTX"])
@@ -712,14 +719,15 @@ def replay(df) -> StepLeakTracker:
     return t
 
 
-def _growth_judged(dump) -> bool:
-    """False when the run recorded only some steps (``--steps``): growth needs every step."""
+def _recorded_steps(dump):
+    """The steps a ``--steps`` run recorded (from its config.json), or None: every step."""
     folder = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dump))))
     try:
         with open(os.path.join(folder, "config.json")) as f:
-            return not (json.load(f).get("options") or {}).get("steps")
-    except (OSError, ValueError, AttributeError):
-        return True
+            steps = (json.load(f).get("options") or {}).get("steps")
+        return [int(x) for x in steps] if steps else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def analyze(input_path) -> list[dict]:
@@ -729,8 +737,9 @@ def analyze(input_path) -> list[dict]:
     from ..io.reader import find_dumps
     out = []
     for d in find_dumps(os.fspath(input_path)):
-        t = replay(_read(d))
-        judged = _growth_judged(d)
+        recorded = _recorded_steps(d)
+        t = replay(_read(d), recorded)
+        judged = recorded is None
         res = t.results(judged)
         lines = report_lines(t, judged, res) + gap_report(t.fluctuation())
         out.append({"dump": d, **result_json(t, judged, res), "lines": lines})
