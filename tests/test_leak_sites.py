@@ -372,3 +372,27 @@ def test_tracker_state_is_bounded_by_sites_not_steps():
     assert len(t.pending) <= 2 and len(t.growth.blocks) == 2000   # the live blocks, no more
     res = t.results()
     assert len(res["leaks"]) == MAX_BLOCKS and res["retained"] == []
+
+
+def test_site_labels_without_stacks():
+    """Without a call stack a site is the op plus its nearest label: describe labels in the owner, else the
+    innermost open mstx range of the thread (not 'step start'), else the thread's last mark."""
+    from msmemscope.analysis.leaks import StepLeakTracker
+    t = StepLeakTracker()
+    aid = [0]
+
+    def malloc(tid, owner=""):
+        aid[0] += 1
+        return ("MALLOC", "PTA", "torch._ops.aten.ones.default", 0, tid, "cpu", 0, (aid[0], 0, 8, 8, 8, owner),
+                None, None)
+
+    rows = [malloc(1),
+            ("MSTX", "Mark", "epoch", 0, 1, "cpu", None, None, None, None), malloc(1),
+            ("MSTX", "Range_start", "step start", 0, 1, "cpu", None, {"range_id": 1}, None, None), malloc(1),
+            ("MSTX", "Range_start", "fwd", 0, 1, "cpu", None, {"range_id": 2}, None, None), malloc(1), malloc(2),
+            malloc(1, "PTA@activation@mine"),
+            ("MSTX", "Range_end", "fwd", 0, 1, "cpu", None, {"range_id": 2}, None, None), malloc(1)]
+    t.consume(rows, 1)
+    labels = [s.label for s in t.growth.sites.values()]
+    assert labels == [None, "epoch", "fwd", "mine"]
+    assert [s.live for s in t.growth.sites.values()] == [16, 24, 8, 8]   # thread 2 has no label of its own

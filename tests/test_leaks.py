@@ -164,7 +164,8 @@ def test_clean_transformer_reports_no_leak(tmp_path):
     with open(os.path.join(folder, "analysis", "leaks.json")) as f:
         res = json.load(f)
     assert res["steps_ended"] == 20
-    assert res["leaks"] == []
+    assert res["leaks"] == [] and res["sites"] == []
+    assert "no leaks found (20 steps checked)" in r.stderr and "leak: " not in r.stderr
     assert "Detected memory leaks" not in r.stderr and not _leak_lines(r.stderr)
     assert [s["step"] for s in res["fluctuation"][0]["steps"]] == list(range(2, 21))
     from msmemscope.analysis.leaks import step_leaks
