@@ -145,6 +145,9 @@ class StepLeakTracker:
         self._marks: dict = {}       # tid -> last mark message
         self._lines: dict = {}       # Python stack text -> the user's line
         self.recorded = None         # offline with --steps: the recorded steps (a FREE outside is unseen)
+        # online: the allocation ids the tracer knows to be live (a FREE that was not recorded,
+        # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
+        self.live_ids = None
 
     def _used(self, pk, used):
         s = self.step
@@ -233,21 +236,22 @@ class StepLeakTracker:
         else:
             self.labels.pop(tid, None)
 
-    def end_step(self, n, is_live=None) -> list:
+    def end_step(self, n) -> list:
         """Step ``n`` ended: blocks of steps <= n-1 still live have outlived a full step; then the
-        growth rule per site. Returns the block findings of this step end.
-
-        ``is_live(alloc_id)``, when given, confirms a suspect against the allocator's own view: a
-        FREE that was not recorded (``--steps``, a stop/start gap) must not make a leak."""
+        growth rule per site. Returns the block findings of this step end."""
         new = []
+        live = None
         pending = self.pending
         blocks = self.growth.blocks
         due = [k for k, v in pending.items() if v[0] <= n - 1]  # in allocation order
         for key in sorted(due, key=lambda k: pending[k][0]):
             s, row_id, addr, size, op, stack = pending.pop(key)
             device, pool, alloc_id = key
-            if is_live is not None and not is_live(alloc_id):
-                continue
+            if self.live_ids is not None:
+                if live is None:
+                    live = self.live_ids()
+                if alloc_id not in live:
+                    continue
             if self.recorded is not None and n not in self.recorded:
                 continue  # step n was not recorded: its FREE rows are not in the dump
             site = blocks[key][0]
@@ -297,11 +301,8 @@ class StepLeakTracker:
             elif ev == "SYSTEM" and r[1] == "STEP":
                 a = r[7] or {}
                 n = a.get("step", self.step) if isinstance(a, dict) else self.step
-                found.extend(self._end_step(n))
+                found.extend(self.end_step(n))
         return found
-
-    def _end_step(self, n):
-        return self.end_step(n)
 
     # ------------------------------------------------------------------ results
     def results(self, judged=True) -> dict:
@@ -434,21 +435,8 @@ class LeakSink:
 
     def __init__(self, session):
         self.t = StepLeakTracker()
-        self.t._end_step = self._end_step
+        self.t.live_ids = session.live_alloc_ids
         self.session = session
-        self._live_ids = None
-
-    def _is_live(self, alloc_id) -> bool:
-        if self._live_ids is None:
-            self._live_ids = self.session.live_alloc_ids()
-        return alloc_id in self._live_ids
-
-    def _end_step(self, n):
-        self._live_ids = None
-        try:
-            return self.t.end_step(n, self._is_live)
-        finally:
-            self._live_ids = None
 
     def consume(self, rows, first_id):
         self.t.consume(rows, first_id)
