@@ -396,3 +396,17 @@ def test_site_labels_without_stacks():
     labels = [s.label for s in t.growth.sites.values()]
     assert labels == [None, "epoch", "fwd", "mine"]
     assert [s.live for s in t.growth.sites.values()] == [16, 24, 8, 8]   # thread 2 has no label of its own
+
+
+@pytest.mark.parametrize("name", ["leaks.csv", "baseline.csv"])
+def test_check_leaks_without_marks_on_the_originals_dumps(name):
+    """The original's dumps have no STEP rows: the replay reads them and says how to mark a step."""
+    from conftest import PEER
+    from msmemscope.analysis.leaks import NO_STEP, analyze
+    res, = analyze(os.path.join(PEER, name))
+    assert res["steps_ended"] == 0 and res["sites"] == [] and res["leaks"] == [] and res["retained"] == []
+    assert res["lines"][0] == NO_STEP
+    r = run_cli(["check-leaks", os.path.join(PEER, name), "--json"])
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["steps_ended"] == 0 and got["sites"] == [] and "lines" not in got
