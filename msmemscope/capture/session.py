@@ -221,6 +221,12 @@ class Session:
             why = native.unsupported_by(opts, self.kind)
             if why:
                 self.use_dispatch_source(why)
+        if getattr(self, "device_source", None) is not None:
+            from . import cuda_source
+            why = cuda_source.unsupported_by(opts)
+            if why:  # the allocator trace was chosen when tracing began; it cannot hand over
+                late.append(f"{self.kind} memory stays with the allocator trace ({why}: give those options "
+                            f"on the command line)")
         self.config["options"] = json.loads(opts.to_json())
         try:
             self._write_config()
