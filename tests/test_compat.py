@@ -154,6 +154,7 @@ def test_profile_example_cli_with_traceback(runs):
     assert "taken as msmemscope options (they came after the program): --events=alloc,free,launch,traceback" in r.err
     assert "kept the command line's" not in r.err or "events" not in r.err.split("kept the command line's")[0]
     assert "msmemscope.config() in the script: applied format='csv', output_path='./output'" in r.err
+    assert "no leaks found (6 steps checked)" in r.err   # a default run says so (6 optimizer steps)
     folder = r.folder("output")
     conf = _layout(folder)
     assert "traceback" in conf["options"]["events"]
