@@ -24,9 +24,25 @@ def start_from_env():
     if _is_launcher_agent():
         return
     opts = Options.from_json(os.environ["MSMEMSCOPE_OPTIONS"])
+    ray_worker = _in_ray_worker()
+    if ray_worker:
+        from ..integrations.ray import prepare_worker_env
+        prepare_worker_env()
     s = capture.create(opts, launched=True)
     if opts.collect_mode == "immediate":
         s.start()
+    if ray_worker or "ray" in sys.modules:
+        # after start(): importing msmemscope.integrations before it would turn on its framework hooks
+        try:
+            from ..integrations.ray import attach
+            attach(s)
+        except Exception as e:
+            print(f"[msmemscope] Ray worker {os.getpid()}: no Ray details in config.json: {e}", file=sys.stderr)
+
+
+def _in_ray_worker() -> bool:
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.basename(argv0) == "default_worker.py" and "ray" in argv0
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):

@@ -3,7 +3,10 @@ session, offline as the columns a reader returns."""
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
+import time
 
 log = logging.getLogger("msmemscope")
 
@@ -28,4 +31,116 @@ def online_sinks(session) -> list:
             log.warning("analysis '%s' is not available in this build", name)
             continue
         sinks.append(mod.make_sink(session))
+    if sinks:
+        sinks.append(StepCheckpoint(list(sinks)))
     return sinks
+
+
+# ------------------------------------------------------------------ results on disk as they are found
+# A sink may define ``findings(session) -> (name, result) | None``: its current result, in the format
+# its ``close`` writes to ``analysis/<name>.json``. ``StepCheckpoint`` (the last sink) saves those at
+# each step end, so that a process ended without its exit handlers (Ray's workers, SIGKILL, the OOM
+# killer) still leaves what its analyses had found; ``close`` then replaces them with the final ones.
+_OWNED: dict = {}   # (folder, name) -> the result file this process wrote (replaced, never another's)
+SAVE_BUDGET = 0.02  # at most this share of the run's time goes into step-end saves
+
+
+def save_result(folder: str, name: str, result, indent=2) -> str:
+    """Write ``<folder>/analysis/<name>.json``. A file this process wrote before (a step end's
+    findings) is replaced atomically (temp file + rename); any other is kept and a free name
+    (``<name>_1.json``) chosen. Returns the path."""
+    return _write_text(folder, name, json.dumps(result, indent=indent, default=str))
+
+
+def _write_text(folder: str, name: str, text: str) -> str:
+    from ..io.files import create_new, make_dirs, unique_path
+    key = (os.path.abspath(folder), name)
+    path = _OWNED.get(key)
+    if path is None:
+        d = make_dirs(os.path.join(folder, "analysis"))
+        path = unique_path(os.path.join(d, f"{name}.json"))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)  # a stale or planted name: removed, never written through
+    with create_new(tmp) as f:
+        f.write(text)
+    os.replace(tmp, path)
+    _OWNED[key] = path
+    return path
+
+
+def peaks_result(session, final=False) -> dict:
+    """What the cross-rank summary needs besides the analyses' results, from the session's own
+    counters (no pass over the rows): peaks per device and pool, events, steps."""
+    from ..capture import backends
+    peaks = []
+    for (dev, pool), peak in sorted(session.peak.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        reserved = None
+        if str(dev) != "cpu":
+            try:
+                reserved = backends.memory_counters(session.kind, int(dev)).get("max_reserved")
+            except Exception:
+                reserved = None
+        peaks.append({"device": str(dev), "pool": pool, "peak_allocated": int(peak),
+                      "peak_reserved": int(reserved) if reserved is not None else int(peak)})
+    return {"analysis": "peaks", "final": final, "events": int(session.next_id),
+            "steps": int(session.step_no - 1), "peaks": peaks,
+            "access_rows": bool(session.want_access), "owner_labels": session.labeler is not None}
+
+
+class StepCheckpoint:
+    """The last online sink: at each step end, the other sinks' findings and the peaks go to
+    ``analysis/*.json`` when they changed, within ``SAVE_BUDGET`` of the run's time."""
+
+    def __init__(self, sinks):
+        self.sinks = sinks
+        self._saved: dict = {}   # name -> the text last written
+        self._next_at = 0.0
+
+    def consume(self, rows, first_id):
+        pass
+
+    def step_end(self, session, step):
+        self.save(session)
+
+    def save(self, session, force=False):
+        now = time.monotonic()
+        if not force and now < self._next_at:
+            return
+        t0 = time.perf_counter()
+        found = [("peaks", peaks_result(session))]
+        for s in self.sinks:
+            fn = getattr(s, "findings", None)
+            if fn is None:
+                continue
+            try:
+                got = fn(session)
+            except Exception as e:  # an analysis must never break the traced program
+                log.error("analysis %s: findings: %s", type(s).__name__, e)
+                continue
+            if got is not None:
+                found.append(got)
+        for name, result in found:
+            text = json.dumps(result, indent=2, default=str)
+            if self._saved.get(name) == text:
+                continue
+            try:
+                _write_text(session.folder, name, text)
+                self._saved[name] = text
+            except OSError as e:
+                log.error("analysis %s: cannot save findings: %s", name, e)
+        self._next_at = time.monotonic() + (time.perf_counter() - t0) / SAVE_BUDGET
+
+    def close(self, session):
+        # the other sinks wrote their final results already (they come first)
+        try:
+            _write_text(session.folder, "peaks", json.dumps(peaks_result(session, final=True), indent=2))
+        except OSError as e:
+            log.error("analysis peaks: %s", e)
+
+
+def checkpoint(session):
+    """Save the current findings now (a Ray call returned), whatever the time budget says."""
+    for s in session.sinks:
+        if isinstance(s, StepCheckpoint):
+            s.save(session, force=True)

@@ -241,22 +241,13 @@ class LeakSink:
         self.pending = []
         _say(lines)
 
-    def close(self, session):
-        self._emit_pending()
+    def _state(self):
         leaks = self.t.leaks
-        lines = []
         by_dev: dict = {}
         for lk in leaks:
             by_dev.setdefault(lk["device"], []).append(lk)
-        for dev, items in by_dev.items():
-            total = sum(lk["size"] for lk in items)
-            lines.append(f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) "
-                         f"on device {dev} ======" if len(by_dev) > 1 else
-                         f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) ======")
         last = self.t.step - 1  # the rows after the last STEP row are not a full step
         fluct = {k: {s: tuple(v) for s, v in steps.items() if s <= last} for k, steps in self.t.fluct.items()}
-        lines.extend(gap_report(fluct))
-        _say(lines)
         result = {"analysis": "leaks",
                   "rule": "blocks allocated in step s >= 2 still live at the end of step s+1",
                   "steps_ended": self.t.step - 1,
@@ -264,6 +255,23 @@ class LeakSink:
                   "summary": [{"device": d, "count": len(v), "bytes": sum(x["size"] for x in v)}
                               for d, v in by_dev.items()],
                   "fluctuation": fluct_json(fluct)}
+        return by_dev, fluct, result
+
+    def findings(self, session):
+        """The result as ``close`` would write it now (saved at step ends: see analysis.StepCheckpoint)."""
+        return "leaks", self._state()[2]
+
+    def close(self, session):
+        self._emit_pending()
+        by_dev, fluct, result = self._state()
+        lines = []
+        for dev, items in by_dev.items():
+            total = sum(lk["size"] for lk in items)
+            lines.append(f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) "
+                         f"on device {dev} ======" if len(by_dev) > 1 else
+                         f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) ======")
+        lines.extend(gap_report(fluct))
+        _say(lines)
         write_result(session.folder, "leaks", result)
 
 
@@ -282,12 +290,8 @@ def _say(lines):
 
 
 def write_result(folder, name, result) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
-    d = make_dirs(os.path.join(folder, "analysis"))
-    path = unique_path(os.path.join(d, f"{name}.json"))
-    with create_new(path) as f:
-        json.dump(result, f, indent=2, default=str)
-    return path
+    from . import save_result  # replaces this process's step-end findings, never another's file
+    return save_result(folder, name, result)
 
 
 def make_sink(session):

@@ -128,6 +128,9 @@ class OomSink:
         except Exception as e:  # never replace the program's exception with ours
             log.error("OOM analysis failed: %s", e)
 
+    def findings(self, session):
+        return ("oom", {"analysis": "oom", "k": self.k, "events": self.events}) if self.events else None
+
     def close(self, session):
         from .leaks import write_result
         write_result(session.folder, "oom", {"analysis": "oom", "k": self.k, "events": self.events})
