@@ -42,7 +42,8 @@ def online_sinks(session) -> list:
 # each step end, so that a process ended without its exit handlers (Ray's workers, SIGKILL, the OOM
 # killer) still leaves what its analyses had found; ``close`` then replaces them with the final ones.
 _OWNED: dict = {}   # (folder, name) -> the result file this process wrote (replaced, never another's)
-SAVE_BUDGET = 0.02  # at most this share of the run's time goes into step-end saves
+SAVE_BUDGET = 0.02  # results that are costly to save: at most this share of the run's time
+SAVE_CHEAP_S = 0.002  # a save that costs less CPU time than this is made at every step end
 
 
 def save_result(folder: str, name: str, result, indent=2) -> str:
@@ -93,6 +94,7 @@ class StepCheckpoint:
     ``analysis/*.json`` when they changed, within ``SAVE_BUDGET`` of the run's time."""
 
     def __init__(self, sinks):
+        from ..capture import backends  # noqa: F401  (imported now, not inside the first save)
         self.sinks = sinks
         self._saved: dict = {}   # name -> the text last written
         self._next_at = 0.0
@@ -104,10 +106,9 @@ class StepCheckpoint:
         self.save(session)
 
     def save(self, session, force=False):
-        now = time.monotonic()
-        if not force and now < self._next_at:
+        if not force and time.monotonic() < self._next_at:
             return
-        t0 = time.perf_counter()
+        c0 = time.process_time()  # CPU time: a loaded machine's waits do not make saves rarer
         found = [("peaks", peaks_result(session))]
         for s in self.sinks:
             fn = getattr(s, "findings", None)
@@ -129,7 +130,10 @@ class StepCheckpoint:
                 self._saved[name] = text
             except OSError as e:
                 log.error("analysis %s: cannot save findings: %s", name, e)
-        self._next_at = time.monotonic() + (time.perf_counter() - t0) / SAVE_BUDGET
+        cost = time.process_time() - c0
+        # small results (the usual case) are saved at every step end; large ones (thousands of
+        # leaks) within the budget, so that saving never grows with the square of the run
+        self._next_at = 0.0 if cost < SAVE_CHEAP_S else time.monotonic() + min(cost / SAVE_BUDGET, 30.0)
 
     def close(self, session):
         # the other sinks wrote their final results already (they come first)

@@ -242,9 +242,26 @@ def attach(session):
     describe(session)
     if in_ray_worker():
         _wrap_execution_info(session)
-    else:  # a driver that imported ray before torch: its identity once ray.init() ran
-        import atexit
-        atexit.register(describe, session)  # runs before the session's own close (registered earlier)
+    else:  # a driver: its identity once ray.init() has run
+        _wrap_init(session)
+
+
+def _wrap_init(session):
+    ray = sys.modules.get("ray")
+    init = getattr(ray, "init", None)
+    if init is None or getattr(init, "_msmemscope", False):
+        return
+
+    @functools.wraps(init)
+    def wrapped(*a, **k):
+        out = init(*a, **k)
+        try:
+            describe(session)
+        except Exception as e:
+            log.warning("ray: %s", e)
+        return out
+    wrapped._msmemscope = True
+    ray.init = wrapped
 
 
 def prepare_worker_env():

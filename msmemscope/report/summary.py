@@ -390,6 +390,12 @@ def ray_nodes() -> dict:
     return out
 
 
+def _ray_task(job):
+    """A rank's analysis as a Ray task: its result and the node it ran on."""
+    import ray
+    return analyse_rank(job), ray.get_runtime_context().get_node_id()
+
+
 def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: bool = True):
     """Run ``analyse_rank`` as one Ray task per rank on the node whose ``config.json`` host
     holds that rank's folder (a hard node affinity); results come back to this process, which
@@ -415,9 +421,10 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
     try:
         nodes = ray_nodes()
         here = ray.get_runtime_context().get_node_id()
-        task = ray.remote(num_cpus=1, max_retries=0)(analyse_rank)
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
         results: list = [None] * len(jobs)
         refs = {}
+        placed: dict = {}  # node id -> tasks that ran there
         for i, j in enumerate(jobs):
             host = j["config"].get("host")
             node = nodes.get(host)
@@ -446,8 +453,9 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
                                               "folder": j["folder"], "dump": j["path"],
                                               "error": f"its Ray task did not finish in {RAY_IDLE_S:g} s"}
                     break
-                for ref, res in zip(done, ray.get(done)):
+                for ref, (res, node) in zip(done, ray.get(done)):
                     results[refs[ref]] = res
+                    placed[node] = placed.get(node, 0) + 1
                 bar.advance(len(done))
         cpus = int(ray.cluster_resources().get("CPU", 0))
         used_nodes = sorted({r.get("host") for r in results if r and "error" not in r}, key=str)
@@ -457,7 +465,7 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
     wall = time.perf_counter() - t0
     task_cpu = sum(r.get("cpu_seconds", 0) for r in results)
     timing = {"engine": "ray", "wall_s": round(wall, 3), "workers": cpus, "cpus": cpus, "nodes": len(nodes),
-              "hosts": used_nodes, "local_node": here, "cpu_s": round(task_cpu, 3),
+              "hosts": used_nodes, "local_node": here, "tasks_per_node": placed, "cpu_s": round(task_cpu, 3),
               "busy_cores": round(task_cpu / wall, 2) if wall > 0 else None, "task_cpu_s": round(task_cpu, 3),
               "started_ray": started}
     return results, timing

@@ -1,0 +1,65 @@
+"""A Ray job: two actors train a small MLP with Adam; the actor named 'leaky' keeps one 64 KiB
+tensor per step. Prints {"steady": pid, "leaky": pid} as JSON.
+
+    python ray_two_actors.py STEPS                      # starts a local Ray node (ray.init)
+    python ray_two_actors.py STEPS ADDRESS OUT ROOT     # joins a running cluster, traced through
+                                                        # msmemscope.ray_runtime_env(output=OUT)
+"""
+import json
+import sys
+
+import ray  # before torch: the launcher's tracer then knows this driver is a Ray driver
+import torch
+
+KEEP = 16384  # float32 elements kept per step by the leaking actor (64 KiB)
+
+
+@ray.remote(num_cpus=1)
+class Trainer:
+    def __init__(self, leak):
+        torch.manual_seed(0)
+        self.leak = leak
+        self.kept = []
+        self.model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+
+    def train(self, steps):
+        import os
+        for _ in range(steps):
+            x, y = torch.randn(32, 64), torch.randint(0, 8, (32,))
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            self.opt.step()  # the step boundary
+            self.opt.zero_grad(set_to_none=True)
+            if self.leak:
+                self.kept.append(torch.ones(KEEP))
+        return os.getpid()
+
+
+def main():
+    steps = int(sys.argv[1])
+    if len(sys.argv) > 2:
+        import msmemscope
+        address, out, root = sys.argv[2:5]
+        env = msmemscope.ray_runtime_env(output=out, runtime_env={"env_vars": {"PYTHONPATH": root}})
+        ray.init(address=address, runtime_env=env, include_dashboard=False, log_to_driver=False)
+    else:
+        for attempt in (1, 2):  # Ray waits 30 s at most for its raylet: a loaded machine may need a second go
+            try:
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+                break
+            except Exception:
+                ray.shutdown()
+                if attempt == 2:
+                    raise
+    try:
+        a = Trainer.options(name="steady").remote(False)
+        b = Trainer.options(name="leaky").remote(True)
+        pids = ray.get([a.train.remote(steps), b.train.remote(steps)], timeout=240)
+        print(json.dumps({"steady": pids[0], "leaky": pids[1]}))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
