@@ -274,6 +274,8 @@ def test_summary_engine_ray_same_as_pool(cluster, tmp_path):
     tm = on_ray["timing"]
     assert tm["engine"] == "ray" and not tm["started_ray"]
     assert tm["tasks_per_node"] == {ray.get_runtime_context().get_node_id(): 6}  # the node holding them
+    if not FULL:  # the command line joining the cluster is a third Ray driver: the long form only
+        return
     # the command line, joining the cluster by its address: the same JSON
     r = run_cli(["summary", str(root), "--engine=ray", "--ray-address", cluster, "--json", str(tmp_path / "r.json")],
                 env=_ray_env(), timeout=300)
@@ -295,9 +297,9 @@ def test_summary_engine_ray_unknown_host_is_an_error_for_that_rank(cluster, tmp_
         cfg = config_of(f)
         jobs.append({"path": dump_of(f), "folder": f, "config": {**cfg, "host": "elsewhere" if i else cfg["host"]},
                      "label": f"rank {i}"})
-    # one live node: its folders are all read there, whatever the hosts say
-    res, _ = analyse_on_ray(jobs, show_progress=False)
-    assert all("error" not in r for r in res)
+    if FULL:  # one live node: its folders are all read there, whatever the hosts say
+        res, _ = analyse_on_ray(jobs, show_progress=False)
+        assert all("error" not in r for r in res)
     from unittest import mock
     from msmemscope.report import summary
     here = ray.get_runtime_context().get_node_id()

@@ -1,20 +1,24 @@
-"""``msmemscope summary <root> [--json out.json]``: one table across the ranks of a job.
+"""``msmemscope summary <root> [--json out.json] [--engine pool|ray] [--from-dumps]``: one table
+across the ranks of a job.
 
 Per rank (one dump each, found by ``io.ranks``): peak allocated (max ``used``)
 and peak reserved (max ``total``) per device and pool, leaked blocks, inefficient
 bytes and the decomposition by owner category; then the imbalance (the rank
 whose peak allocated is furthest from the median) and the ranks that leak.
 
-Where an online analysis already wrote its result (``<run>/analysis/leaks.json``,
-``inefficient.json``, ``decompose.json``) that result is used; otherwise the
-number is computed from the dump (leaks: the step rule of SPEC 4.1, with the
-leaks module's offline function where it exists; decomposition:
-``analysis.decompose.summarize``; inefficient memory: only from a saved result
-or when the dump has ACCESS rows). Peaks always come from the dump itself.
+A rank whose online run left its results (``<run>/analysis/peaks.json`` and ``leaks.json``,
+written at each step end and at exit; plus ``inefficient.json`` / ``decompose.json`` where the
+run recorded ACCESS rows / owner labels) is summarised from those few small files: no dump is
+read, so the cost grows with the number of ranks, not of events. Otherwise the rank's dump is
+read (leaks: the step rule of SPEC 4.1, with the leaks module's offline function where it
+exists; decomposition: ``analysis.decompose.summarize``; inefficient memory: only from a saved
+result or when the dump has ACCESS rows). ``--from-dumps`` reads every dump anyway.
 
-The dumps are analysed in parallel, one process per dump
-(``ProcessPoolExecutor`` sized to the CPUs), each reading only the columns it
-needs with a lazy polars scan.
+Engines: ``pool`` (default) reads the saved results in this process and the dumps in parallel,
+one process per dump (``ProcessPoolExecutor`` sized to the CPUs), each reading only the columns
+it needs with a lazy polars scan. ``ray`` runs each rank's analysis as a Ray task pinned (hard
+``NodeAffinitySchedulingStrategy``) to the node whose host name is the rank's ``config.json``
+``host``, so that each node reads only the folders on its own disk; the results are merged here.
 
 Which ranks leak: a rank whose leaks fall in two or more steps (memory that
 keeps growing), or whose leaks are not all shared by every other rank. A block
