@@ -100,10 +100,18 @@ def test_ray_actors_under_the_launcher(tmp_path):
     pids = json.loads(r.stdout.strip().splitlines()[-1])
     assert _left_running(out) == []  # the driver's Ray node and its workers are gone
     actors = _check_actor_folders(out, pids)
+    job = actors["leaky"][1]["ray"]["job_id"]
     # the driver imported torch too: its own folder, with the same job id
     drivers = [config_of(f) for f in run_folders(out) if config_of(f).get("role") == "ray_driver"]
-    assert len(drivers) == 1
-    assert drivers[0]["ray"]["job_id"] == actors["leaky"][1]["ray"]["job_id"]
+    assert len(drivers) == 1 and drivers[0]["ray"]["job_id"] == job and drivers[0]["ray"]["actor_id"] is None
+    # the task: a folder of its own, named by its task
+    [(tf, task)] = [(f, config_of(f)) for f in run_folders(out) if config_of(f).get("role") == "ray_task"]
+    assert task["pid"] == pids["probe"] and task["ray"]["job_id"] == job
+    assert task["ray"]["tasks"] == ["probe"] and task["ray"]["actor_id"] is None
+    tdf = read(dump_of(tf))
+    check_invariants(tdf)
+    # the Linear's weight and bias, allocated in the task and saved when it returned
+    assert {16 * 16 * 4, 16 * 4} <= set(tdf.filter(pl.col("event") == "MALLOC")["size"].to_list())
     # the summary names the actors and finds the leak in the right one, from the saved results
     s_path = tmp_path / "s.json"
     r = run_cli(["summary", str(out), "--json", str(s_path)])
@@ -273,7 +281,7 @@ def test_summary_engine_ray_same_as_pool(cluster, tmp_path):
     assert [r["source"] for r in pool["ranks"]] == ["analysis", "dump"] * 3
     tm = on_ray["timing"]
     assert tm["engine"] == "ray" and not tm["started_ray"]
-    assert tm["tasks_per_node"] == {ray.get_runtime_context().get_node_id(): 6}  # the node holding them
+    assert tm["ranks_per_node"] == {ray.get_runtime_context().get_node_id(): 6}  # ranks: on the node holding them
     if not FULL:  # the command line joining the cluster is a third Ray driver: the long form only
         return
     # the command line, joining the cluster by its address: the same JSON
@@ -303,7 +311,8 @@ def test_summary_engine_ray_unknown_host_is_an_error_for_that_rank(cluster, tmp_
     from unittest import mock
     from msmemscope.report import summary
     here = ray.get_runtime_context().get_node_id()
-    with mock.patch.object(summary, "ray_nodes", return_value={socket.gethostname(): here, "other": "f" * 56}):
+    with mock.patch.object(summary, "_ray_node_cpus", return_value={socket.gethostname(): (here, 2),
+                                                                    "other": ("f" * 56, 2)}):
         res, _ = analyse_on_ray(jobs, show_progress=False)
     assert "error" not in res[0] and "'elsewhere'" in res[1]["error"]
 

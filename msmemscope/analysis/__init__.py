@@ -145,6 +145,7 @@ class StepCheckpoint:
 
 def checkpoint(session):
     """Save the current findings now (a Ray call returned), whatever the time budget says."""
-    for s in session.sinks:
-        if isinstance(s, StepCheckpoint):
-            s.save(session, force=True)
+    with session.flush_lock:  # as at a step end (inside flush): one save at a time
+        for s in session.sinks:
+            if isinstance(s, StepCheckpoint):
+                s.save(session, force=True)

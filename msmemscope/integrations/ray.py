@@ -68,6 +68,7 @@ def worker_setup():
     """Ray's ``worker_process_setup_hook``: trace this worker once it imports torch."""
     try:
         if os.environ.get("MSMEMSCOPE_OPTIONS"):
+            install_call_hook()  # Ray is imported by now
             from .._bootstrap import hook
             hook.install()
     except Exception as e:  # the job runs even if the tracer cannot
@@ -153,6 +154,7 @@ def describe(session) -> bool:
         tasks.append(ident["task_name"])
     role = _role(ident)
     del ident["driver"]
+    del ident["task_name"]  # the current one changes with every call: the distinct names are kept
     ident["tasks"] = tasks
     for k in ("actor_name", "actor_class", "actor_id"):  # known from the actor's creation on
         if ident.get(k) is None and old.get(k) is not None:
@@ -179,9 +181,11 @@ def describe(session) -> bool:
 
 
 # ------------------------------------------------------------------ after every call
-def _after_call(session):
+def _after_call():
     """A task or actor method returned: what the worker did so far goes to disk now."""
-    if session.closed or session.pid != os.getpid():
+    from .. import capture
+    session = capture.current()
+    if session is None or session.closed or not session.started_once or session.pid != os.getpid():
         return
     try:
         describe(session)
@@ -192,10 +196,12 @@ def _after_call(session):
         log.warning("ray: saving after a call failed: %s", e)
 
 
-def _wrap_execution_info(session):
-    """Wrap each function Ray runs in this worker (task bodies and actor methods) so that the
-    trace is saved when it returns. Ray keeps one ``FunctionExecutionInfo`` per function; the
-    wrapped one is cached in its place."""
+def install_call_hook() -> bool:
+    """Wrap each function Ray runs in this worker (task bodies and actor methods, ``__init__``
+    included) so that the trace is saved when it returns. Ray keeps one ``FunctionExecutionInfo``
+    per function; the wrapped one is cached in its place. Installed when Ray's function manager
+    is imported (``_bootstrap/hook.py``), before the first task: the first call's function is
+    loaded (and torch imported, and the session created) inside that lookup."""
     try:
         from ray._private import function_manager as fm
     except Exception as e:
@@ -221,7 +227,7 @@ def _wrap_execution_info(session):
             try:
                 return fn(*a, **k)
             finally:
-                _after_call(session)
+                _after_call()
         run._msmemscope = True
         new = info._replace(function=run)
         try:
@@ -241,7 +247,7 @@ def attach(session):
     """Called once the launched process's session exists, when it runs under Ray."""
     describe(session)
     if in_ray_worker():
-        _wrap_execution_info(session)
+        install_call_hook()
     else:  # a driver: its identity once ray.init() has run
         _wrap_init(session)
 

@@ -386,18 +386,35 @@ RAY_IDLE_S = 600.0  # no Ray task of the summary finished for this long: the res
 
 def ray_nodes() -> dict:
     """host name -> node id of the live nodes of the connected Ray cluster."""
+    return {h: n for h, (n, _) in _ray_node_cpus().items()}
+
+
+def _ray_node_cpus() -> dict:
     import ray
     out = {}
     for n in ray.nodes():
         if n.get("Alive") or n.get("alive"):
-            out.setdefault(n.get("NodeManagerHostname"), n.get("NodeID"))
+            out.setdefault(n.get("NodeManagerHostname"),
+                           (n.get("NodeID"), int((n.get("Resources") or {}).get("CPU", 1) or 1)))
     return out
 
 
-def _ray_task(job):
-    """A rank's analysis as a Ray task: its result and the node it ran on."""
+RAY_TASKS_PER_CPU = 4   # ranks of a node are grouped into about this many tasks per CPU of the node
+RAY_MAX_RANKS_PER_TASK = 64
+
+
+def _ray_task(jobs):
+    """The analyses of some ranks held by one node, as one Ray task: their results and the node."""
     import ray
-    return analyse_rank(job), ray.get_runtime_context().get_node_id()
+    return [analyse_rank(j) for j in jobs], ray.get_runtime_context().get_node_id()
+
+
+def _chunks(idx: list, cpus: int) -> list:
+    """Ranks of one node in groups: a Ray task costs milliseconds, a rank with saved results less."""
+    if not idx:
+        return []
+    per = max(1, min(RAY_MAX_RANKS_PER_TASK, -(-len(idx) // max(1, RAY_TASKS_PER_CPU * cpus))))
+    return [idx[i:i + per] for i in range(0, len(idx), per)]
 
 
 def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: bool = True):
@@ -423,44 +440,52 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         started = True
     try:
-        nodes = ray_nodes()
+        node_cpus = _ray_node_cpus()
+        nodes = {h: n for h, (n, _) in node_cpus.items()}
+        cpus_of = {n: c for n, c in node_cpus.values()}
         here = ray.get_runtime_context().get_node_id()
         task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
         results: list = [None] * len(jobs)
-        refs = {}
-        placed: dict = {}  # node id -> tasks that ran there
+        by_node: dict = {}
         for i, j in enumerate(jobs):
             host = j["config"].get("host")
             node = nodes.get(host)
             if node is None and len(nodes) == 1:
                 node = next(iter(nodes.values()))  # one node: it holds every folder it can read
             if node is None:
-                results[i] = {"label": j["label"], "rank": j["config"].get("rank"), "host": host,
-                              "role": j["config"].get("role", "rank"), "folder": j["folder"], "dump": j["path"],
-                              "error": f"no live node of the Ray cluster has host {host!r} "
-                                       f"(nodes: {', '.join(sorted(str(h) for h in nodes))})"}
+                results[i] = _failed(j, f"no live node of the Ray cluster has host {host!r} "
+                                        f"(nodes: {', '.join(sorted(str(h) for h in nodes))})")
                 continue
+            by_node.setdefault(node, []).append(i)
+        refs = {}
+        placed: dict = {}  # node id -> ranks analysed there
+        for node, idx in by_node.items():
             strat = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-            refs[task.options(scheduling_strategy=strat).remote(j)] = i
+            for chunk in _chunks(idx, cpus_of.get(node, 1)):
+                refs[task.options(scheduling_strategy=strat).remote([jobs[i] for i in chunk])] = chunk
         with progress(f"summary of {len(jobs)} dumps on Ray", total=len(jobs)) if show_progress else _Null() as bar:
-            bar.advance(len(jobs) - len(refs))
+            bar.advance(len(jobs) - sum(len(c) for c in refs.values()))
             pending = list(refs)
             while pending:
-                done, pending = ray.wait(pending, num_returns=min(len(pending), 64), timeout=RAY_IDLE_S,
-                                         fetch_local=True)
+                done, pending = ray.wait(pending, num_returns=1, timeout=RAY_IDLE_S, fetch_local=True)
                 if not done:
                     for ref in pending:
                         ray.cancel(ref, force=True)
-                        j = jobs[refs[ref]]
-                        results[refs[ref]] = {"label": j["label"], "rank": j["config"].get("rank"),
-                                              "host": j["config"].get("host"), "role": j["config"].get("role", "rank"),
-                                              "folder": j["folder"], "dump": j["path"],
-                                              "error": f"its Ray task did not finish in {RAY_IDLE_S:g} s"}
+                        for i in refs[ref]:
+                            results[i] = _failed(jobs[i], f"its Ray task did not finish in {RAY_IDLE_S:g} s")
                     break
-                for ref, (res, node) in zip(done, ray.get(done)):
-                    results[refs[ref]] = res
-                    placed[node] = placed.get(node, 0) + 1
-                bar.advance(len(done))
+                for ref in done:
+                    try:
+                        res, node = ray.get(ref)
+                    except Exception as e:  # the task's worker died (out of memory, node lost)
+                        for i in refs[ref]:
+                            results[i] = _failed(jobs[i], f"its Ray task failed: "
+                                                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                        continue
+                    for i, r in zip(refs[ref], res):
+                        results[i] = r
+                    placed[node] = placed.get(node, 0) + len(res)
+                    bar.advance(len(res))
         cpus = int(ray.cluster_resources().get("CPU", 0))
         used_nodes = sorted({r.get("host") for r in results if r and "error" not in r}, key=str)
     finally:
@@ -469,7 +494,7 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
     wall = time.perf_counter() - t0
     task_cpu = sum(r.get("cpu_seconds", 0) for r in results)
     timing = {"engine": "ray", "wall_s": round(wall, 3), "workers": cpus, "cpus": cpus, "nodes": len(nodes),
-              "hosts": used_nodes, "local_node": here, "tasks_per_node": placed, "cpu_s": round(task_cpu, 3),
+              "hosts": used_nodes, "local_node": here, "ranks_per_node": placed, "tasks": len(refs), "cpu_s": round(task_cpu, 3),
               "busy_cores": round(task_cpu / wall, 2) if wall > 0 else None, "task_cpu_s": round(task_cpu, 3),
               "started_ray": started}
     return results, timing
@@ -477,6 +502,11 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
 
 class SummaryError(Exception):
     pass
+
+
+def _failed(job, why) -> dict:
+    return {"label": job["label"], "rank": job["config"].get("rank"), "host": job["config"].get("host"),
+            "role": job["config"].get("role", "rank"), "folder": job["folder"], "dump": job["path"], "error": why}
 
 
 class _Null:

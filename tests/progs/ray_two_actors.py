@@ -1,5 +1,6 @@
 """A Ray job: two actors train a small MLP with Adam; the actor named 'leaky' keeps one 64 KiB
-tensor per step. Prints {"steady": pid, "leaky": pid} as JSON.
+tensor per step; started by this driver, a task ``probe`` runs too. Prints
+{"steady": pid, "leaky": pid[, "probe": pid]} as JSON.
 
     python ray_two_actors.py STEPS                      # starts a local Ray node (ray.init)
     python ray_two_actors.py STEPS ADDRESS OUT ROOT     # joins a running cluster, traced through
@@ -36,6 +37,14 @@ class Trainer:
         return os.getpid()
 
 
+@ray.remote(num_cpus=0)  # the actors hold both CPUs
+def probe(n):
+    """A task that imports torch: traced in a task worker of its own."""
+    import os
+    w = torch.nn.Linear(n, n)
+    return os.getpid(), sum(p.numel() for p in w.parameters())
+
+
 def main():
     steps = int(sys.argv[1])
     if len(sys.argv) > 2:
@@ -56,7 +65,10 @@ def main():
         a = Trainer.options(name="steady").remote(False)
         b = Trainer.options(name="leaky").remote(True)
         pids = ray.get([a.train.remote(steps), b.train.remote(steps)], timeout=240)
-        print(json.dumps({"steady": pids[0], "leaky": pids[1]}))
+        out = {"steady": pids[0], "leaky": pids[1]}
+        if len(sys.argv) == 2:
+            out["probe"] = ray.get(probe.remote(16), timeout=240)[0]
+        print(json.dumps(out))
     finally:
         ray.shutdown()
 
