@@ -226,6 +226,8 @@ def main(argv=None) -> int:
               f"{tm['from_analysis']} ranks from their results, {tm['from_dump']} from their dumps; "
               f"CPU time {tm['cpu_s']:.1f} s -> {tm['busy_cores'] or 0:.2f} cores busy on average "
               f"({100 * (tm['busy_cores'] or 0) / max(1, tm['cpus']):.0f}% of the CPUs)")
+        if tm.get("engine") == "ray":
+            print(f"ray: {tm['tasks']} tasks; starting or joining the cluster took {tm['ray_start_s']:.1f} s of the wall time")
         if m0 and m1:
             busy = (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]) * tm["cpus"]
             print(f"whole machine during the summary (all processes, /proc/stat): {busy:.2f} of {tm['cpus']} "

@@ -37,13 +37,14 @@ def online_sinks(session) -> list:
 
 
 # ------------------------------------------------------------------ results on disk as they are found
-# A sink may define ``findings(session) -> (name, result) | None``: its current result, in the format
-# its ``close`` writes to ``analysis/<name>.json``. ``StepCheckpoint`` (the last sink) saves those at
+# A sink may define ``findings(session, count_only=False) -> (name, result, count) | None``: its
+# current result, in the format its ``close`` writes to ``analysis/<name>.json``, and how many
+# findings it holds (with ``count_only`` the result may be None: only the count is needed). ``StepCheckpoint`` (the last sink) saves those at
 # each step end, so that a process ended without its exit handlers (Ray's workers, SIGKILL, the OOM
 # killer) still leaves what its analyses had found; ``close`` then replaces them with the final ones.
 _OWNED: dict = {}   # (folder, name) -> the result file this process wrote (replaced, never another's)
-SAVE_BUDGET = 0.02  # results that are costly to save: at most this share of the run's time
-SAVE_CHEAP_S = 0.002  # a save that costs less CPU time than this is made at every step end
+SAVE_BUDGET = 0.01  # saves of results that only moved (peaks, step counts): this share of the CPU time
+SAVE_COSTLY_S = 0.002  # a save costing more CPU time than this waits for the budget even with new findings
 
 
 def save_result(folder: str, name: str, result, indent=2) -> str:
@@ -97,7 +98,9 @@ class StepCheckpoint:
         from ..capture import backends  # noqa: F401  (imported now, not inside the first save)
         self.sinks = sinks
         self._saved: dict = {}   # name -> the text last written
+        self._counts: dict = {}  # name -> number of findings last written
         self._next_at = 0.0
+        self._cost = 0.0
 
     def consume(self, rows, first_id):
         pass
@@ -106,34 +109,58 @@ class StepCheckpoint:
         self.save(session)
 
     def save(self, session, force=False):
-        if not force and time.monotonic() < self._next_at:
+        """Save what changed. New findings (a sink's count of them moved) are saved at once; results
+        that only moved (peaks, steps ended) within ``SAVE_BUDGET`` of the time; and when a save
+        grows costly (thousands of leaks) everything waits for the budget, so that saving never
+        grows with the square of the run."""
+        due = force or time.process_time() >= self._next_at
+        if not due and self._cost > SAVE_COSTLY_S:
             return
-        c0 = time.process_time()  # CPU time: a loaded machine's waits do not make saves rarer
-        found = [("peaks", peaks_result(session))]
+        found = []
+        new = False
         for s in self.sinks:
             fn = getattr(s, "findings", None)
             if fn is None:
                 continue
             try:
-                got = fn(session)
+                got = fn(session, count_only=not due) if not due else fn(session)
             except Exception as e:  # an analysis must never break the traced program
                 log.error("analysis %s: findings: %s", type(s).__name__, e)
                 continue
-            if got is not None:
-                found.append(got)
-        for name, result in found:
+            if got is None:
+                continue
+            name, result, count = got
+            if self._counts.get(name) != count:
+                new = True
+            found.append((name, result, count))
+        if not (due or new):
+            return
+        c0 = time.process_time()
+        found = [(n, r if r is not None else self._full(session, n), c) for n, r, c in found]
+        found.append(("peaks", peaks_result(session), None))
+        for name, result, count in found:
             text = json.dumps(result, indent=2, default=str)
             if self._saved.get(name) == text:
                 continue
             try:
                 _write_text(session.folder, name, text)
                 self._saved[name] = text
+                self._counts[name] = count
             except OSError as e:
                 log.error("analysis %s: cannot save findings: %s", name, e)
-        cost = time.process_time() - c0
-        # small results (the usual case) are saved at every step end; large ones (thousands of
-        # leaks) within the budget, so that saving never grows with the square of the run
-        self._next_at = 0.0 if cost < SAVE_CHEAP_S else time.monotonic() + min(cost / SAVE_BUDGET, 30.0)
+        # the budget is of this process's CPU time: a loaded machine's waits neither make saves
+        # rarer nor more frequent
+        self._cost = time.process_time() - c0
+        self._next_at = time.process_time() + min(self._cost / SAVE_BUDGET, 60.0)
+
+    def _full(self, session, name):
+        for s in self.sinks:
+            fn = getattr(s, "findings", None)
+            if fn is not None:
+                got = fn(session)
+                if got is not None and got[0] == name:
+                    return got[1]
+        return None
 
     def close(self, session):
         # the other sinks wrote their final results already (they come first)

@@ -257,9 +257,10 @@ class LeakSink:
                   "fluctuation": fluct_json(fluct)}
         return by_dev, fluct, result
 
-    def findings(self, session):
-        """The result as ``close`` would write it now (saved at step ends: see analysis.StepCheckpoint)."""
-        return "leaks", self._state()[2]
+    def findings(self, session, count_only=False):
+        """The result as ``close`` would write it now, and the number of leaks (saved at step ends:
+        see analysis.StepCheckpoint)."""
+        return "leaks", None if count_only else self._state()[2], len(self.t.leaks)
 
     def close(self, session):
         self._emit_pending()

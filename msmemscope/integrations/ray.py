@@ -52,7 +52,7 @@ def ray_runtime_env(runtime_env: dict | None = None, **options) -> dict:
     opts.output = os.path.abspath(opts.output)
     env = dict(runtime_env or {})
     env_vars = dict(env.get("env_vars") or {})
-    env_vars.update({"MSMEMSCOPE_OPTIONS": opts.to_json(), "MSMEMSCOPE_RAY": "1"})
+    env_vars["MSMEMSCOPE_OPTIONS"] = opts.to_json()
     theirs = env.get("worker_process_setup_hook")
     if theirs is not None and theirs != SETUP_HOOK:
         if not isinstance(theirs, str):

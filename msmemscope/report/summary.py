@@ -432,13 +432,20 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
     started = False
     if not ray.is_initialized():
         addr = address or os.environ.get("RAY_ADDRESS") or None
-        try:
-            ray.init(address=addr, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                     configure_logging=False)
-        except Exception as e:
-            raise SummaryError(f"--engine=ray: cannot start or join a Ray cluster{f' at {addr}' if addr else ''}: "
-                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        # a local instance: Ray gives its raylet 30 s to come up, which a loaded machine may miss once
+        for attempt in (1, 2) if addr is None else (2,):
+            try:
+                ray.init(address=addr, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                         configure_logging=False)
+                break
+            except Exception as e:
+                ray.shutdown()
+                if attempt == 2:
+                    raise SummaryError(f"--engine=ray: cannot start or join a Ray cluster"
+                                       f"{f' at {addr}' if addr else ''}: "
+                                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         started = True
+    ray_start = time.perf_counter() - t0
     try:
         node_cpus = _ray_node_cpus()
         nodes = {h: n for h, (n, _) in node_cpus.items()}
@@ -496,7 +503,7 @@ def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: 
     timing = {"engine": "ray", "wall_s": round(wall, 3), "workers": cpus, "cpus": cpus, "nodes": len(nodes),
               "hosts": used_nodes, "local_node": here, "ranks_per_node": placed, "tasks": len(refs), "cpu_s": round(task_cpu, 3),
               "busy_cores": round(task_cpu / wall, 2) if wall > 0 else None, "task_cpu_s": round(task_cpu, 3),
-              "started_ray": started}
+              "started_ray": started, "ray_start_s": round(ray_start, 3)}
     return results, timing
 
 
