@@ -104,7 +104,9 @@ def _label(rds: list[RankDump]) -> None:
     """``rank R``; where two runs share a rank (two jobs under one root) the host and pid tell them apart;
     a process outside a distributed job is named by its folder."""
     seen: dict = {}
+    per_folder: dict = {}
     for r in rds:
+        per_folder[r.folder] = per_folder.get(r.folder, 0) + 1
         if not r.is_worker:
             seen[r.rank] = seen.get(r.rank, 0) + 1
     for r in rds:
@@ -119,7 +121,7 @@ def _label(rds: list[RankDump]) -> None:
             r.label = f"rank {r.rank}"
         if r.rank is not None and r.ray and ray_name(r.config):  # a ranked Ray actor: both names
             r.label += f" {ray_name(r.config).split(' (pid')[0]}"
-        if len([x for x in rds if x.folder == r.folder]) > 1:
+        if per_folder[r.folder] > 1:  # (a count, not a scan: 1,024 ranks made that quadratic)
             r.label += f" {os.path.basename(r.path)}"
 
 
