@@ -229,7 +229,13 @@ def test_ray_runtime_env_on_a_running_cluster(cluster, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     pids = json.loads(r.stdout.strip().splitlines()[-1])
     assert _left_running(out) == []  # the job's workers ended with it
-    _check_actor_folders(out, pids)
+    actors = _check_actor_folders(out, pids)
+    # the actors set RANK themselves (after torch was imported): config.json has it, the summary names both
+    assert {n: (c["rank"], c["world_size"]) for n, (_, c) in actors.items()} == {"steady": (0, 2), "leaky": (1, 2)}
+    from msmemscope.report.summary import build
+    s = build(str(out), workers=1, show_progress=False)
+    assert [r["label"] for r in s["ranks"]] == ["rank 0 actor steady", "rank 1 actor leaky"]
+    assert s["leaking"] == ["rank 1 actor leaky"]
     assert not [f for f in run_folders(out) if config_of(f).get("role") == "ray_driver"]  # the driver is not traced
 
 

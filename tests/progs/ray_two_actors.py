@@ -4,7 +4,8 @@ tensor per step; started by this driver, a task ``probe`` runs too. Prints
 
     python ray_two_actors.py STEPS                      # starts a local Ray node (ray.init)
     python ray_two_actors.py STEPS ADDRESS OUT ROOT     # joins a running cluster, traced through
-                                                        # msmemscope.ray_runtime_env(output=OUT)
+                                                        # msmemscope.ray_runtime_env(output=OUT);
+                                                        # the actors set RANK 0 and 1 themselves
 """
 import json
 import sys
@@ -17,7 +18,10 @@ KEEP = 16384  # float32 elements kept per step by the leaking actor (64 KiB)
 
 @ray.remote(num_cpus=1)
 class Trainer:
-    def __init__(self, leak):
+    def __init__(self, leak, rank=None):
+        if rank is not None:  # as verl's workers do: the framework sets the rank in the actor
+            import os
+            os.environ.update(RANK=str(rank), WORLD_SIZE="2")
         torch.manual_seed(0)
         self.leak = leak
         self.kept = []
@@ -62,8 +66,9 @@ def main():
                 if attempt == 2:
                     raise
     try:
-        a = Trainer.options(name="steady").remote(False)
-        b = Trainer.options(name="leaky").remote(True)
+        ranked = len(sys.argv) > 2
+        a = Trainer.options(name="steady").remote(False, 0 if ranked else None)
+        b = Trainer.options(name="leaky").remote(True, 1 if ranked else None)
         pids = ray.get([a.train.remote(steps), b.train.remote(steps)], timeout=240)
         out = {"steady": pids[0], "leaky": pids[1]}
         if len(sys.argv) == 2:
