@@ -1,0 +1,157 @@
+"""The HTML report on a long dump: time to write it (``msmemscope report``, reading the CSV
+included), its size, and the time headless Chromium takes to draw it.
+
+    python bench/report_bench.py --events 10000000 [--keep DIR]
+
+The dump is synthetic but shaped like training: weights and optimizer state made once,
+gradients and activations made and freed every step, temporaries inside ops, a STEP row
+every ``events / 200`` rows, owners on every block, 24 distinct Python stacks, 40 ops.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import polars as pl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr,"
+          "Call Stack(Python),Call Stack(C)\n")
+
+
+def synth(path: str, n_events: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    n_alloc = n_events // 2
+    steps = 200
+    per_step = max(1, n_alloc // steps)
+    cats = np.array(["PTA@weight", "PTA@gradient", "PTA@optimizer_state", "PTA@activation", "PTA@ops",
+                     "PTA@ops@loader"])
+    ops = np.array([f"torch._ops.aten.op{i}.default" for i in range(40)])
+    stacks = np.array([f"/work/train.py:{10 + i}(step_fn);/work/train.py:{200 + i % 5}(main);/work/train.py:300(<module>)"
+                       for i in range(24)])
+    i = np.arange(n_alloc)
+    step = np.minimum(i // per_step, steps - 1)
+    cat = rng.choice(len(cats), n_alloc, p=[0.002, 0.05, 0.004, 0.3, 0.6, 0.044])
+    size = (rng.integers(1, 256, n_alloc) * 512).astype(np.int64)
+    t_alloc = i * 2 + rng.random(n_alloc)
+    # lifetimes: weights and optimizer state forever, gradients to the step end, activations
+    # to mid-step backward, temporaries a few events
+    life = np.where(cat == 4, rng.integers(1, 20, n_alloc) * 2.0,
+                    np.where(cat == 3, rng.integers(100, per_step, n_alloc) * 1.0,
+                             np.where(cat == 1, (per_step - i % per_step) * 2.0, 1e18)))
+    t_free = t_alloc + life
+    keep = t_free < n_alloc * 2
+    ev_t = np.concatenate([t_alloc, t_free[keep]])
+    ev_kind = np.concatenate([np.zeros(n_alloc, np.int8), np.ones(int(keep.sum()), np.int8)])
+    ev_a = np.concatenate([i, i[keep]])
+    order = np.argsort(ev_t, kind="stable")
+    ev_t, ev_kind, ev_a = ev_t[order], ev_kind[order], ev_a[order]
+    signed = np.where(ev_kind == 0, size[ev_a], -size[ev_a])
+    used = np.cumsum(signed)
+    n = len(ev_t)
+    ts = (1_700_000_000_000_000_000 + (ev_t * 1000).astype(np.int64))
+    ev_step = step[ev_a]
+    df = pl.DataFrame({
+        "kind": ev_kind, "a": ev_a, "size": size[ev_a], "used": used, "ts": ts,
+        "owner": cats[cat[ev_a]], "op": ops[ev_a % 40], "stack": stacks[ev_a % 24], "step": ev_step})
+    attr = pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}{}}}',
+                     pl.col("a") + 1, pl.col("a") * 4096 + 1_000_000_000,
+                     "size", "used", "used",
+                     pl.when(pl.col("kind") == 0).then(pl.format(',"owner":"{}"', "owner")).otherwise(pl.lit("")))
+    out = df.select(
+        ID=pl.int_range(1, n + 1), Event=pl.when(pl.col("kind") == 0).then(pl.lit("MALLOC")).otherwise(pl.lit("FREE")),
+        EventType=pl.lit("PTA"), Name=pl.when(pl.col("kind") == 0).then(pl.col("op")).otherwise(pl.lit("N/A")),
+        ts="ts", pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"), Attr=attr,
+        py=pl.when(pl.col("kind") == 0).then(pl.col("stack")).otherwise(pl.lit("")), c=pl.lit(""),
+        step="step")
+    # a STEP row after the last event of each step
+    bounds = out.group_by("step").agg(pl.col("ID").max(), pl.col("ts").max()).sort("step")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(HEADER)
+    rows = out.drop("step")
+    step_rows = bounds.select(ID=pl.col("ID"), Event=pl.lit("SYSTEM"), EventType=pl.lit("STEP"), Name=pl.lit("N/A"),
+                              ts=pl.col("ts"), pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"),
+                              Attr=pl.format('{{"step":{}}}', pl.col("step") + 1), py=pl.lit(""), c=pl.lit(""))
+    # renumber: STEP rows take the id after their step's last row
+    allr = pl.concat([rows.with_columns(o=pl.col("ID") * 2), step_rows.with_columns(o=pl.col("ID") * 2 + 1)])
+    allr = allr.sort("o").with_columns(ID=pl.int_range(1, allr.height + 1)).drop("o")
+    with open(path, "a", encoding="utf-8") as f:
+        allr.write_csv(f, include_header=False, quote_style="necessary")
+
+
+def browser_time(page: str) -> float:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_report import DevTools, find_chromium
+    exe = find_chromium()
+    if exe is None:
+        return float("nan")
+    prof = tempfile.mkdtemp(prefix="msmemscope-bench-")
+    dt = DevTools(exe, prof)
+    try:
+        target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        sid = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        dt.send("Page.enable", session=sid)
+        dt.send("Runtime.enable", session=sid)
+        t = time.perf_counter()
+        dt.send("Page.navigate", {"url": "file://" + page}, session=sid)
+        dt.wait_event("Page.loadEventFired", wait=120)
+        while True:
+            r = dt.send("Runtime.evaluate", {"expression": "document.body.getAttribute('data-ready')",
+                                             "returnByValue": True}, session=sid)
+            if r["result"].get("value") == "1":
+                break
+            time.sleep(0.05)
+        took = time.perf_counter() - t
+        errors = [e for e in dt.events if e["method"] == "Runtime.exceptionThrown"]
+        assert not errors, errors
+        shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=sid)["data"]
+        with open(page + ".png", "wb") as f:
+            f.write(base64.b64decode(shot))
+        return took
+    finally:
+        dt.close()
+        shutil.rmtree(prof, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=10_000_000)
+    ap.add_argument("--keep", help="keep the dump and the page in this folder")
+    ns = ap.parse_args()
+    d = ns.keep or tempfile.mkdtemp(prefix="msmemscope-report-bench-")
+    os.makedirs(d, exist_ok=True)
+    dump = os.path.join(d, "memscope_dump_bench.csv")
+    page = os.path.join(d, "report.html")
+    for p in (page,):
+        if os.path.exists(p):
+            os.remove(p)
+    t = time.perf_counter()
+    if not os.path.exists(dump):
+        synth(dump, ns.events)
+    t_synth = time.perf_counter() - t
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "report", dump, "-o", page], env=env,
+                       capture_output=True, text=True)
+    t_report = time.perf_counter() - t
+    assert r.returncode == 0, r.stderr
+    size = os.path.getsize(page)
+    t_browser = browser_time(page)
+    rows = sum(1 for _ in open(dump, "rb")) - 1
+    print(json.dumps({"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1),
+                      "report_s": round(t_report, 2), "page_bytes": size, "browser_ready_s": round(t_browser, 2),
+                      "folder": d}, indent=1))
+    if not ns.keep:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
