@@ -130,7 +130,7 @@ def main():
     os.makedirs(d, exist_ok=True)
     dump = os.path.join(d, "memscope_dump_bench.csv")
     page = os.path.join(d, "report.html")
-    for p in (page,):
+    for p in (page, page + ".png"):
         if os.path.exists(p):
             os.remove(p)
     t = time.perf_counter()
@@ -142,12 +142,14 @@ def main():
     r = subprocess.run([sys.executable, "-m", "msmemscope", "report", dump, "-o", page], env=env,
                        capture_output=True, text=True)
     t_report = time.perf_counter() - t
+    import resource
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     assert r.returncode == 0, r.stderr
     size = os.path.getsize(page)
     t_browser = browser_time(page)
     rows = sum(1 for _ in open(dump, "rb")) - 1
     print(json.dumps({"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1),
-                      "report_s": round(t_report, 2), "page_bytes": size, "browser_ready_s": round(t_browser, 2),
+                      "report_s": round(t_report, 2), "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
                       "folder": d}, indent=1))
     if not ns.keep:
         shutil.rmtree(d, ignore_errors=True)

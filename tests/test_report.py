@@ -708,9 +708,11 @@ def _replay(trace):
     return live, peak
 
 
-def test_memory_snapshot_read_by_torch_memory_viz(run, tmp_path):
+@pytest.mark.parametrize("which", ["run", "owned"])
+def test_memory_snapshot_read_by_torch_memory_viz(which, request, tmp_path):
+    """torch's own memory_viz code on our export: segsum, trace, compare and its HTML plots."""
     from torch.cuda import _memory_viz as mv
-    folder, dump, df = run
+    folder, dump, df = request.getfixturevalue(which)
     snaps = {}
     for step in (1, 2, None):
         o = tmp_path / f"snap_{step}.pickle"
@@ -733,7 +735,12 @@ def test_memory_snapshot_read_by_torch_memory_viz(run, tmp_path):
         assert sum(s["allocated_size"] for s in snap["segments"]) == live
     assert sum(s["allocated_size"] for s in snaps[1]["segments"]) > 0
     assert any(f["name"].startswith("aten.") for e in snaps[None]["device_traces"][0] for f in e["frames"])
-    assert any(f["filename"].endswith("mlp.py") for e in snaps[None]["device_traces"][0] for f in e["frames"])
+    if which == "owned":  # recorded with --call-stack=python
+        files = {f["filename"] for e in snaps[None]["device_traces"][0] for f in e["frames"]}
+        assert any(x.endswith("report_train.py") for x in files), files
+    for plot in (mv.trace_plot, mv.segment_plot):
+        page = plot(snaps[None])
+        assert "<html" in page.lower() or "<!doctype" in page.lower() or len(page) > 1000
     # compare the memory left at the end of step 1 and step 2
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -787,9 +794,17 @@ def test_perfetto_trace_matches_the_dump(run, tmp_path):
         if e["ph"] == "i":
             assert e.get("s", "t") in ("g", "p", "t")
     mem = mem_rows(df)
-    counters = [e for e in evs if e["ph"] == "C"]
+    counters = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory"]
     assert [e["args"]["allocated"] for e in counters] == mem["used"].to_list()
     assert [e["args"]["reserved"] for e in counters] == mem["total"].to_list()
+    # thread ids: small integers (Perfetto's importer takes a tid above 2**32 for a pid), one per thread
+    tids = df["tid"].drop_nulls().unique().to_list()
+    named = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(0 <= e.get("tid", 0) <= len(tids) for e in evs)
+    assert sorted(v for k, v in named.items() if k) == sorted(f"thread {t}" for t in tids)
+    # one counter per op (no owners in this run): its last value is what that op's blocks hold at the end
+    by_op = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory by op"]
+    assert by_op and sum({e["name"]: e["args"]["bytes"] for e in by_op}.values()) == mem["used"][-1]
     ops = [e for e in evs if e["ph"] == "X" and e["cat"] == "op"]
     starts = df.filter(pl.col("event_type") == "ATEN_START")
     assert len(ops) == starts.height
@@ -797,7 +812,8 @@ def test_perfetto_trace_matches_the_dump(run, tmp_path):
     steps = [e for e in evs if e["ph"] == "X" and e["cat"] == "step"]
     assert [e["args"]["step"] for e in steps] == [1, 2, 3]
     marks = [e for e in evs if e["ph"] == "i"]
-    assert len(marks) == df.filter(pl.col("event_type") == "Mark").height == 3
+    assert len(marks) == df.filter(pl.col("event_type") == "Mark").height == 4  # 3 steps + the hostile name
+    assert marks[-1]["name"] == HOSTILE
     ranges = [e for e in evs if e["ph"] == "X" and e["cat"] == "range"]
     assert [e["name"] for e in ranges] == ["training"]
     # nesting: every op slice lies inside the training range
@@ -868,3 +884,26 @@ def test_progress_bar_shows_only_when_asked(monkeypatch):
         p.stage("first")
         assert not p.shown
     assert buf2.getvalue() == ""
+
+
+def test_perfetto_counters_per_owner_category(owned, tmp_path):
+    folder, dump, df = owned
+    o = tmp_path / "trace.json"
+    cli_ok(["export", "--format=perfetto", dump, "-o", str(o)])
+    evs = json.load(open(o))["traceEvents"]
+    cats = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory by owner"]
+    last = {}
+    for e in cats:
+        last[e["name"]] = e["args"]["bytes"]
+    names = {n.split(" device ")[0] for n in last}
+    assert {"owner weights", "owner gradients", "owner optimizer state"} <= names, names
+    mem = mem_rows(df)
+    assert sum(last.values()) == mem["used"][-1]
+    # at every sample, the categories add up to the pool's allocated bytes at that row
+    running, alloc = {}, [e["args"]["allocated"] for e in evs if e["ph"] == "C" and e["cat"] == "memory"]
+    sums = []
+    for e in cats:
+        running[e["name"]] = e["args"]["bytes"]
+        sums.append(sum(running.values()))
+    assert sums == alloc
+    assert all(e["tid"] <= 8 for e in evs if "tid" in e)

@@ -191,6 +191,7 @@ def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int)
     n_events = m.height
     nb = BASE_BUCKETS
     index = LayerIndex(m, names)
+    op_list: list[str] = []
     spent = 0
     for _ in range(MAX_LEVELS):
         b = ((pl.col("ts") - t0) * nb // span).clip(0, nb - 1)
@@ -203,21 +204,27 @@ def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int)
         vals = index.at(g["r"].to_numpy())
         total = g["total"]
         has_total = total.drop_nulls().len() > 0 and bool(((total.fill_null(g["hi"]) - g["hi"]) != 0).any())
-        ops = at["op"].fill_null("").to_list()
+        ops = at["op"].fill_null("")
+        op_names = sorted(set(ops.unique().to_list()) | set(op_list))
+        if op_names != op_list:
+            op_list[:] = op_names
         levels.append({
             "buckets": nb, "span_us": round(span / 1000 / nb, 3),
             "t": delta(((at["ts"] - t0) // 1000).to_list()),
             "hi": delta(g["hi"].to_list()), "lo": delta(g["lo"].to_list()),
             "total": delta(total.fill_null(g["hi"]).to_list()) if has_total else None,
             "layers": [delta(v) for v in vals],
-            "op": ops, "n": g["n"].to_list(),
+            "op": ops, "n": g["n"].to_list(),  # op names -> indexes into "ops" below
         })
         spent += g.height
         # stop when a bucket holds about one event, or the next level would pass the budget
         if g.height >= 0.8 * n_events or spent + min(n_events, nb * FACTOR) > budget:
             break
         nb *= FACTOR
-    return {"levels": levels}
+    op_index = {o: i for i, o in enumerate(op_list)}
+    for lv in levels:
+        lv["op"] = [op_index[o] for o in lv["op"].to_list()]
+    return {"levels": levels, "ops": op_list}
 
 
 # ---------------------------------------------------------------- stacks

@@ -197,7 +197,8 @@
       var lines = ['<b>' + fmtUs(lv.T[i]) + '</b> · step ' + stepAt(lv.T[i]) + ' · bucket of ' + lv.n[i] + ' event(s)',
         'allocated ' + fmtBytes(lv.HI[i]) + ' (min in bucket ' + fmtBytes(lv.LO[i]) + ')'];
       if (lv.TOT) { lines.push('reserved ' + fmtBytes(lv.TOT[i])); }
-      if (lv.op[i]) { lines.push('op at the bucket peak: ' + lv.op[i].replace(/</g, '&lt;')); }
+      var op = s.ops[lv.op[i]];
+      if (op) { lines.push('op at the bucket peak: ' + op.replace(/</g, '&lt;')); }
       for (var j = s.layers.length - 1; j >= 0; j--) {
         if (lv.L[j][i]) { lines.push('<span style="color:' + color(s.layers[j], j) + '">■</span> ' + s.layers[j].replace(/</g, '&lt;') + ': ' + fmtBytes(lv.L[j][i])); }
       }
@@ -208,14 +209,20 @@
   function zoomTo(tl, a, b) {
     tl.chart.dispatchAction({ type: 'dataZoom', dataZoomIndex: 0, startValue: a / 1000, endValue: b / 1000 });
   }
-  function redraw(tl) {
-    var z = tl.chart.getOption().dataZoom[0];
-    var a = (z.startValue !== undefined ? z.startValue : tl.full[0] / 1000) * 1000;
-    var b = (z.endValue !== undefined ? z.endValue : tl.full[1] / 1000) * 1000;
-    tl.view = [a, b];
+  function redraw(tl, range) {
+    // the window from the zoom event when there is one (getOption() copies the whole option)
+    if (range) { tl.view = range; } else if (!tl.view) { tl.view = tl.full.slice(); }
+    var a = tl.view[0], b = tl.view[1];
     tl.chart.setOption({ series: seriesOptions(tl, timelineData(tl, a, b)) }, { replaceMerge: ['series'] });
     tl.info.textContent = 'level ' + tl.level + ' of ' + (tl.s.levels.length - 1) + ': ' + tl.shown + ' points, each the min/max of a ' +
       fmtUs(tl.s.levels[tl.level].span_us) + ' bucket · ' + tl.s.events.toLocaleString() + ' events in this series';
+  }
+  function zoomRange(tl, ev) {
+    var z = ev.batch ? ev.batch[0] : ev, f0 = tl.full[0], f1 = tl.full[1];
+    if (z.startValue !== undefined && z.endValue !== undefined) { return [z.startValue * 1000, z.endValue * 1000]; }
+    if (z.start !== undefined && z.end !== undefined) { return [f0 + (f1 - f0) * z.start / 100, f0 + (f1 - f0) * z.end / 100]; }
+    var o = tl.chart.getOption().dataZoom[0];
+    return [o.startValue * 1000, o.endValue * 1000];
   }
   function timeline() {
     if (!D.series.length) { return; }
@@ -244,7 +251,7 @@
         series: []
       });
       redraw(tl);
-      chart.on('datazoom', function () { redraw(tl); });
+      chart.on('datazoom', function (ev) { redraw(tl, zoomRange(tl, ev)); });
       chart.getZr().on('click', function (e) {
         var p = [e.offsetX, e.offsetY];
         if (!chart.containPixel({ gridIndex: 0 }, p)) { return; }
