@@ -320,7 +320,7 @@ def test_report_stays_small_for_millions_of_events():
     figures are bench/report_bench.py's, in BENCHMARKS.md)."""
     from msmemscope.report import views
     from msmemscope.report.html import build_frame, render
-    n = full(1_000_000, 4_000_000)
+    n = full(600_000, 4_000_000)
     size = pl.int_range(0, n, eager=True) % 97 * 64 + 64
     ev = pl.Series(["MALLOC", "FREE"]).gather(pl.int_range(0, n, eager=True) % 2)
     signed = pl.when(ev == "MALLOC").then(size).otherwise(-size.shift(1, fill_value=0))

@@ -346,6 +346,9 @@ def compare_steps(df: pl.DataFrame) -> dict | None:
     if not mal.height:
         return None
     steps = mal["step"].unique().sort().to_list()
+    ended = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height
+    if ended >= 2:  # the rows after the last STEP row are not a whole step
+        steps = [s for s in steps if s <= ended]
     if len(steps) < 2:
         return None
     steps = steps[-COMPARE_STEPS:]

@@ -8,7 +8,8 @@
   var MAX_POINTS = 2500;       // points drawn per series at any zoom
   var COLORS = { 'weights': '#4e79a7', 'gradients': '#f28e2b', 'optimizer state': '#59a14f', 'activations': '#e15759',
     'temporaries': '#bab0ac', '(before the trace)': '#d0d5dd', '(other ops)': '#bab0ac', '(other owners)': '#9c9c9c' };
-  var PALETTE = ['#76b7b2', '#edc948', '#b07aa1', '#ff9da7', '#9c755f', '#4e79a7', '#f28e2b', '#59a14f', '#e15759', '#8cd17d'];
+  // the other layers (labels, components, ops): none of the category colours above
+  var PALETTE = ['#76b7b2', '#edc948', '#b07aa1', '#ff9da7', '#9c755f', '#8cd17d', '#86bcb6', '#d37295', '#fabfd2', '#79706e'];
   var M = window.msmemscope = { data: D, timelines: [], moment: null, ready: false };
 
   // ------------------------------------------------------------ helpers
@@ -446,8 +447,17 @@
     if (C) {
       var bar = el('div', { 'class': 'toolbar' }), sa = el('select', { id: 'compare-a' }), sb = el('select', { id: 'compare-b' });
       C.steps.forEach(function (st) { sa.appendChild(el('option', { value: String(st) }, 'step ' + st)); sb.appendChild(el('option', { value: String(st) }, 'step ' + st)); });
-      var n = C.steps.length;
-      sa.value = String(C.steps[n >= 3 ? n - 3 : 0]); sb.value = String(C.steps[n >= 3 ? n - 2 : 1]);
+      // open on the two consecutive steps that differ most (the last two when none differ)
+      var n = C.steps.length, per = {};
+      C.cells.forEach(function (c) { (per[c[0]] = per[c[0]] || {})[c[1]] = c[2]; });
+      var bestA = C.steps[n >= 3 ? n - 3 : 0], bestD = 0;
+      for (var k = 0; k + 1 < n; k++) {
+        var x = per[C.steps[k]] || {}, y = per[C.steps[k + 1]] || {}, d = 0;
+        C.ops.forEach(function (op, i) { d += Math.abs((y[i] || 0) - (x[i] || 0)); });
+        if (d > bestD) { bestD = d; bestA = C.steps[k]; }
+      }
+      var ia = C.steps.indexOf(bestA);
+      sa.value = String(bestA); sb.value = String(C.steps[Math.min(ia + 1, n - 1)]);
       add(bar, el('span', null, 'step'), sa, el('span', null, 'against'), sb);
       add(sec, bar);
       var div = chartDiv(sec, 'bars'); div.id = 'compare-chart';
