@@ -907,3 +907,26 @@ def test_perfetto_counters_per_owner_category(owned, tmp_path):
         sums.append(sum(running.values()))
     assert sums == alloc
     assert all(e["tid"] <= 8 for e in evs if "tid" in e)
+
+
+def page_data(path):
+    """The data a report page embeds (its JSON element), as the page's script reads it."""
+    text = open(path, encoding="utf-8").read()
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', text, re.S)
+    return json.loads(m.group(1))
+
+
+def test_rank_root_with_an_unreadable_rank(ranks, tmp_path):
+    """One rank's dump broken: the root page still lists both, the broken one with its error."""
+    root, folders = ranks
+    copy = tmp_path / "job"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.html"))
+    broken = dump_of(os.path.join(copy, os.path.basename(folders[0])))
+    with open(broken, "w") as f:
+        f.write("hello,world\n1,2\n")
+    r = cli_ok(["report", str(copy)])
+    data = page_data(written(r, "report"))
+    assert [x["label"] for x in data["ranks"]] == ["rank 0", "rank 1"]
+    assert data["ranks"][0]["href"] is None and "error" in data["ranks"][0]
+    assert data["ranks"][1]["peak"] == read(dump_of(folders[1]))["used"].max()
+    assert data["outlier"] is None  # one readable rank: no median to stand out from

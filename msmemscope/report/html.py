@@ -123,7 +123,9 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     from . import views
     path = folder or dumps[0]
     stage("memory series")
-    df = with_op(df)
+    marks_df = df.filter(pl.col("event") == "MSTX")
+    # the text columns no view reads: dropped before the frame is copied by the steps below
+    df = with_op(df.drop([c for c in ("attr", "c_stack", "ptr") if c in df.columns]))
     ts = df["ts"].drop_nulls()
     # the axis starts at the first recorded activity, not at START_TRACE or at
     # a mark made before it (the program's imports would otherwise take most of
@@ -178,7 +180,6 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     main_i = max(range(len(series)), key=lambda i: (series[i]["pool"] not in ("HAL",), series[i]["peak"])) \
         if series else None
 
-    marks_df = df.filter(pl.col("event") == "MSTX")
     marks, ranges, open_r = [], [], {}
     for t, k, n, attr in marks_df.select("ts", "event_type", "name", "attr").iter_rows():
         if k == "Mark":
@@ -361,7 +362,13 @@ def write_rank_report(root: str, rds, output: str | None = None) -> str:
     with progress("report", total=len(rds) + 2) as p:
         for rd in rds:
             p.stage(f"{rd.label}")
-            data = build_frame(read_all([rd.path]), [rd.path], rd.folder)
+            try:
+                data = build_frame(read_all([rd.path]), [rd.path], rd.folder)
+            except ReportError as e:  # one unreadable rank: said in its row, the others are shown
+                ranks.append({"label": rd.label, "rank": rd.rank, "host": rd.host, "dump": os.path.abspath(rd.path),
+                              "href": None, "error": str(e), "peak": 0, "events": 0, "steps": 0, "t": [], "hi": [],
+                              "findings": [f"error: {e}"], "layers": {}})
+                continue
             page = _write(check_output(os.path.join(rd.folder, "msmemscope_report.html")), render(data))
             main = data["series"][data["main"]] if data["main"] is not None else None
             lvl = main["levels"][0] if main else None

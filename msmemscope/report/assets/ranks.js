@@ -52,9 +52,11 @@
   D.ranks.forEach(function (r) {
     var tr = el('tr', out && out.flagged && r.label === out.label ? { 'class': 'outlier' } : null);
     var vs = out ? r.peak - out.median : null;
-    [r.label, r.host || '', (r.device || '') + ' · ' + (r.pool || ''), fmtBytes(r.peak), r.peak_step, vs === null ? '' : (vs >= 0 ? '+' : '') + fmtBytes(vs),
+    [r.label, r.host || '', (r.device || '') + ' · ' + (r.pool || ''), r.error ? '' : fmtBytes(r.peak), r.peak_step, vs === null || r.error ? '' : (vs >= 0 ? '+' : '') + fmtBytes(vs),
       r.events.toLocaleString(), r.steps, r.findings.join(' ')].forEach(function (v) { tr.appendChild(el('td', null, v)); });
-    var td = el('td'); add(td, el('a', { href: r.href, 'class': 'rank-link' }, 'open')); tr.appendChild(td);
+    var td = el('td');
+    if (r.href) { add(td, el('a', { href: r.href, 'class': 'rank-link' }, 'open')); } else { td.textContent = 'not readable'; }
+    tr.appendChild(td);
     body.appendChild(tr);
   });
   t.appendChild(body);
@@ -68,8 +70,7 @@
     series: [{ type: 'bar', name: 'peak allocated', data: D.ranks.map(function (r) {
       return { value: r.peak, itemStyle: { color: out && out.flagged && r.label === out.label ? '#d92d20' : '#4e79a7' } };
     }), markLine: out ? { symbol: 'none', data: [{ yAxis: out.median, name: 'median' }], label: { formatter: 'median' } } : undefined }] });
-  bars.addEventListener('click', function () {});
-  chart.on('click', function (p) { var r = D.ranks[p.dataIndex]; if (r) { location.href = r.href; } });
+  chart.on('click', function (p) { var r = D.ranks[p.dataIndex]; if (r && r.href) { location.href = r.href; } });
 
   var tsec = section('timeline', 'Memory over time, every rank', 'allocated memory of each rank\'s main pool (the peak of each time bucket)');
   var tdiv = el('div', { 'class': 'echart', id: 'ranks-timeline' });
