@@ -205,13 +205,18 @@ def main():
             stages[name] = round(now - last[0], 2)
             last[0] = now
         t = time.perf_counter()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         data = build_frame(df, ["synthetic"], None, stage=stage)
         text = render(data)
         t_report = time.perf_counter() - t
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[0]
         with open(page, "w", encoding="utf-8") as f:
             f.write(text)
         t_browser = browser_time(page)
-        print(json.dumps({"rows": df.height, "synth_s": round(t_synth, 1), "build_and_render_s": round(t_report, 2),
+        print(json.dumps({"rows": df.height, "synth_s": round(t_synth, 1), "build_and_render_s": round(t_report, 2), "build_cpu_s": round(cpu, 1), "loadavg_after": load,
                           "stages_s (time before each named stage)": stages,
                           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                           "page_bytes": len(text.encode()), "browser_ready_s": round(t_browser, 2), "folder": d},
