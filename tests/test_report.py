@@ -5,7 +5,6 @@ Chromium (one browser per module)."""
 from __future__ import annotations
 
 import base64
-import glob
 import io
 import json
 import os
