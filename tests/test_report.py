@@ -648,6 +648,11 @@ def test_chromium_run_without_owners_or_stacks_and_hostile_names(run, tmp_path, 
         assert page.pixels("#live-flame")["ink"] > 0.1
         table = page.js("document.getElementById('live-table').textContent")
         assert "(no Python line)" in table and "aten." in table
+        # hovering the bucket of the peak: the tooltip names its time, bytes and op
+        tip = page.js("(function(){var tl=msmemscope.timelines[0], lv=tl.s.levels[tl.level], i=lv.HI.indexOf(tl.s.peak);"
+                      "tl.chart.dispatchAction({type:'showTip', seriesIndex:0, dataIndex:i - tl.slice.i0});"
+                      "return {text: tl.chart.getDom().textContent, op: tl.s.ops[lv.op[i]]};})()")
+        assert "allocated" in tip["text"] and ("op at the bucket peak: " + tip["op"]) in tip["text"], tip
         assert page.js("msmemscope.moment.total") == page.js("msmemscope.data.series[0].peak")
     finally:
         page.close()
