@@ -1,14 +1,15 @@
-"""``msmemscope report <output-folder-or-dump> [-o file.html]``: one self-contained
-HTML file a person opens in a browser.
+"""``msmemscope report <output-folder-or-dump | job root> [-o file.html]``: one self-contained
+HTML file a person opens in a browser, offline (Apache ECharts inlined).
 
-Memory over time per device and pool (allocated, and reserved where it differs),
-step boundaries and marks on it, stacked by owner when MALLOC rows carry owners;
-zoom and hover naming the op and the block; tables of leaks, inefficient blocks,
-top ops, compare results and a per-step summary.
+Views (ids a link opens): ``#findings`` (the analyses' results as sentences), ``#timeline``
+(memory over time per device and pool, stacked by what it is, with zoom levels),
+``#live`` (what is live at the peak or a clicked moment, a flame graph by Python stack;
+what grew between two step ends), ``#compare`` (two steps side by side), ``#details`` (raw
+tables). On the root of a job's rank folders: one page per rank and a root page (``#ranks``).
 
-The browser never gets every event: the series is cut into ``BUCKETS`` time
-buckets on the Python side (polars) and each bucket keeps the min and max of
-``used``, the max of ``total``, and the op and block at its peak.
+The browser never gets every event: ``report/views.py`` downsamples each series into a
+bounded number of buckets per zoom level (min/max of ``used``, every layer at the max row),
+and samples the live blocks at a bounded number of moments.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from .common import ReportError, check_output, human_bytes, locate, read_all, wi
 from .progress import progress
 from ..frames import user_line
 
-BUCKETS = 3000
-MAX_OWNERS = 8
+BUCKETS = None  # kept for callers of build(path, buckets): the zoom levels' sizes are views.BASE_BUCKETS
 MAX_ROWS = 500
 MAX_MARKS = 2000
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
