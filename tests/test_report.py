@@ -265,6 +265,13 @@ def test_findings_from_leak_sites_hand_made_and_malformed(folder_copy, tmp_path)
         json.dump({"events": [{"trigger": {"op": "aten.mm.default", "size": 1 << 30, "step": 2, "used": 3 << 30,
                                            "live_blocks": 12},
                                "top": [{"size": 1 << 29, "op": "aten.empty", "python": "/w/m.py:3(f)"}]}]}, f)
+    with open(os.path.join(adir, "fragmentation.json"), "w") as f:
+        json.dump({"analysis": "fragmentation", "steps": [
+            {"step": 1, "device": "0", "reserved": 8 << 20, "allocated": 6 << 20, "unallocated": 2 << 20,
+             "segments": 2, "segments_with_free": 1, "largest_free": 2 << 20, "pinned_segments": 0},
+            {"step": 2, "device": "0", "reserved": 64 << 20, "allocated": 24 << 20, "unallocated": 40 << 20,
+             "segments": 3, "segments_with_free": 3, "largest_free": 20 << 20, "pinned_segments": 1,
+             "pinned_bytes": 18 << 20}, "junk"]}, f)
     os.makedirs(os.path.join(folder_copy, "compare"))
     with open(os.path.join(folder_copy, "compare", "memory_compare_1.csv"), "w") as f:
         f.write(",,,Base,Compare\nEvent,Name,Device Id,Allocated Memory(byte),Allocated Memory(byte),Diff Memory(byte)\n"
@@ -282,6 +289,11 @@ def test_findings_from_leak_sites_hand_made_and_malformed(folder_copy, tmp_path)
     assert by["retained"][0]["text"].startswith("Retained, not growing: 4.00 MB allocated at train.py:12 (main)")
     assert by["oom"][0]["text"] == ("Out of memory in aten.mm.default in step 2: asked for 1.00 GB with 3.00 GB in use "
                                     "in 12 live blocks; largest holders: 512.00 MB at m.py:3 (f) in aten.empty.")
+    assert by["fragmentation"][0]["text"] == (
+        "Fragmentation on device 0 at the end of step 2: 40.00 MB reserved but unallocated in 3 segment(s); "
+        "largest free block 20.00 MB (reserved 64.00 MB); 1 mostly empty segment(s) pinned by live blocks, "
+        "18.00 MB that empty_cache() cannot return."), by["fragmentation"]
+    assert by["fragmentation"][0]["focus_step"] == 2
     comp = data["compare_tables"][0]
     assert comp["rows"][0][1] == "aten.mm.default" and "Compare Allocated Memory(byte)" in comp["columns"]
     # malformed: a list, then not JSON

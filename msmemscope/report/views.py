@@ -551,6 +551,35 @@ def findings(folder: str | None, ctx: dict) -> list[dict]:
                     out.append({"kind": "inefficient", "severity": 1,
                                 "text": f"Inefficient: {human_bytes(_num(w.get('size')))} block "
                                         f"#{w.get('allocation_id')} ({w.get('inefficient_type')}).", "raw": w})
+    # fragmentation of a caching allocator's reserved memory (analysis/fragmentation.json):
+    # per device, the step end with the most reserved-but-unallocated bytes
+    p = os.path.join(adir, "fragmentation.json")
+    if os.path.isfile(p):
+        data, err = _read_json(p)
+        steps = data.get("steps") if isinstance(data, dict) and isinstance(data.get("steps"), list) else []
+        if err:
+            out.append({"kind": "problem", "text": err, "raw": None})
+        worst: dict = {}
+        for st in steps:
+            if isinstance(st, dict) and _num(st.get("unallocated")) is not None:
+                d = str(st.get("device"))
+                if d not in worst or st["unallocated"] > worst[d]["unallocated"]:
+                    worst[d] = st
+        for d, st in sorted(worst.items()):
+            if not st["unallocated"]:
+                continue
+            n = st.get("step") if isinstance(st.get("step"), int) else None
+            pinned = _num(st.get("pinned_segments"))
+            out.append({"kind": "fragmentation", "severity": 2,
+                        "text": f"Fragmentation on device {d}" + (f" at the end of step {n}" if n is not None else "")
+                                + f": {human_bytes(st['unallocated'])} reserved but unallocated in "
+                                  f"{st.get('segments_with_free', 0)} segment(s); largest free block "
+                                  f"{human_bytes(_num(st.get('largest_free')))} (reserved "
+                                  f"{human_bytes(_num(st.get('reserved')))})"
+                                + (f"; {pinned} mostly empty segment(s) pinned by live blocks, "
+                                   f"{human_bytes(_num(st.get('pinned_bytes')))} that empty_cache() cannot return"
+                                   if pinned else "") + ".",
+                        "window": step_window(n, n), "focus_step": n, "raw": st})
     # out of memory
     p = os.path.join(adir, "oom.json")
     if os.path.isfile(p):
@@ -572,6 +601,9 @@ def findings(folder: str | None, ctx: dict) -> list[dict]:
                                 + f": asked for {human_bytes(_num(trig.get('size')))} with "
                                   f"{human_bytes(_num(trig.get('used') or trig.get('live_bytes')))} in use"
                                 + (f" in {trig.get('live_blocks')} live blocks" if trig.get("live_blocks") else "")
-                                + (f"; largest holders: {holders}" if holders else "") + ".",
+                                + (f"; largest holders: {holders}" if holders else "")
+                                + (f"; {human_bytes(_num(trig.get('unallocated')))} reserved but unallocated, largest "
+                                   f"free block {human_bytes(_num(trig.get('largest_free')))}"
+                                   if _num(trig.get("unallocated")) is not None else "") + ".",
                         "window": step_window(st, st), "focus_step": st, "raw": e})
     return out
