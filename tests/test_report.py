@@ -260,7 +260,9 @@ def test_findings_from_leak_sites_hand_made_and_malformed(folder_copy, tmp_path)
         json.dump({"device": "cpu", "sites": [site, "junk", {"python": 5, "bytes_per_step": "x"}],
                    "leaks": [{"size": 4096, "op": "aten.mm.default", "step": 2}],
                    "retained": [{"size": 4 << 20, "op": "aten.empty.memory_format", "step": 1,
-                                 "python": "/w/train.py:12(main)"}]}, f)
+                                 "python": "/w/train.py:12(main)"}],
+                   "retained_sites": [{"device": "cpu", "pool": "PTA", "op": "aten.zeros_like.default",
+                                       "python": "/w/adamw.py:88(_init_group)", "count": 8, "bytes": 1 << 20}, 3]}, f)
     with open(os.path.join(adir, "oom.json"), "w") as f:
         json.dump({"events": [{"trigger": {"op": "aten.mm.default", "size": 1 << 30, "step": 2, "used": 3 << 30,
                                            "live_blocks": 12},
@@ -287,6 +289,9 @@ def test_findings_from_leak_sites_hand_made_and_malformed(folder_copy, tmp_path)
     assert site_s["raw"] == site and site_s["focus_step"] == 3 and site_s["window"][1] > site_s["window"][0]
     assert any("1 block(s) of the growing sites above, 4.00 KB" in f["text"] for f in by["leak"])
     assert by["retained"][0]["text"].startswith("Retained, not growing: 4.00 MB allocated at train.py:12 (main)")
+    assert by["retained"][1]["text"] == ("Retained, not growing: adamw.py:88 (_init_group) (aten.zeros_like.default) "
+                                         "keeps 8 block(s), 1.00 MB, that outlived their step without growing "
+                                         "(allocated once: not a leak).")
     assert by["oom"][0]["text"] == ("Out of memory in aten.mm.default in step 2: asked for 1.00 GB with 3.00 GB in use "
                                     "in 12 live blocks; largest holders: 512.00 MB at m.py:3 (f) in aten.empty.")
     assert by["fragmentation"][0]["text"] == (

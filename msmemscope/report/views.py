@@ -513,6 +513,16 @@ def findings(folder: str | None, ctx: dict) -> list[dict]:
                 if len(items) > 12:
                     out.append({"kind": kind, "severity": 0, "text": f"{len(items) - 12} more {kind} block(s) "
                                 f"in the detail.", "raw": items[12:200], "window": None})
+            # sites whose blocks outlived a step but that do not grow (caches, lazily made state)
+            rsites = data.get("retained_sites") if isinstance(data.get("retained_sites"), list) else []
+            for x in [x for x in rsites if isinstance(x, dict)][:12]:
+                line = x.get("python") if isinstance(x.get("python"), str) else None
+                out.append({"kind": "retained", "severity": 1,
+                            "text": f"Retained, not growing: {pretty_line(line) or 'an unknown line'}"
+                                    + (f" ({short_op(str(x['op']))})" if x.get("op") else "")
+                                    + f" keeps {x.get('count')} block(s), {human_bytes(_num(x.get('bytes')))}, that "
+                                      f"outlived their step without growing (allocated once: not a leak).",
+                            "line": line, "raw": x})
             if not sites and not blocks:
                 n = data.get("steps_ended")
                 out.append({"kind": "ok", "severity": 0,
