@@ -352,6 +352,21 @@ def write_report(path: str, output: str | None = None, buckets: int = BUCKETS) -
         return _write(target, render(data))
 
 
+def _step_progress(t_delta: list[int], steps: list[dict]) -> list[float]:
+    """Each point's place in the run counted in steps (2.5 = half-way through step 3): ranks that
+    started at different times (a slow rendezvous) line up step for step."""
+    import numpy as np
+    t = np.cumsum(np.asarray(t_delta, dtype=np.int64))
+    ends = [x["t"] for x in steps if x.get("t") is not None]
+    if not len(t) or not ends:
+        return []
+    last = max(int(t[-1]), ends[-1] + 1)
+    xp = np.asarray([0] + ends + [last], dtype=np.float64)
+    fp = np.arange(len(xp), dtype=np.float64)
+    keep = np.concatenate([[True], np.diff(xp) > 0])  # interp needs increasing points
+    return np.round(np.interp(t, xp[keep], fp[keep]), 4).tolist()
+
+
 def write_rank_report(root: str, rds, output: str | None = None) -> str:
     """One page per rank (in its run folder) and the root page: the cross-rank summary,
     each rank's peak and memory over time, the outlier, links to the rank pages."""
@@ -381,6 +396,7 @@ def write_rank_report(root: str, rds, output: str | None = None) -> str:
                           "layers": dict(zip(main["layers"], main["peak_layers"])) if main else {},
                           "events": data["summary"]["events"], "steps": data["summary"]["steps"],
                           "t": lvl["t"] if lvl else [], "hi": lvl["hi"] if lvl else [],
+                          "progress": _step_progress(lvl["t"], data["steps"]) if lvl else [],
                           "findings": [f["text"] for f in data["findings"] if f.get("kind") in ("leak", "oom")][:5]})
         p.stage("cross-rank summary")
         try:

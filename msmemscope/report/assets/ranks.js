@@ -72,20 +72,31 @@
     }), markLine: out ? { symbol: 'none', data: [{ yAxis: out.median, name: 'median' }], label: { formatter: 'median' } } : undefined }] });
   chart.on('click', function (p) { var r = D.ranks[p.dataIndex]; if (r && r.href) { location.href = r.href; } });
 
-  var tsec = section('timeline', 'Memory over time, every rank', 'allocated memory of each rank\'s main pool (the peak of each time bucket)');
+  var tsec = section('timeline', 'Memory over time, every rank', 'allocated memory of each rank\'s main pool (the peak of each time bucket); ' +
+    'x in steps lines the ranks up step for step, x in time shows each from its first event');
+  var bar = el('div', { 'class': 'toolbar' }), axisSel = el('select', { id: 'ranks-axis' });
+  var bySteps = D.ranks.some(function (r) { return r.progress && r.progress.length; });
+  if (bySteps) { axisSel.appendChild(el('option', { value: 'step' }, 'x: steps')); }
+  axisSel.appendChild(el('option', { value: 'time' }, 'x: time'));
+  add(bar, axisSel); add(tsec, bar);
   var tdiv = el('div', { 'class': 'echart', id: 'ranks-timeline' });
   add(tsec, tdiv);
   var tchart = E.init(tdiv);
-  tchart.setOption({ animation: false, legend: { top: 0, type: 'scroll' }, tooltip: { trigger: 'axis', valueFormatter: fmtBytes },
-    grid: { left: 80, right: 20, top: 30, bottom: 60 },
-    xAxis: { type: 'value', axisLabel: { formatter: function (v) { return fmtUs(v * 1000); } } },
-    yAxis: { type: 'value', axisLabel: { formatter: fmtBytes } },
-    dataZoom: [{ type: 'inside', filterMode: 'none' }, { type: 'slider', filterMode: 'none', height: 20, bottom: 8 }],
-    series: D.ranks.map(function (r, i) {
-      var T = undelta(r.t), H = undelta(r.hi);
-      return { name: r.label, type: 'line', step: 'end', symbol: 'none', lineStyle: { width: 1.5, color: PALETTE[i % PALETTE.length] },
-        itemStyle: { color: PALETTE[i % PALETTE.length] }, data: T.map(function (x, k) { return [x / 1000, H[k]]; }) };
-    }) });
+  function drawRanks() {
+    var steps = axisSel.value === 'step';
+    tchart.setOption({ animation: false, legend: { top: 0, type: 'scroll' }, tooltip: { trigger: 'axis', valueFormatter: fmtBytes },
+      grid: { left: 80, right: 20, top: 30, bottom: 60 },
+      xAxis: { type: 'value', name: steps ? 'step' : '', axisLabel: { formatter: function (v) { return steps ? String(v) : fmtUs(v * 1000); } } },
+      yAxis: { type: 'value', axisLabel: { formatter: fmtBytes } },
+      dataZoom: [{ type: 'inside', filterMode: 'none' }, { type: 'slider', filterMode: 'none', height: 20, bottom: 8 }],
+      series: D.ranks.map(function (r, i) {
+        var T = undelta(r.t), H = undelta(r.hi), X = steps ? r.progress : T.map(function (x) { return x / 1000; });
+        return { name: r.label, type: 'line', step: 'end', symbol: 'none', lineStyle: { width: 1.5, color: PALETTE[i % PALETTE.length] },
+          itemStyle: { color: PALETTE[i % PALETTE.length] }, data: H.map(function (h, k) { return [X[k], h]; }) };
+      }) }, true);
+  }
+  axisSel.addEventListener('change', drawRanks);
+  drawRanks();
   window.addEventListener('resize', function () { chart.resize(); tchart.resize(); });
   if (location.hash) { var h = document.getElementById(location.hash.slice(1)); if (h) { h.scrollIntoView(); } }
   M.chart = chart; M.timeline = tchart;
