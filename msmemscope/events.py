@@ -12,6 +12,10 @@ HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id
           "Ptr,Attr,Call Stack(Python),Call Stack(C)")
 COLUMNS = tuple(HEADER.split(","))
 NA = "N/A"
+#: Attr key of a FREE row for a block freed while tracing was stopped (or in a step outside
+#: ``--steps``): the block's MALLOC is in the dump, so its FREE is too, flagged, and ``used``
+#: stays the running sum of the sizes.
+UNTRACED = "untraced"
 
 
 class Event:

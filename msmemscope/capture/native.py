@@ -18,13 +18,14 @@ import sys
 
 import torch
 
-from ..events import NA, Event, Op, Pool
+from ..events import NA, UNTRACED, Event, Op, Pool
 
 log = logging.getLogger("msmemscope")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "_native.cpp")
 ALLOC_FAILED = "ALLOC_FAILED"  # a marker row from the C++ side, never written: an OOM snapshot replaces it
-_NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED)
+_NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED,
+          UNTRACED)
 
 
 def _key() -> str:
@@ -132,8 +133,8 @@ class NativeSource:
             self.m.uninstall()
             self.installed = False
 
-    def set_flags(self, active, alloc, free, launch):
-        self.m.set_flags(active, alloc, free, launch)
+    def set_flags(self, recording, count, alloc, free, free_later, launch):
+        self.m.set_flags(recording, count, alloc, free, free_later, launch)
 
     def _full(self):
         # from the C++ op exit when the record buffer is past its bound

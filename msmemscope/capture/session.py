@@ -26,7 +26,7 @@ from time import time_ns
 import torch
 
 from .. import __version__
-from ..events import Event, Mstx, Pool, System, attr_dict, NA
+from ..events import Event, Mstx, Pool, System, attr_dict, NA, UNTRACED
 from ..io.files import create_new, make_dirs, unique_path
 from ..io.writers import open_writer
 from ..options import Options
@@ -240,8 +240,13 @@ class Session:
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
         self.emit_free = self.emit and self.want_free
+        # a block whose MALLOC is in the dump gets its FREE there even when freed outside the
+        # traced window (flagged ``untraced``): ``used`` stays the running sum of the sizes
+        self.free_untraced = self.want_free and not self.closed
         if self.native is not None:
-            self.native.set_flags(self.active and not self.closed, self.emit_alloc, self.emit_free, self.emit_launch)
+            on = not self.closed
+            self.native.set_flags(self.active and on, self.emit and on, self.emit_alloc and on,
+                                  self.emit_free and on, self.free_untraced, self.emit_launch and on)
 
     def sync_sources(self):
         """Move the native source's records into ``buf``: called before a Python-side row is
@@ -382,6 +387,11 @@ class Session:
                     if self.labeler is not None:
                         self.labeler.on_new(b)
                     return b
+            if not self.emit:
+                # outside the traced window (stopped, a step outside --steps): the block is not in
+                # the dump, so it is neither counted nor followed; first seen while tracing, it
+                # gets its MALLOC (origin before_op) then
+                return None
             self._next_alloc += 1
             aid = self._next_alloc
             pk = (device, pool)
@@ -428,13 +438,14 @@ class Session:
             else:
                 used, ts = self.used.get(pk, 0) - b.size, time_ns()
             self.used[pk] = used
-            if self.emit_free:
+            if self.emit_free or self.free_untraced:
                 kind = self.kind if b.device != "cpu" else "cpu"
                 total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
+                attr = (b.alloc_id, b.addr, b.size, used, total)
+                if not self.emit_free:  # freed outside the traced window: the row says so
+                    attr = {**attr_dict(Event.FREE, attr), UNTRACED: True}
                 self.buf.append((Event.FREE, b.pool, getattr(self.tls, "op", None) or NA, ts,
-                                 threading.get_ident(), b.device, b.addr,
-                                 (b.alloc_id, b.addr, b.size, used, total),
-                                 None, None))
+                                 threading.get_ident(), b.device, b.addr, attr, None, None))
 
     def emit_accesses(self, name, tid, touched):
         seen = {}
@@ -607,17 +618,18 @@ class Session:
         if not self.active:
             return
         self._pop_mode()
-        if self.native is not None:
-            self.native.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        # nothing new is recorded from here; frees of the blocks in the dump are, flagged
+        self.active = False
+        self._update_flags()
+        if self.native is not None:
+            self.native.stop()  # ops in flight get their OP_END now
         self.system(System.STOP_TRACE)
         self.flush()
         if sync and not self.closed:
             self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
-        self.active = False
-        self._update_flags()
         log.info("trace stopped")
 
     def close(self, exit_code=None):
@@ -637,6 +649,7 @@ class Session:
         finally:
             self.closed = True
             self.active = False
+            self._update_flags()  # the native source records nothing more (frees included)
             self.writer.close()
             self.config["end_time"] = _timestamp()
             self.config["events_written"] = self.next_id
