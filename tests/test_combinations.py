@@ -103,3 +103,24 @@ def test_fsdp2_under_the_launcher_keeps_the_running_sum(out_dir, source):
     for ln in gap_lines:
         nums = [float(x) for x in ln.split()[1:3]]
         assert all(n >= 0 for n in nums), ln
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_dataloader_workers_threads_and_steps(out_dir, source):
+    """Fork and spawn DataLoader workers, a thread allocating all along, ``--steps=2,3``: the losses
+    are those of the plain run, only the parent is traced, and its dump keeps the invariants (the
+    blocks of step 2-3 freed in step 4 get their FREE, flagged untraced)."""
+    prog = os.path.join(PROGS, "combo_loader.py")
+    plain = _python([prog], source)
+    r = run_cli(["-o", str(out_dir), "--steps=2,3", prog], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [ln for ln in r.stdout.splitlines() if ln.startswith("loss")]
+    assert losses == [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")] and len(losses) == 4
+    (folder,) = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    ops = df.filter(pl.col("event") == "OP_LAUNCH")
+    assert set(ops["step"].unique().to_list()) == {2, 3}
+    assert df.filter(pl.col("event") == "MALLOC").height > 0
+    assert df.filter(pl.col("attr").str.contains('"untraced":true')).height > 0

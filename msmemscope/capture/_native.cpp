@@ -453,6 +453,22 @@ int64_t handover() {
   return last;
 }
 
+// A new session starts from a clean recorder: nothing recorded, nothing counted (blocks of an
+// earlier session in this process are no longer reported), no handover.
+void reset() {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    stop_recording_locked();
+    handed_over = false;
+    emit_free = free_untraced = false;
+    recs.clear();
+    used_bytes = peak_bytes = 0;
+    next_aid = 0;
+    for (auto& kv : live) kv.second.counted = false;
+  }
+  detach();
+}
+
 // After the handover the dispatch-mode source's blocks share the bytes-in-use counter:
 // (used after the change, its time), taken together so that rows order by time.
 py::tuple account(int64_t delta) {
@@ -506,4 +522,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("handover", &handover);
   m.def("account", &account);
   m.def("counted_block", &counted_block);
+  m.def("reset", &reset);
 }
