@@ -94,8 +94,9 @@ class RawRow(NamedTuple):
 
 #: indices of the raw row fields (``row[ATTR]``)
 EVENT, EVENT_TYPE, NAME, TS, TID, DEVICE, PTR, ATTR, PY_STACK, C_STACK = range(10)
-#: indices into a MALLOC/FREE attr tuple
+#: indices into a MALLOC/FREE attr tuple, and into an ACCESS attr tuple
 A_ALLOC_ID, A_ADDR, A_SIZE, A_USED, A_TOTAL, A_OWNER = range(6)
+ACCESS_DTYPE, ACCESS_SHAPE, ACCESS_SIZE, ACCESS_ALLOC_ID = range(4)
 
 #: The dump format's version: config.json "format_version", and the db's ``PRAGMA user_version``.
 #: Dumps written before it existed have neither; readers take those as version 1 too.

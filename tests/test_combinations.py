@@ -80,17 +80,20 @@ def _torchrun():
     return t if os.path.exists(t) else shutil.which("torchrun")
 
 
-@pytest.mark.parametrize("source", full(["native"], SOURCES))
-def test_fsdp2_under_the_launcher_keeps_the_running_sum(out_dir, source):
-    """FSDP2 frees and re-grows parameter storages with UntypedStorage.resize_: the rank dumps
-    keep every invariant and the leak gap table has no negative number."""
+@pytest.mark.parametrize("prog,source,analysis", full(
+    [("fsdp2_ranks.py", "native", "leaks")],
+    [(p, s, a) for p in ("fsdp2_ranks.py", "fsdp1_ranks.py") for s in SOURCES for a in ("leaks", "leaks,decompose")]))
+def test_fsdp_under_the_launcher_keeps_the_running_sum(out_dir, prog, source, analysis):
+    """FSDP2 (and FSDP1's flat parameters) free and re-grow storages with resize_: the rank dumps
+    keep every invariant and the leak gap table has no negative number, with owner labels
+    (decompose: a handover to the dispatch-mode source) or without."""
     torchrun = _torchrun()
     if torchrun is None:
         pytest.skip("torchrun not installed")
     env = _env(source)
     env["PATH"] = os.path.dirname(torchrun) + os.pathsep + env.get("PATH", "")
-    r = run_cli(["--analysis=leaks", "--output", str(out_dir), "torchrun", "--standalone", "--nproc_per_node=2",
-                 os.path.join(PROGS, "fsdp2_ranks.py")], env=env)
+    r = run_cli([f"--analysis={analysis}", "--output", str(out_dir), "torchrun", "--standalone",
+                 "--nproc_per_node=2", os.path.join(PROGS, prog)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     folders = run_folders(out_dir)
     assert len(folders) == 2, folders
@@ -105,7 +108,7 @@ def test_fsdp2_under_the_launcher_keeps_the_running_sum(out_dir, source):
         assert all(n >= 0 for n in nums), ln
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", full(["native"], SOURCES))
 def test_dataloader_workers_threads_and_steps(out_dir, source):
     """Fork and spawn DataLoader workers, a thread allocating all along, ``--steps=2,3``: the losses
     are those of the plain run, only the parent is traced, and its dump keeps the invariants (the
