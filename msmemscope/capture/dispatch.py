@@ -210,6 +210,9 @@ class DispatchSource(Source):
             kind = _KIND.get(dev) or _kind_of(dev)
             if size == 0 or kind == "meta":
                 return None
+            dsrc = s.device_source
+            if dsrc is not None and kind == dsrc.kind:
+                return None  # the allocator trace reports this device's blocks
             addr = st.data_ptr()
         except Exception:
             return None

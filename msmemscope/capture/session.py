@@ -149,6 +149,7 @@ class Session:
         self.inner_block = self.dispatch.inner_block
         self.storage_at = self.dispatch.storage_at
         self._freed = self.dispatch.freed
+        self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
         self._open_output()
 
@@ -172,6 +173,27 @@ class Session:
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
         return native.NativeSource(mod, self.flush_rows, self._source_full)
+
+    def _choose_device_source(self):
+        """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
+        allocator's own trace (capture/cuda_source.py) where the build offers it and the options
+        allow it; else device blocks stay with the dispatch-mode source (tensor storages).
+        ``MSMEMSCOPE_SOURCE=python`` keeps the dispatch mode for everything."""
+        self.device_source_note = None
+        if self.kind not in ("cuda", "npu"):
+            return None
+        if os.environ.get("MSMEMSCOPE_SOURCE", "auto").strip().lower() == "python":
+            self.device_source_note = "MSMEMSCOPE_SOURCE=python"
+            return None
+        from . import cuda_source
+        why = cuda_source.unsupported_by(self.opts)
+        mem = None
+        if why is None:
+            mem, why = cuda_source.memory_module(self.kind)
+        if mem is None:
+            self.device_source_note = why
+            return None
+        return cuda_source.AllocatorSource(self, self.kind, mem)
 
     # ------------------------------------------------------------------ output
     def _primary_kind(self) -> str:
@@ -204,10 +226,18 @@ class Session:
             "source": "native" if self.native is not None else "dispatch",
             "source_note": self.source_note,   # why not native, when it is not
             "native_missing": self.native_missing,
+            # device blocks: "allocator_trace" (the caching allocator's own events) or "dispatch"
+            "device_source": None if self.kind == "cpu" else
+            ("allocator_trace" if self.device_source is not None else "dispatch"),
+            "device_source_note": self.device_source_note,
         }
         self._write_config()
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
                  f"; not native: {self.source_note}" if self.source_note else "")
+        if self.kind != "cpu":
+            log.info("%s memory from the %s%s", self.kind, "caching allocator's trace" if self.device_source
+                     else "dispatch-mode source (tensor storages)",
+                     f" ({self.device_source_note})" if self.device_source_note else "")
 
     def _write_config(self):
         path = os.path.join(self.folder, "config.json")
@@ -265,6 +295,12 @@ class Session:
             if peak > self.peak.get(pk, 0):
                 self.peak[pk] = peak
 
+    def new_alloc_id(self) -> int:
+        """The next allocation id: one sequence for every source of the run."""
+        with self.lock:
+            self.dispatch.next_alloc += 1
+            return self.dispatch.next_alloc
+
     def _source_full(self):
         # a source's records passed FLUSH_ROWS (from the native op exit)
         if self.active and not self.closed:
@@ -275,6 +311,8 @@ class Session:
         ids = self.dispatch.live_alloc_ids()
         if self.native is not None:
             ids |= self.native.live_alloc_ids()
+        if self.device_source is not None:
+            ids |= self.device_source.live_alloc_ids()
         return ids
 
     def alloc_id_of(self, st):
@@ -368,6 +406,8 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
+        if self.device_source is not None:
+            self.device_source.at_step_end(self.buf, ended)
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
         self.flush(step_end=ended)
@@ -402,6 +442,8 @@ class Session:
         if self.labeler is not None:
             self.labeler.before_flush()
         self.sync_sources()
+        if self.device_source is not None:
+            self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -459,6 +501,8 @@ class Session:
                 say(f"[msmemscope] --level=kernel: no KERNEL_LAUNCH rows will be written ({why})")
             self._install_exit_handlers()
             self._skip_dataloader_workers()
+        if self.device_source is not None:
+            self.device_source.start()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
@@ -468,6 +512,8 @@ class Session:
         if not self.active:
             return
         self.dispatch.stop()
+        if self.device_source is not None:
+            self.device_source.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
