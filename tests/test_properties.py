@@ -8,6 +8,7 @@ Short form (``make test``): a few small programs per source; ``MSMEMSCOPE_TEST_F
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
@@ -92,6 +93,11 @@ def run_program(prog, out, source):
 
     assert capture.current() is None
     os.environ["MSMEMSCOPE_SOURCE"] = source
+    # framework hooks imported by an earlier decompose example would keep the native source off
+    # (native.unsupported_by): a native example runs without them, and without decompose
+    hidden = sys.modules.pop("msmemscope.integrations", None) if source == "native" else None
+    if source == "native":
+        prog = {**prog, "analysis": "leaks"}
     msmemscope._config = build(Options(collect_mode="deferred"), output=str(out), analysis=prog["analysis"],
                                events="alloc,free,launch")
     hold: dict = {}
@@ -178,6 +184,10 @@ def run_program(prog, out, source):
             w.finish()
         capture._session = None
         msmemscope._config = None
+        if hidden is not None:
+            sys.modules["msmemscope.integrations"] = hidden
+    if source == "native":
+        assert s.config["source"].startswith("native"), s.config
     return s.dump_path, held, must, watched
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 
 import pytest
@@ -24,6 +25,8 @@ def session_factory(tmp_path, monkeypatch):
     def make(source="python", **opts):
         assert capture.current() is None
         os.environ["MSMEMSCOPE_SOURCE"] = source
+        if source == "native":  # framework hooks imported by an earlier test keep the native source off
+            monkeypatch.delitem(sys.modules, "msmemscope.integrations", raising=False)
         msmemscope._config = build(Options(collect_mode="deferred"), output=str(tmp_path / f"o{len(made)}"),
                                    **({"events": "alloc,free,launch"} | opts))
         msmemscope.start()

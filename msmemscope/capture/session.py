@@ -249,9 +249,9 @@ class Session:
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ flags
-    def _update_flags(self):
+    def _update_flags(self, pause: bool = False):
         steps = self.opts.steps
-        self.emit = self.active and (not steps or self.step_no in steps)
+        self.emit = self.active and not pause and (not steps or self.step_no in steps)
         self.emit_launch = self.emit and self.want_launch
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
@@ -408,10 +408,13 @@ class Session:
         ended = self.step_no
         if self.device_source is not None:
             self.device_source.at_step_end(self.buf, ended)
+        # the STEP row is a clean cut: nothing is recorded from before it is written until the
+        # next step's flags are set, so no row of another thread lands in the wrong step
+        self._update_flags(pause=True)
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
-        self.flush(step_end=ended)
         self._update_flags()
+        self.flush(step_end=ended)
 
     def op_failed(self, name, exc):
         from .snapshot import is_allocation_failure, take_snapshot
