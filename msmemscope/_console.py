@@ -17,3 +17,11 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
     except Exception:  # a closed stderr must not break the program
         pass
+
+
+def alert(text: str) -> None:
+    """A failure of the tool's own: said even under -q (it changes what the run holds)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except Exception:
+        pass

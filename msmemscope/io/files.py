@@ -7,6 +7,35 @@ import os
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 
+# Fault injection for the reliability tests: MSMEMSCOPE_FAULT=<role>:<n>:<ERRNO>[,…] makes the
+# n-th write of a process of that role ("traced": the traced process; "writer": the dump writer
+# process) fail with that errno; ``<n>+`` makes it and every later one fail, as a full disk does.
+# Counted writes: each file created (create_new), each batch of dump rows, each batch handed to
+# the writer process.
+ROLE = "traced"
+_writes = 0
+_faults = None
+
+
+def fault_point() -> None:
+    global _writes, _faults
+    if _faults is None:
+        import errno
+        _faults = {}
+        for part in os.environ.get("MSMEMSCOPE_FAULT", "").split(","):
+            role, _, rest = part.strip().partition(":")
+            n, _, name = rest.partition(":")
+            sticky = n.endswith("+")
+            n = n.rstrip("+")
+            if role and n.isdigit() and hasattr(errno, name):
+                _faults[role] = (int(n), getattr(errno, name), sticky)
+    if not _faults:
+        return
+    _writes += 1
+    hit = _faults.get(ROLE)
+    if hit is not None and (_writes == hit[0] or hit[2] and _writes > hit[0]):
+        raise OSError(hit[1], os.strerror(hit[1]) + " (injected by MSMEMSCOPE_FAULT)")
+
 
 def make_dirs(path: str) -> str:
     """Create ``path`` and any missing parents, each 0o750; refuse a symlink planted at ``path``."""
@@ -26,10 +55,21 @@ def make_dirs(path: str) -> str:
 
 
 def dump_files(folder: str) -> list[str]:
-    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.db``."""
+    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.db``.
+    Regular files only: a FIFO or device planted under a dump's name would block a reader."""
     import glob
-    return sorted(set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
-                      + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True)))
+    found = set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
+                + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True))
+    return sorted(p for p in found if is_regular(p))
+
+
+def is_regular(path: str) -> bool:
+    """A regular file (through symlinks): not a FIFO, socket or device, which can block a read."""
+    import stat
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def unique_path(path: str) -> str:
@@ -45,6 +85,7 @@ def unique_path(path: str) -> str:
 
 def create_new(path: str, binary: bool = False):
     """Open a new file for writing; fails if anything (file or symlink) is already there."""
+    fault_point()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     if binary:
         return os.fdopen(fd, "wb")

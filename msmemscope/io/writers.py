@@ -9,7 +9,7 @@ import os
 import sqlite3
 
 from ..events import COLUMNS, HEADER, format_attr, format_ptr
-from .files import FILE_MODE, create_new
+from .files import FILE_MODE, create_new, fault_point
 
 SQL_TABLE = "memscope_dump"
 SQL_COLUMNS = ('ID INTEGER, Event TEXT, "Event Type" TEXT, Name TEXT, "Timestamp(ns)" INTEGER, '
@@ -98,6 +98,7 @@ class CsvWriter:
         # One f-string per row, specialised for the frequent kinds; op names and
         # stacks repeat, so their CSV text is cached. This loop is the cost of a
         # flush, paid at every step: keep it lean.
+        fault_point()
         c_syms = c_syms or {}
         esc = self._esc
         if len(esc) > 200_000:
@@ -140,20 +141,8 @@ class CsvWriter:
     def last_id(self) -> int:
         """ID of the last row in the file (0 if none): what reached it, whatever interrupted a write."""
         self._f.flush()
-        with open(self.path, "rb") as f:
-            pos = f.seek(0, os.SEEK_END)
-            tail = b""
-            while pos > 0:
-                n = min(1 << 16, pos)
-                pos -= n
-                f.seek(pos)
-                tail = f.read(n) + tail
-                i = tail.rfind(b"\n", 0, len(tail) - 1)
-                if i >= 0:
-                    tail = tail[i + 1:]
-                    break
-        head = tail.split(b",", 1)[0]
-        return int(head) if head.isdigit() else 0
+        return last_id_in(self.path)
+
 
     def close(self) -> None:
         if not self._f.closed:
@@ -195,6 +184,7 @@ class DbWriter:
         self._db = None
 
     def write(self, rows, first, pid, c_syms=None) -> None:
+        fault_point()
         self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
         self._db.commit()
 
@@ -207,6 +197,33 @@ class DbWriter:
             self._db.close()
             self._db = None
             os.chmod(self.path, FILE_MODE)
+
+
+def last_id_in(path: str) -> int:
+    """ID of the last complete row of a dump file (0 if none or unreadable)."""
+    try:
+        if path.endswith(".db"):
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                return con.execute(f"SELECT MAX(ID) FROM {SQL_TABLE}").fetchone()[0] or 0
+            finally:
+                con.close()
+        with open(path, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            tail = b""
+            while pos > 0:
+                n = min(1 << 16, pos)
+                pos -= n
+                f.seek(pos)
+                tail = f.read(n) + tail
+                i = tail.rfind(b"\n", 0, len(tail) - 1)
+                if i >= 0:
+                    tail = tail[i + 1:]
+                    break
+        head = tail.split(b",", 1)[0]
+        return int(head) if head.isdigit() else 0
+    except (OSError, ValueError, sqlite3.Error):
+        return 0
 
 
 def open_writer(data_format: str, path_without_suffix: str, spool: bool = False):
