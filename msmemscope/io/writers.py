@@ -216,10 +216,13 @@ def last_id_in(path: str) -> int:
                 pos -= n
                 f.seek(pos)
                 tail = f.read(n) + tail
-                i = tail.rfind(b"\n", 0, len(tail) - 1)
-                if i >= 0:
-                    tail = tail[i + 1:]
+                end = tail.rfind(b"\n")  # a last row cut short (no newline) is not written
+                i = tail.rfind(b"\n", 0, end) if end >= 0 else -1
+                if i >= 0 or (pos == 0 and end >= 0):
+                    tail = tail[i + 1:end]
                     break
+            else:
+                return 0
         head = tail.split(b",", 1)[0]
         return int(head) if head.isdigit() else 0
     except (OSError, ValueError, sqlite3.Error):
