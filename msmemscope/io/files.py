@@ -90,3 +90,26 @@ def create_new(path: str, binary: bool = False):
     if binary:
         return os.fdopen(fd, "wb")
     return os.fdopen(fd, "w", encoding="utf-8", newline="")
+
+
+class polars_path:
+    """A path polars can open: polars takes UTF-8 paths only, so a path that is not (a file named
+    with bytes such as ``\\xff``, held by Python as surrogates) is opened here and handed over as
+    ``/proc/self/fd/N``. Other sources (paths, buffers) pass through."""
+
+    def __init__(self, source):
+        self.source, self.fd = source, None
+
+    def __enter__(self):
+        if isinstance(self.source, str):
+            try:
+                self.source.encode("utf-8")
+            except UnicodeEncodeError:
+                self.fd = os.open(self.source, os.O_RDONLY)
+                return f"/proc/self/fd/{self.fd}"
+        return self.source
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)
+        return False
