@@ -92,8 +92,18 @@ def _one_line_warnings():
     warnings.showwarning = show
 
 
+def _paths_print_as_they_are():
+    """A path that is not UTF-8 (held by Python as surrogates) is printed as its bytes, as ls
+    does, not a UnicodeEncodeError (stderr already uses backslashreplace)."""
+    try:
+        sys.stdout.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _paths_print_as_they_are()
     if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith("--input") for a in argv)):
         _one_line_warnings()
     if argv and argv[0] in SUBCOMMANDS:

@@ -89,7 +89,8 @@ def create_new(path: str, binary: bool = False):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     if binary:
         return os.fdopen(fd, "wb")
-    return os.fdopen(fd, "w", encoding="utf-8", newline="")
+    # a path that is not UTF-8 (a stack line, a report's title) is written as \\udcff: the file stays UTF-8
+    return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="")
 
 
 class polars_path:

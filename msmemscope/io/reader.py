@@ -19,7 +19,7 @@ import polars as pl
 
 from ..events import COLUMNS, HEADER
 from . import validate
-from .files import dump_files, polars_path
+from .files import dump_files, is_regular, polars_path
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
@@ -64,7 +64,8 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = dump_files(path)
     if not found:
-        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db")))
+        found = sorted(p for p in glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db"))
+                       if is_regular(p))
     if not found:
         raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
     return found

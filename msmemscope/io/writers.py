@@ -65,7 +65,7 @@ class CsvWriter:
     def attach(cls, fd: int) -> "CsvWriter":
         """A writer on a dump another process created (the spool's writer process)."""
         w = cls.__new__(cls)
-        w._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        w._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
         w._esc = {}
         return w
@@ -91,7 +91,7 @@ class CsvWriter:
         if pos != end:
             os.ftruncate(fd, pos)
         os.lseek(fd, 0, os.SEEK_END)
-        self._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        self._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         return self
 
     def write(self, rows, first, pid, c_syms=None) -> None:
