@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, dump_of, env_for_tests, run_folders
+from conftest import ROOT, dump_of, env_for_tests, run_cli, run_folders
 from test_reliability import COMMANDS, _commands, _run_inproc
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -284,3 +284,75 @@ def test_too_large_for_memory_refused_up_front(tmp_path, inproc):
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and "would need about" in err[0] and "1048576 rows" in err[0], err
         assert int(r.stdout.split()[-1]) < 400 << 10  # KiB: never held the rows
+
+
+# ---------------------------------------------------------------- CSV injection (item 12)
+EVIL = ['x\n=HYPERLINK("http://evil","c")', "\t=1+1", "\r=2+2", "=cmd()", "+1", "-2", "@SUM(A1)", 'a,"b"', "plain"]
+
+
+def _cells(path):
+    import csv
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.reader(f))
+
+
+def _formula(cell):
+    return cell[:1] in ("=", "+", "-", "@", "\t", "\r")
+
+
+def test_one_csv_writer_round_trips_and_neutralises():
+    """The one field writer: every text comes back as one cell (quotes, commas, line breaks),
+    prefixed by ' where a spreadsheet would run it (= + - @, a leading TAB or CR)."""
+    import csv
+    import io
+    from msmemscope.io.writers import csv_line
+    rows = list(csv.reader(io.StringIO(csv_line(EVIL) + csv_line(["1", "2"]), newline="")))
+    assert len(rows) == 2 and len(rows[0]) == len(EVIL)
+    for cell, text in zip(rows[0], EVIL):
+        assert not _formula(cell)
+        assert cell == ("'" + text if _formula(text) else text)
+
+
+def test_csv_injection_in_every_csv_we_write(tmp_path, out_dir):
+    """Item 12. Before: watcher.watch(t, name='x\\n=HYPERLINK(...)') split the checksum CSV into a
+    new line starting with =HYPERLINK( (only ',' was replaced); marks and op names starting with TAB
+    or CR passed the neutraliser in the dump and the compare CSV. Now one writer for all three."""
+    script = tmp_path / "evil.py"
+    script.write_text("import torch, msmemscope\n"
+                      f"names = {EVIL!r}\n"
+                      "w = torch.zeros(16)\n"
+                      "msmemscope.watcher.watch(w, name=names[0])\n"
+                      "for m in names:\n"
+                      "    msmemscope.mark(m)\n"
+                      "    w.add_(1)\n")
+    r = run_cli(["-o", str(out_dir), str(script)])
+    assert r.returncode == 0, r.stderr
+    [folder] = run_folders(out_dir)
+    import glob
+    sums = glob.glob(os.path.join(folder, "device_*", "watch_dump", "watch_dump_data_check_sum_*.csv"))
+    assert sums
+    for path in sums + [dump_of(folder)]:
+        rows = _cells(path)
+        assert all(len(r) == len(rows[0]) for r in rows), path  # no text started a row of its own
+        assert not [c for r in rows for c in r if _formula(c)], path
+    rows = _cells(sums[0])
+    assert any(EVIL[0] in r[0] for r in rows[1:])  # the name whole, inside one cell
+    from conftest import read
+    import polars as pl
+    marks = read(dump_of(folder)).filter(pl.col("event") == "MSTX")["name"].to_list()
+    assert marks == [("'" + m if _formula(m) else m) for m in EVIL]
+    # the compare CSV, from a dump whose op names start with TAB or CR before a formula
+    from msmemscope.events import HEADER
+    body = "".join(f'{i * 3 + 1},OP_LAUNCH,ATEN_START,"{n}op()",{i},1,1,0,N/A,,,\n'
+                   f'{i * 3 + 2},MALLOC,PTA,"{n}op()",{i},1,1,0,0x1,"{{allocation_id:{i},addr:0x1,size:4}}",,\n'
+                   f'{i * 3 + 3},OP_LAUNCH,ATEN_END,"{n}op()",{i},1,1,0,N/A,,,\n'
+                   for i, n in enumerate(["\t=", "\r=", "@"]))
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_bytes((HEADER + "\n" + body).encode())
+    r = run_cli(["--compare", f"--input={foreign},{foreign}", "-o", str(tmp_path / "c")])
+    assert r.returncode == 0, r.stderr
+    [res] = os.listdir(tmp_path / "c" / "compare")
+    rows = _cells(tmp_path / "c" / "compare" / res)
+    assert all(len(r) == len(rows[0]) for r in rows)
+    assert not [c for r in rows for c in r if _formula(c)]
+    assert "'\t=op()" in [c for r in rows for c in r]

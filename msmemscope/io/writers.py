@@ -16,11 +16,17 @@ SQL_COLUMNS = ('ID INTEGER, Event TEXT, "Event Type" TEXT, Name TEXT, "Timestamp
                '"Process Id" INTEGER, "Thread Id" INTEGER, "Device Id" TEXT, Ptr TEXT, Attr TEXT, '
                '"Call Stack(Python)" TEXT, "Call Stack(C)" TEXT')
 
-_FORMULA_START = ("=", "+", "-", "@")
+# Every CSV we write (the dump, the compare table, the watch checksums) goes through these: a
+# text that a spreadsheet would run as a formula (it starts with = + - @, or with a TAB or CR
+# before one, which some strip) gets a leading ', and a field holding a quote, comma or line
+# break is quoted, so no text can start a row of its own.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FORMULA_RE = r"^[=+\-@\t\r]"
 
 
-def _csv_text(v: str) -> str:
-    """A CSV field: neutralised, quoted only where it must be."""
+def csv_field(v) -> str:
+    """One CSV field: neutralised, quoted only where it must be."""
+    v = "" if v is None else str(v)
     if not v:
         return v
     if v[0] in _FORMULA_START:
@@ -30,17 +36,25 @@ def _csv_text(v: str) -> str:
     return v
 
 
+_csv_text = csv_field
+
+
+def csv_line(fields) -> str:
+    """One CSV row of fields, each through ``csv_field``, ended by a newline."""
+    return ",".join(csv_field(f) for f in fields) + "\n"
+
+
 def _plain(text: str) -> bool:
     """Text that JSON and CSV carry as it is (no quote, backslash or control character)."""
     return not text or (text.isprintable() and '"' not in text and "\\" not in text)
 
 
 def csv_safe(column: str):
-    """A polars expression: the string ``column`` with text that starts with ``= + - @`` prefixed
-    by ``'`` (as ``_csv_text`` does for the dump), so a spreadsheet shows it instead of running it."""
+    """A polars expression: the string ``column`` neutralised as ``csv_field`` does (polars's
+    writer then quotes what must be quoted), so a spreadsheet shows it instead of running it."""
     import polars as pl
     c = pl.col(column).cast(pl.String)
-    return pl.when(c.str.contains(r"^[=+\-@]")).then(pl.lit("'") + c).otherwise(c).alias(column)
+    return pl.when(c.str.contains(_FORMULA_RE)).then(pl.lit("'") + c).otherwise(c).alias(column)
 
 
 def table_rows(rows, first, pid, c_syms=None):
