@@ -25,3 +25,14 @@ def alert(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
     except Exception:
         pass
+
+
+_said: set = set()
+
+
+def alert_once(key: str, text: str) -> None:
+    """``alert`` once per process for ``key`` (a misuse in a loop is said once, not per call)."""
+    if key in _said:
+        return
+    _said.add(key)
+    alert(text)

@@ -133,3 +133,27 @@ def test_two_launchers_on_one_output_root(out_dir):
         [mine] = [d for d in folders if os.path.basename(d) in reported[0]]
         assert config_of(mine)["argv"][-1] == str(n)
         assert " 0 events" not in err
+
+
+def test_api_misuse_said_once(tmp_path):
+    """Item 16. Before: config(device="cuda:99") on a CPU host wrote an empty 'cuda' run;
+    config() after start() only warned in the log file; mark(object()) recorded its repr. Now each
+    is one line on stderr, once; the run traces the program's own (CPU) memory."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() > 99:
+        pytest.skip("this host has a cuda:99")
+    out = tmp_path / "o"
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "api_misuse.py"), str(out)], capture_output=True,
+                       text=True, env=env_for_tests(), timeout=300)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    err = r.stderr.splitlines()
+    assert sum("device='cuda:99'" in ln for ln in err) == 1, r.stderr
+    assert sum("config() called while a trace is already set up" in ln for ln in err) == 1, r.stderr
+    assert sum("mark() takes a str" in ln for ln in err) == 1, r.stderr
+    [folder] = run_folders(out)
+    assert folder.endswith("_cpu")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    marks = df.filter(pl.col("event") == "MSTX")["name"].to_list()
+    assert marks == ["step 0", "step 1", "step 2"]
+    assert df.filter(pl.col("event") == "MALLOC").height > 0

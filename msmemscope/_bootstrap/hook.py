@@ -24,6 +24,8 @@ def start_from_env():
     if _is_launcher_agent():
         return
     opts = Options.from_json(os.environ["MSMEMSCOPE_OPTIONS"])
+    from ..capture.backends import drop_missing_device
+    drop_missing_device(opts)
     s = capture.create(opts, launched=True)
     if opts.collect_mode == "immediate":
         s.start()
