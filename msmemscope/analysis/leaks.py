@@ -114,6 +114,9 @@ def fluct_json(fluct: dict) -> list[dict]:
     return out
 
 
+
+FLUCT_STEPS = 1024  # steps whose fluctuation the online tracker keeps (plus the extreme ones)
+
 # ---------------------------------------------------------------------------- online: the tracker
 class StepLeakTracker:
     """The step rule and fluctuation over a stream of MALLOC/FREE/STEP events, in ID order.
@@ -127,7 +130,8 @@ class StepLeakTracker:
         self.reported: dict = {}     # key -> leak record (to note a later free)
         self.leaks: list = []
         self.level: dict = {}        # (device, pool) -> used after the last event
-        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}
+        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}, the last FLUCT_STEPS steps
+        self.gaps: dict = {}         # (device, pool) -> {step: (min, max)} of the extreme steps dropped
 
     def _used(self, pk, used):
         s = self.step
@@ -182,7 +186,27 @@ class StepLeakTracker:
             new.append(rec)
         self.leaks.extend(new)
         self.step = n + 1
+        self._bound_fluct()
         return new
+
+    def _bound_fluct(self):
+        """Keep the per-step fluctuation of the last FLUCT_STEPS steps only (it grew by ~180 B a step
+        for ever, issue 21), and of the steps with the extreme ratios among those dropped, so that
+        MinGap/MaxGap stay those of the whole run."""
+        for pk, steps in self.fluct.items():
+            if len(steps) <= FLUCT_STEPS:
+                continue
+            keep = self.gaps.setdefault(pk, {})
+            while len(steps) > FLUCT_STEPS:
+                s = next(iter(steps))
+                mn, mx = steps.pop(s)
+                if mx and mx > 0:
+                    keep[s] = (mn, mx)
+            if len(keep) > 2:  # only the lowest and the highest ratio (earliest on a tie) matter
+                rows = sorted(keep.items())
+                lo = min(rows, key=lambda r: r[1][0] / r[1][1])
+                hi = max(rows, key=lambda r: r[1][0] / r[1][1])
+                self.gaps[pk] = dict(sorted({lo[0]: lo[1], hi[0]: hi[1]}.items()))
 
 
 class LeakSink:
@@ -254,7 +278,8 @@ class LeakSink:
                          f"on device {dev} ======" if len(by_dev) > 1 else
                          f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) ======")
         last = self.t.step - 1  # the rows after the last STEP row are not a full step
-        fluct = {k: {s: tuple(v) for s, v in steps.items() if s <= last} for k, steps in self.t.fluct.items()}
+        fluct = {k: {**self.t.gaps.get(k, {}), **{s: tuple(v) for s, v in steps.items() if s <= last}}
+                 for k, steps in self.t.fluct.items()}
         lines.extend(gap_report(fluct))
         _say(lines)
         result = {"analysis": "leaks",
