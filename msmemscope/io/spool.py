@@ -211,6 +211,8 @@ class SpoolWriter:
             os.close(self._fd)
             self._fd = None
         rc = self._proc.wait()
+        if rc == 0 and self._proc.stdout is not None:
+            self._proc.stdout.close()  # its failure channel: nothing to say
         if rc != 0:
             why = self._failure()
             log.error("the dump writer process failed (status %s): %s may be incomplete", rc, self.path)
