@@ -101,7 +101,8 @@ def _check_tool_failure(r, out_dir, plain_stdout, said=True):
     if not said:
         return _readable_prefix(folders[0])
     cfg = config_of(folders[0])
-    df = _readable_prefix(folders[0]) if os.path.getsize(dump_of(folders[0])) else None
+    from msmemscope.io.writers import last_id_in
+    df = _readable_prefix(folders[0]) if last_id_in(dump_of(folders[0])) else None  # else: the header alone
     if "tool_failure" in cfg:  # config.json could be written after the failure
         assert cfg["tool_failure"] in lines[0]
         assert df is None or cfg["rows_kept"] == df.height

@@ -726,6 +726,9 @@ class Session:
                 log.error("closing the dump: %s", _why(e))
             self.config["end_time"] = _timestamp()
             self.config["events_written"] = self.next_id
+            lost = getattr(self.writer, "rows_lost_after", None)
+            if lost is not None:  # the writer process was killed: the readers must not expect every row
+                self.config["rows_lost_after"] = lost
             try:
                 self._write_config()
             except Exception:

@@ -68,6 +68,7 @@ class SpoolWriter:
         self._fd = None
         self._sent = 0                # ID of the last row handed over
         self._whole = False           # the last frame went into the pipe whole
+        self.rows_lost_after = None   # the writer process died: rows after this ID may be missing
         self._inline = not _spooling_enabled()  # write here: asked to, or no writer process could run
 
     # ------------------------------------------------------------------ start
@@ -191,6 +192,8 @@ class SpoolWriter:
             raise WriterFailed(why)
         log.error("the dump writer process ended (status %s): rows after ID %d that it had not written "
                   "are lost; the rest is written by the traced process", rc, self._sent)
+        if self.rows_lost_after is None:
+            self.rows_lost_after = self._sent
         self._drop_pipe(self.inner.reopen())
 
     def last_id(self) -> int:

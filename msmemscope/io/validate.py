@@ -174,7 +174,8 @@ def _records_every_allocation(dump: str) -> bool:
         return False
     events = opts.get("events")
     events = events if isinstance(events, (list, str)) else ""
-    return not opts.get("steps") and "alloc" in events and "free" in events and not cfg.get("tool_failure")
+    return (not opts.get("steps") and "alloc" in events and "free" in events and not cfg.get("tool_failure")
+            and cfg.get("rows_lost_after") is None)
 
 
 # ---------------------------------------------------------------------- JSON beside a dump
