@@ -28,4 +28,7 @@ def online_sinks(session) -> list:
             log.warning("analysis '%s' is not available in this build", name)
             continue
         sinks.append(mod.make_sink(session))
+    if getattr(session, "device_source", None) is not None:  # segments are known: fragmentation comes free
+        from . import fragmentation
+        sinks.append(fragmentation.make_sink(session))
     return sinks

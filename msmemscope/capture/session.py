@@ -179,6 +179,7 @@ class Session:
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self.native = self._choose_source()  # NativeSource, or None: the dispatch-mode source (ops.py)
         self.native_ops = self.native is not None  # the native source records ops and new blocks
+        self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
         self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
@@ -203,6 +204,27 @@ class Session:
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
         return native.NativeSource(self, mod)
+
+    def _choose_device_source(self):
+        """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
+        allocator's own trace (capture/cuda_source.py) where the build offers it and the options
+        allow it; else device blocks stay with the dispatch-mode source (tensor storages).
+        ``MSMEMSCOPE_SOURCE=python`` keeps the dispatch mode for everything."""
+        self.device_source_note = None
+        if self.kind not in ("cuda", "npu"):
+            return None
+        if os.environ.get("MSMEMSCOPE_SOURCE", "auto").strip().lower() == "python":
+            self.device_source_note = "MSMEMSCOPE_SOURCE=python"
+            return None
+        from . import cuda_source
+        why = cuda_source.unsupported_by(self.opts)
+        mem = None
+        if why is None:
+            mem, why = cuda_source.memory_module(self.kind)
+        if mem is None:
+            self.device_source_note = why
+            return None
+        return cuda_source.AllocatorSource(self, self.kind, mem)
 
     # ------------------------------------------------------------------ output
     def _primary_kind(self) -> str:
@@ -234,10 +256,18 @@ class Session:
             "source_note": self.source_note,   # why not native, when it is not
             "native_missing": self.native_missing,
             "launch_id": os.environ.get("MSMEMSCOPE_LAUNCH_ID"),  # which launcher run made it
+            # device blocks: "allocator_trace" (the caching allocator's own events) or "dispatch"
+            "device_source": None if self.kind == "cpu" else
+            ("allocator_trace" if self.device_source is not None else "dispatch"),
+            "device_source_note": self.device_source_note,
         }
         self._write_config()
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
                  f"; not native: {self.source_note}" if self.source_note else "")
+        if self.kind != "cpu":
+            log.info("%s memory from the %s%s", self.kind, "caching allocator's trace" if self.device_source
+                     else "dispatch-mode source (tensor storages)",
+                     f" ({self.device_source_note})" if self.device_source_note else "")
 
     def _write_config(self):
         path = os.path.join(self.folder, "config.json")
@@ -270,6 +300,8 @@ class Session:
         ids = {b.alloc_id for b in list(self.live.values())}
         if self.native is not None:
             ids |= self.native.live_alloc_ids()
+        if self.device_source is not None:
+            ids |= self.device_source.live_alloc_ids()
         return ids
 
     def use_dispatch_source(self, why: str):
@@ -375,6 +407,8 @@ class Session:
             kind = _KIND.get(dev) or _kind_of(dev)
             if size == 0 or kind == "meta":
                 return None
+            if self.device_source is not None and kind == self.device_source.kind:
+                return None  # the allocator trace reports this device's blocks
             addr = st.data_ptr()
         except Exception:
             return None
@@ -507,6 +541,8 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
+        if self.device_source is not None:
+            self.device_source.at_step_end(self.buf, ended)
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
         self.flush(step_end=ended)
@@ -550,6 +586,8 @@ class Session:
             self.labeler.before_flush()
         if self.native is not None:
             self.native.drain_into(self.buf)
+        if self.device_source is not None:
+            self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -662,6 +700,8 @@ class Session:
                 say(f"[msmemscope] --level=kernel: no KERNEL_LAUNCH rows will be written ({why})")
             self._install_exit_handlers()
             self._skip_dataloader_workers()
+        if self.device_source is not None:
+            self.device_source.start()
         if self.native_ops:
             self.native.start()  # its flags were set by _update_flags() above
         else:
@@ -677,6 +717,8 @@ class Session:
         self._pop_mode()
         if self.native is not None:
             self.native.stop()
+        if self.device_source is not None:
+            self.device_source.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

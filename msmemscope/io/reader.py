@@ -247,7 +247,11 @@ def _attr_columns(df: pl.DataFrame) -> pl.DataFrame:
     if other.len():  # the rest, per key, on those rows only
         slow = df[other].select(**_attr_exprs())
         cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in _ATTR_COLUMNS))
-    cols = cols.with_columns(addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+    # hex ("0x…", the contract); a bare number is decimal (the JSON of a MALLOC row with extra keys)
+    a = pl.col("addr")
+    cols = cols.with_columns(addr=pl.when(a.str.starts_with("0x"))
+                             .then(a.str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+                             .otherwise(a.str.to_integer(base=10, strict=False)))
     return df.with_columns(cols)
 
 

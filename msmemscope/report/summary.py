@@ -137,7 +137,8 @@ def step_rule_leaks(df) -> list[dict]:
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     last = int(steps["step"].max()) if steps.height else 0
     key = ["device", "event_type", "alloc_id"]
-    m = df.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last))
+    m = df.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last)
+                  & (pl.col("event_type") != "HAL"))  # cached allocator segments are no leak (analysis/leaks.py)
     f = df.filter(pl.col("event") == "FREE").select(*key, freed_at_step=pl.col("step"))
     leaked = (m.join(f, on=key, how="left", nulls_equal=True)
               .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
