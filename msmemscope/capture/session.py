@@ -640,6 +640,8 @@ class Session:
             self._pop_mode()
             if self.native is not None:
                 self.native.stop()
+            if self.device_source is not None:
+                self.device_source.stop()
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
