@@ -50,7 +50,10 @@ def test_signal_inside_exit_handling(out_dir, sig, moment):
     _complete_run(folder)
 
 
-@pytest.mark.parametrize("ctx", full(["spawn"], ["spawn", "forkserver"] * 3))
+# long form only: it never hung on this machine (0 of 3 runs; 8 of 9 on the issue's), and three
+# torch imports cost make test ~6 s; test_signal_inside_exit_handling[SIGTERM-writer-wait] puts the
+# same SIGTERM at the same moment every time and is the one that reproduces the hang
+@pytest.mark.parametrize("ctx", full([], ["spawn", "forkserver"] * 3))
 def test_pool_terminate_never_hangs(out_dir, ctx):
     """Item 1 as a user meets it: a spawn/forkserver Pool(2) whose workers import torch, map,
     then terminate() (the with-block's exit). Every process exits; each traced folder is whole."""
@@ -121,14 +124,14 @@ def test_two_launchers_on_one_output_root(out_dir):
     script = os.path.join(SCRIPTS, "train_small.py")
     procs = [subprocess.Popen([sys.executable, "-m", "msmemscope", "-o", str(out_dir), script, str(n)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in (12, 3)]
+             for n in (6, 3)]
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     folders = run_folders(out_dir)
     assert len(folders) == 2
     ids = {config_of(f)["launch_id"] for f in folders}
     assert len(ids) == 2 and None not in ids
-    for (out, err), n in zip(outs, (12, 3)):
+    for (out, err), n in zip(outs, (6, 3)):
         reported = [ln for ln in err.splitlines() if ln.startswith("[msmemscope] ") and "msmemscope_" in ln]
         assert len(reported) == 1, err  # its own folder, and only it
         [mine] = [d for d in folders if os.path.basename(d) in reported[0]]
