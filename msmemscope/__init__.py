@@ -95,6 +95,7 @@ def __getattr__(name):
         "TakeSnapshot": ("msmemscope.capture.snapshot", "TakeSnapshot"),
         "init_framework_hooks": ("msmemscope.integrations", "init_framework_hooks"),
         "cleanup_framework_hooks": ("msmemscope.integrations", "cleanup_framework_hooks"),
+        "ray_runtime_env": ("msmemscope.integrations.ray", "ray_runtime_env"),
         "watcher": ("msmemscope.watcher", None),
         "describe": ("msmemscope.describe", None),
         "mstx": ("msmemscope.mstx", None),

@@ -472,6 +472,15 @@ class LeakSink:
     def step_end(self, session, step):
         pass  # findings are judged at exit: a block hit is a leak only if its site keeps growing
 
+    def findings(self, session, count_only=False):
+        """The result as ``close`` would write it now, and how many findings it holds (block hits,
+        growing sites): saved at step ends by analysis.StepCheckpoint."""
+        g = self.t.growth
+        count = (sum(s.hits for s in g.sites.values()), len(g.growing()))
+        if count_only:
+            return "leaks", None, count
+        return "leaks", result_json(self.t, not session.opts.steps), count
+
     def close(self, session):
         judged = not session.opts.steps
         res = self.t.results(judged)
@@ -496,12 +505,8 @@ def _say(lines):
 
 
 def write_result(folder, name, result) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
-    d = make_dirs(os.path.join(folder, "analysis"))
-    path = unique_path(os.path.join(d, f"{name}.json"))
-    with create_new(path) as f:
-        json.dump(result, f, indent=2, default=str)
-    return path
+    from . import save_result  # replaces this process's step-end findings, never another's file
+    return save_result(folder, name, result)
 
 
 def make_sink(session):
