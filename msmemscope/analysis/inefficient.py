@@ -286,9 +286,13 @@ def chunk_from_csv(path: str) -> pl.DataFrame | None:
     kind = _kind_expr()
     k = pl.col("kind")
     try:
-        ch = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
-                          schema_overrides={n: pl.String for n in NAMES})
-              .collect().lazy()  # every column parsed: a row with extra fields is an error, as in read_dump
+        from ..io.files import polars_path
+        with polars_path(path) as src:  # a path that is not UTF-8 reaches polars too
+            raw = pl.scan_csv(src, has_header=True, new_columns=list(NAMES), infer_schema=False,
+                              schema_overrides={n: pl.String for n in NAMES}).collect()
+        from ..io.validate import check_raw
+        check_raw(raw, path)  # rows that cannot be true: read_dump names the first
+        ch = (raw.lazy()  # every column parsed: a row with extra fields is an error, as in read_dump
               .select("id", "name", "attr", "py_stack", kind=kind,
                       # the rows read_dump refuses: ID or timestamp not a number, a short row
                       bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()

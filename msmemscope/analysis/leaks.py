@@ -123,6 +123,7 @@ def fluct_json(fluct: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the tracker (online and offline)
 MAX_BLOCKS = 50     # block findings kept per site (the counts cover all of them)
+FLUCT_STEPS = 1024  # steps whose fluctuation the tracker keeps (plus the extreme ones: issue 21)
 _STACK_CACHE = 4096
 
 
@@ -139,7 +140,8 @@ class StepLeakTracker:
         self.pending: dict = {}
         self.reported: dict = {}     # key -> stored block record (to note a later free)
         self.level: dict = {}        # (device, pool) -> used after the last event
-        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}
+        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}, the last FLUCT_STEPS steps
+        self.gaps: dict = {}         # (device, pool) -> {step: (min, max)} of the extreme steps dropped
         self.growth = SiteGrowth()
         self._sites, self._blocks = self.growth.sites, self.growth.blocks
         self.steps_ended = 0
@@ -274,6 +276,7 @@ class StepLeakTracker:
         self.growth.end_step(n)
         self.steps_ended += 1
         self.step = n + 1
+        self._bound_fluct()
         return new
 
     def consume(self, rows, first_id, ids=None):
@@ -326,9 +329,29 @@ class StepLeakTracker:
                 "leak_sites": [s for s in hit_sites if id(s) in grow_ids or not judged],
                 "retained_sites": [s for s in hit_sites if judged and id(s) not in grow_ids]}
 
+    def _bound_fluct(self):
+        """Keep the per-step fluctuation of the last FLUCT_STEPS steps only (it grew by ~180 B a step
+        for ever, issue 21), and of the steps with the extreme ratios among those dropped, so that
+        MinGap/MaxGap stay those of the whole run."""
+        for pk, steps in self.fluct.items():
+            if len(steps) <= FLUCT_STEPS:
+                continue
+            keep = self.gaps.setdefault(pk, {})
+            while len(steps) > FLUCT_STEPS:
+                s = next(iter(steps))
+                mn, mx = steps.pop(s)
+                if mx and mx > 0:
+                    keep[s] = (mn, mx)
+            if len(keep) > 2:  # only the lowest and the highest ratio (earliest on a tie) matter
+                rows = sorted(keep.items())
+                lo = min(rows, key=lambda r: r[1][0] / r[1][1])
+                hi = max(rows, key=lambda r: r[1][0] / r[1][1])
+                self.gaps[pk] = dict(sorted({lo[0]: lo[1], hi[0]: hi[1]}.items()))
+
     def fluctuation(self) -> dict:
         last = self.step - 1  # the rows after the last STEP row are not a full step
-        return {k: {s: tuple(v) for s, v in steps.items() if s <= last} for k, steps in self.fluct.items()}
+        return {k: {**self.gaps.get(k, {}), **{s: tuple(v) for s, v in steps.items() if s <= last}}
+                for k, steps in self.fluct.items()}
 
 
 def _range_id(attr):
@@ -449,6 +472,15 @@ class LeakSink:
     def step_end(self, session, step):
         pass  # findings are judged at exit: a block hit is a leak only if its site keeps growing
 
+    def findings(self, session, count_only=False):
+        """The result as ``close`` would write it now, and how many findings it holds (block hits,
+        growing sites): saved at step ends by analysis.StepCheckpoint."""
+        g = self.t.growth
+        count = (sum(s.hits for s in g.sites.values()), len(g.growing()))
+        if count_only:
+            return "leaks", None, count
+        return "leaks", result_json(self.t, not session.opts.steps), count
+
     def close(self, session):
         judged = not session.opts.steps
         res = self.t.results(judged)
@@ -473,12 +505,8 @@ def _say(lines):
 
 
 def write_result(folder, name, result) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
-    d = make_dirs(os.path.join(folder, "analysis"))
-    path = unique_path(os.path.join(d, f"{name}.json"))
-    with create_new(path) as f:
-        json.dump(result, f, indent=2, default=str)
-    return path
+    from . import save_result  # replaces this process's step-end findings, never another's file
+    return save_result(folder, name, result)
 
 
 def make_sink(session):

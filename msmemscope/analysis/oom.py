@@ -140,6 +140,11 @@ class OomSink:
         except Exception as e:  # never replace the program's exception with ours
             log.error("OOM analysis failed: %s", e)
 
+    def findings(self, session, count_only=False):
+        if not self.events:
+            return None
+        return "oom", None if count_only else {"analysis": "oom", "k": self.k, "events": self.events}, len(self.events)
+
     def close(self, session):
         from .leaks import write_result
         write_result(session.folder, "oom", {"analysis": "oom", "k": self.k, "events": self.events})

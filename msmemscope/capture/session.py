@@ -58,7 +58,19 @@ class _LogFile(logging.StreamHandler):
         finally:
             self.release()
         super().close()
+
+    def handleError(self, record):
+        pass  # a log line that cannot be written (disk full) is dropped, never a traceback
+
+
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
+
+
+def _why(exc) -> str:
+    """A failure in a few words: 'No space left on device (/out/x.csv)'."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc) or type(exc).__name__
 
 
 def _timestamp() -> str:
@@ -114,6 +126,9 @@ class Session:
         self.flush_lock = threading.RLock()
         self._flushing = None                # thread id of the flush in progress
         self._pending_signal = None          # SIGTERM that arrived during that flush
+        self._closing = False                # close() in progress: signals wait for its end
+        self._deferred: list = []            # signals that arrived during close()
+        self.failure = None                  # why tracing stopped on a failure of the tool's own
         self.tls = threading.local()
         self.used: dict = {}                 # (device, pool) -> allocated bytes
         self.peak: dict = {}
@@ -226,6 +241,7 @@ class Session:
             "source": "native" if self.native is not None else "dispatch",
             "source_note": self.source_note,   # why not native, when it is not
             "native_missing": self.native_missing,
+            "launch_id": os.environ.get("MSMEMSCOPE_LAUNCH_ID"),  # which launcher run made it
             # device blocks: "allocator_trace" (the caching allocator's own events) or "dispatch"
             "device_source": None if self.kind == "cpu" else
             ("allocator_trace" if self.device_source is not None else "dispatch"),
@@ -440,7 +456,8 @@ class Session:
                 self._on_sigterm(signum, None)
 
     def _flush(self, step_end=None):
-        if self.closed:
+        if self.closed or self.failure is not None:
+            self.buf.clear()
             return
         if self.labeler is not None:
             self.labeler.before_flush()
@@ -456,6 +473,9 @@ class Session:
             try:
                 c_syms = self._symbolize(rows) if self.c_depth else None
                 self.writer.write(rows, first, self.pid, c_syms)
+            except Exception as e:  # the disk is full, the folder went away: the tool's failure
+                self._tool_failed("cannot write the dump", e)
+                return
             except BaseException:
                 # interrupted inside the write (KeyboardInterrupt, or SystemExit raised by the
                 # program's own signal handler): the rows are out of the buffer, so write them
@@ -466,11 +486,61 @@ class Session:
                 except Exception:
                     pass
                 raise
-        for s in self.sinks:
-            if rows:
-                s.consume(rows, first)
-            if step_end is not None:
-                s.step_end(self, step_end)
+        for s in list(self.sinks):
+            try:
+                if rows:
+                    s.consume(rows, first)
+                if step_end is not None:
+                    s.step_end(self, step_end)
+            except Exception as e:  # an analysis's failure never reaches the program
+                self._sink_failed(s, e)
+
+    def _sink_failed(self, sink, exc):
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+        name = getattr(sink, "name", None) or type(sink).__name__
+        log.error("analysis %s failed: %r; its result is not written", name, exc)
+        from .._console import alert
+        alert(f"[msmemscope] analysis {name} failed ({exc!r}); its result is not written")
+
+    def _tool_failed(self, what, exc):
+        """A failure of the tool's own (a write refused: disk full, folder unwritable, I/O error):
+        tracing stops, it is said once on stderr and in config.json, what was written stays
+        readable, and nothing reaches the program, which runs on."""
+        if self.failure is not None:
+            return
+        reason = f"{what}: {_why(exc)}"
+        self.failure = reason
+        self.buf.clear()
+        try:
+            self.dispatch.stop()
+            if self.native is not None:
+                self.native.stop()
+            if self.device_source is not None:
+                self.device_source.stop()
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+        except Exception:
+            pass
+        self.active = False
+        self._update_flags()
+        try:
+            self.writer.abandon()
+        except Exception:
+            pass
+        from ..io.writers import last_id_in
+        last = last_id_in(self.dump_path)
+        self.config["tool_failure"] = reason
+        self.config["rows_kept"] = last
+        try:
+            self._write_config()
+        except Exception:
+            pass
+        log.error("tracing stopped: %s", reason)
+        from .._console import alert
+        alert(f"[msmemscope] tracing stopped in process {self.pid}: {reason}. The program runs on; "
+              f"{self.dump_path} keeps the rows written before (up to ID {last}).")
 
     def _symbolize(self, rows):
         raw = [(i, r[C_STACK]) for i, r in enumerate(rows) if r[C_STACK] is not None]
@@ -529,37 +599,99 @@ class Session:
             self.native.stop()  # ops in flight get their OP_END now
         self.system(System.STOP_TRACE)
         self.flush()
-        if sync and not self.closed:
-            self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
+        if sync and not self.closed and self.failure is None:
+            try:
+                self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
+            except Exception as e:
+                self._tool_failed("cannot finish the dump", e)
         log.info("trace stopped")
 
     def close(self, exit_code=None):
-        """Process exit: stop, write PROC_EXIT, final flush, let the analyses report."""
-        if self.closed or os.getpid() != self.pid:
+        """Process exit: stop, write PROC_EXIT, final flush, let the analyses report.
+
+        Runs once: a signal that arrives meanwhile (Pool.terminate()'s SIGTERM, a second Ctrl-C)
+        waits for its end and is then delivered as it would have been (``_redeliver``); a
+        failure to write stops tracing (``_tool_failed``) and never reaches the program."""
+        if self.closed or self._closing or os.getpid() != self.pid:
             return
+        self._closing = True
+        saved = self._defer_signals()
         try:
-            self.stop(sync=False)  # the writer is closed below, after the last rows
-            self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
-            self.flush()
-            self.writer.close()  # the whole dump on disk before an analysis reads or annotates it
-            for s in self.sinks:
+            if self.failure is None:
                 try:
-                    s.close(self)
-                except Exception as e:  # an analysis must never hide the dump
-                    log.error("analysis %s failed: %s", type(s).__name__, e)
+                    self.stop(sync=False)  # the writer is closed below, after the last rows
+                    self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
+                    self.flush()
+                    if self.failure is None:
+                        self.writer.close()  # the whole dump on disk before an analysis reads or annotates it
+                except Exception as e:
+                    self._tool_failed("cannot finish the dump", e)
+            if self.failure is None:
+                for s in self.sinks:
+                    try:
+                        s.close(self)
+                    except Exception as e:  # an analysis must never hide the dump
+                        log.error("analysis %s failed: %s", type(s).__name__, e)
         finally:
             self.closed = True
             self.active = False
             self._update_flags()  # the native source records nothing more (frees included)
-            self.writer.close()
+            try:
+                self.writer.close()
+            except Exception as e:
+                log.error("closing the dump: %s", _why(e))
             self.config["end_time"] = _timestamp()
             self.config["events_written"] = self.next_id
+            lost = getattr(self.writer, "rows_lost_after", None)
+            if lost is not None:  # the writer process was killed: the readers must not expect every row
+                self.config["rows_lost_after"] = lost
             try:
                 self._write_config()
-            except OSError:
+            except Exception:
                 pass
             log.removeHandler(self._log_handler)
             self._log_handler.close()
+            self._closing = False
+            self._redeliver(saved)
+
+    def _defer_signals(self):
+        """While close() runs (main thread only), SIGINT and SIGTERM are noted, not acted on: a
+        KeyboardInterrupt inside it would lose the analyses or write rows twice, and a SIGTERM
+        handler that closes again would wait on the writer process it is already waiting on."""
+        saved = {}
+        if threading.current_thread() is not threading.main_thread():
+            return saved
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old = signal.getsignal(signum)
+                if old in (signal.SIG_IGN, None):
+                    continue
+                if signum == signal.SIGTERM and old not in (signal.SIG_DFL, self._on_sigterm):
+                    continue  # the program's own SIGTERM handler stays the program's
+                saved[signum] = old
+                signal.signal(signum, lambda n, f: self._deferred.append(n))
+            except (ValueError, OSError):
+                pass
+        return saved
+
+    def _redeliver(self, saved):
+        for signum, old in saved.items():
+            try:
+                signal.signal(signum, old)
+            except (ValueError, OSError):
+                pass
+        pending, self._deferred = self._deferred, []
+        for signum in dict.fromkeys(pending):
+            old = saved.get(signum, signal.SIG_DFL)
+            if old is signal.default_int_handler or old in (signal.SIG_DFL, self._on_sigterm):
+                # the program would have died of it: it does now, its output flushed first
+                for f in (sys.stdout, sys.stderr):
+                    try:
+                        f.flush()
+                    except Exception:
+                        pass
+                signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _install_exit_handlers(self):
         atexit.register(self.close)
@@ -628,6 +760,9 @@ class Session:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _on_sigterm(self, signum, frame):
+        if self._closing:  # close() runs in another thread: it delivers the signal at its end
+            self._deferred.append(signum)
+            return
         if self._flushing == threading.get_ident():
             # arrived while this thread writes a batch: finish that batch first (flush ends by
             # calling us again), so no row taken from the buffer is lost and IDs stay contiguous
