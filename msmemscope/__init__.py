@@ -31,7 +31,6 @@ def config(**kwargs):
     if _config is not None:
         base = _config
     opts = _options.build(base, **kwargs)
-    _config = opts
     s = capture.current()
     if s is not None and s.launched and not s.closed:
         return _merge_with_launcher(s, kwargs)
@@ -41,10 +40,16 @@ def config(**kwargs):
         return opts
     if s is not None:
         import logging
-        logging.getLogger("msmemscope").warning(
-            "config() called while a trace is already set up (by an earlier start() or snapshot); "
-            "its options stay in force")
+        msg = ("config() called while a trace is already set up (by an earlier start() or snapshot); "
+               "its options stay in force")
+        logging.getLogger("msmemscope").warning(msg)
+        from ._console import alert_once
+        alert_once("config-after-start", f"[msmemscope] {msg}")
         return opts
+    if opts.device:
+        from .capture.backends import drop_missing_device
+        drop_missing_device(opts)
+    _config = opts
     if opts.collect_mode == "immediate":
         start()
     return opts
@@ -68,7 +73,14 @@ def _merge_with_launcher(s, kwargs):
     mine = {k: v for k, v in kwargs.items() if _options.canonical(k) not in cli}
     kept = [k for k in kwargs if k not in mine]
     opts = _options.build(s.opts, **mine)
+    before, written = s.opts, s.next_id
     late = s.reconfigure(opts) if mine else []
+    if s.started_once and (s.opts.analysis, s.opts.oom_k) != (before.analysis, before.oom_k):
+        if written == 0:  # nothing analysed yet: the analyses the script asked for, from the start
+            s.sinks = [x for x in s.sinks if x is s.watch_engine]
+            _wire_session(s)
+        else:
+            late.append("analysis (rows were already analysed)")
     _config = s.opts
     parts = []
     if mine:
@@ -84,7 +96,12 @@ def _merge_with_launcher(s, kwargs):
 
 def start():
     """Start (or resume) recording."""
-    _session_for_api().start()
+    opts = _config or _options.Options(collect_mode="deferred")
+    try:
+        _session_for_api().start()
+    except OSError as e:  # the output cannot be written: the tool's failure, not the program's
+        from ._console import alert_once
+        alert_once("start", f"[msmemscope] tracing not started: cannot write to {opts.output}: {e.strerror or e}")
 
 
 def _session_for_api():
@@ -112,6 +129,28 @@ def step():
 
 
 from .capture.marks import RecordFunction, mark, range_end, range_start  # noqa: E402
+
+
+def _wire_session(session):
+    """At a session's first start(): the online analyses as its sinks, and the framework hooks
+    (SPEC 4.8: automatic under decompose, or set up before start()). Registered with the capture
+    hook point so that capture imports neither."""
+    import logging
+    import sys
+    from .analysis import online_sinks
+    for sink in online_sinks(session):
+        session.add_sink(sink)
+    if "decompose" in session.opts.analysis or "msmemscope.integrations" in sys.modules:
+        try:
+            from .integrations import on_session_start
+            on_session_start(session)
+        except Exception as e:
+            logging.getLogger("msmemscope").warning("framework hooks: %s", e)
+
+
+from . import capture as _capture  # noqa: E402
+
+_capture.on_start.append(_wire_session)
 
 
 def __getattr__(name):

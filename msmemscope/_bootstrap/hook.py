@@ -24,6 +24,8 @@ def start_from_env():
     if _is_launcher_agent():
         return
     opts = Options.from_json(os.environ["MSMEMSCOPE_OPTIONS"])
+    from ..capture.backends import drop_missing_device
+    drop_missing_device(opts)
     ray_worker = _in_ray_worker()
     if ray_worker:
         from ..integrations.ray import prepare_worker_env

@@ -128,6 +128,7 @@ def fluct_json(fluct: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the tracker (online and offline)
 MAX_BLOCKS = 50     # block findings kept per site (the counts cover all of them)
+FLUCT_STEPS = 1024  # steps whose fluctuation the tracker keeps (plus the extreme ones: issue 21)
 _STACK_CACHE = 4096
 
 
@@ -144,7 +145,8 @@ class StepLeakTracker:
         self.pending: dict = {}
         self.reported: dict = {}     # key -> stored block record (to note a later free)
         self.level: dict = {}        # (device, pool) -> used after the last event
-        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}
+        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}, the last FLUCT_STEPS steps
+        self.gaps: dict = {}         # (device, pool) -> {step: (min, max)} of the extreme steps dropped
         self.growth = SiteGrowth()
         self._sites, self._blocks = self.growth.sites, self.growth.blocks
         self.steps_ended = 0
@@ -279,6 +281,7 @@ class StepLeakTracker:
         self.growth.end_step(n)
         self.steps_ended += 1
         self.step = n + 1
+        self._bound_fluct()
         return new
 
     def consume(self, rows, first_id, ids=None):
@@ -331,9 +334,29 @@ class StepLeakTracker:
                 "leak_sites": [s for s in hit_sites if id(s) in grow_ids or not judged],
                 "retained_sites": [s for s in hit_sites if judged and id(s) not in grow_ids]}
 
+    def _bound_fluct(self):
+        """Keep the per-step fluctuation of the last FLUCT_STEPS steps only (it grew by ~180 B a step
+        for ever, issue 21), and of the steps with the extreme ratios among those dropped, so that
+        MinGap/MaxGap stay those of the whole run."""
+        for pk, steps in self.fluct.items():
+            if len(steps) <= FLUCT_STEPS:
+                continue
+            keep = self.gaps.setdefault(pk, {})
+            while len(steps) > FLUCT_STEPS:
+                s = next(iter(steps))
+                mn, mx = steps.pop(s)
+                if mx and mx > 0:
+                    keep[s] = (mn, mx)
+            if len(keep) > 2:  # only the lowest and the highest ratio (earliest on a tie) matter
+                rows = sorted(keep.items())
+                lo = min(rows, key=lambda r: r[1][0] / r[1][1])
+                hi = max(rows, key=lambda r: r[1][0] / r[1][1])
+                self.gaps[pk] = dict(sorted({lo[0]: lo[1], hi[0]: hi[1]}.items()))
+
     def fluctuation(self) -> dict:
         last = self.step - 1  # the rows after the last STEP row are not a full step
-        return {k: {s: tuple(v) for s, v in steps.items() if s <= last} for k, steps in self.fluct.items()}
+        return {k: {**self.gaps.get(k, {}), **{s: tuple(v) for s, v in steps.items() if s <= last}}
+                for k, steps in self.fluct.items()}
 
 
 def _range_id(attr):

@@ -19,17 +19,29 @@ def _session():
     return s if s is not None and s.active else None
 
 
+def _text(msg, api: str):
+    """A mark's message must be text: anything else (an object's repr is not a message) is said
+    once on stderr and not recorded."""
+    if isinstance(msg, str):
+        return msg
+    from .._console import alert_once
+    alert_once(f"{api}-type", f"[msmemscope] {api}() takes a str message, not {type(msg).__name__}: not recorded")
+    return None
+
+
 def mark(msg: str, stream=None) -> None:
     """``stream``: the original's device stream argument (``mstx.mark(msg, stream)``), accepted and
     not used (a mark is a point on the host timeline)."""
     s = _session()
-    if s is not None:
-        s.mark(str(msg))
+    if s is not None and _text(msg, "mark") is not None:
+        s.mark(msg)
 
 
 def range_start(msg: str, stream=None) -> int:
     s = _session()
-    return s.range_start(str(msg)) if s is not None else 0
+    if s is None or _text(msg, "range_start") is None:
+        return 0
+    return s.range_start(msg)
 
 
 def range_end(range_id: int) -> None:

@@ -11,7 +11,6 @@ copied side by side works too), a single run folder, or a dump file.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -73,10 +72,9 @@ def run_folder_of(dump: str, stop: str | None = None) -> tuple[str, dict]:
         cfg = os.path.join(d, CONFIG)
         if os.path.isfile(cfg):
             try:
-                with open(cfg, encoding="utf-8") as f:
-                    data = json.load(f)
-                return d, data if isinstance(data, dict) else {}
-            except (OSError, ValueError):
+                from .validate import load_json_object
+                return d, load_json_object(cfg)  # an object, never nested past 64 levels
+            except (OSError, ValueError, DumpError):
                 return d, {}
         parent = os.path.dirname(d)
         if parent == d or (stop is not None and d == stop) or (stop is not None and not d.startswith(stop)):

@@ -18,7 +18,8 @@ import warnings
 import polars as pl
 
 from ..events import COLUMNS, HEADER
-from .files import dump_files
+from . import validate
+from .files import dump_files, is_regular, polars_path
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
@@ -27,8 +28,7 @@ DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a 
 CHUNK = 16 << 20              # block size of the streaming line scan
 
 
-class DumpError(Exception):
-    """A dump that cannot be read; the message names the file and, where known, the line."""
+from .errors import DumpError  # noqa: E402,F401  (re-exported: callers import it from here)
 
 
 class TruncatedDumpWarning(UserWarning):
@@ -63,7 +63,8 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = dump_files(path)
     if not found:
-        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db")))
+        found = sorted(p for p in glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db"))
+                       if is_regular(p))
     if not found:
         raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
     return found
@@ -106,6 +107,9 @@ def _read_db(path: str) -> pl.DataFrame:
         try:
             cur = con.execute('SELECT * FROM memscope_dump ORDER BY ID')
             cols = [d[0] for d in cur.description]
+            if tuple(cols) == COLUMNS:  # no rows; too large for memory: said before fetching
+                n = con.execute("SELECT COUNT(*) FROM memscope_dump").fetchone()[0]
+                validate.after_scan(path, os.path.getsize(path), os.path.getsize(path), n)
             rows = cur.fetchall()
         finally:
             con.close()
@@ -130,9 +134,10 @@ def _read_csv(path: str) -> pl.DataFrame:
                       TruncatedDumpWarning, stacklevel=3)
         source = io.BytesIO(data)
     try:
-        df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
-                         schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
-                         quote_char="\"")
+        with polars_path(source) as source:
+            df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
+                             schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
+                             quote_char="\"")
     except Exception:
         raise DumpError(_locate_csv_error(path)) from None
     if df.width != len(NAMES):
@@ -180,6 +185,7 @@ def check_csv(path: str) -> tuple[int, int]:
                 lines += block.count(b"\n")
                 since = len(block) - 1 - block.rfind(b"\n")
             pos += len(block)
+    validate.after_scan(path, pos - since, pos, max(lines - 1, 0))  # no rows; too large for memory
     return pos - since, pos
 
 
@@ -272,6 +278,7 @@ def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
+    validate.check_rows(out, path)  # rows that parse but cannot be true
     is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
     return out.with_columns(step=(is_step.cast(pl.Int32).cum_sum() - is_step.cast(pl.Int32) + 1))
 
@@ -291,11 +298,12 @@ def load(path: str):
 
 def _parse_attr_loose(text):
     import json
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or validate._depth(text) > validate.MAX_JSON_DEPTH:
         return {}
     try:
-        return json.loads(text)
-    except ValueError:
+        obj = json.loads(text)
+        return obj if isinstance(obj, dict) else {}
+    except (ValueError, RecursionError):
         out = {}
         for part in text.strip("{}").split(","):
             k, _, v = part.partition(":")

@@ -234,8 +234,9 @@ def perfetto_events(df: pl.DataFrame):
                    "tid": tid(mtid)}
         else:
             try:
-                rid = json.loads(attr).get("range_id") if attr else None
-            except ValueError:
+                from ..io.validate import attr_object
+                rid = attr_object(attr).get("range_id") if attr else None  # never deeper than 64 levels
+            except (ValueError, TypeError):
                 rid = None
             if kind == "Range_start":
                 open_ranges[rid] = (ts, name, mtid)

@@ -43,10 +43,10 @@ def _table(columns, rows, title, note=None, fmt=None):
 
 def _json_tables(path: str, title: str) -> list[dict]:
     """Tables from an analysis JSON whatever its exact shape: lists of objects become tables."""
+    from ..io.validate import load_json_object
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
+        data = load_json_object(path)
+    except Exception as e:  # shown as a problem row, never a crash
         return [_table(["problem"], [[f"cannot read {os.path.basename(path)}: {e}"]], title)]
     out = []
 

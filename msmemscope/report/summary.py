@@ -72,10 +72,14 @@ def load_columns(path: str):
             ev = pl.col("event")
             mem = ev.is_in(["MALLOC", "FREE"])
             keep = mem | (ev == "SYSTEM")
-            raw = (pl.scan_csv(path, has_header=True, new_columns=list(NAMES), infer_schema=False,
-                               schema_overrides={n: pl.String for n in NAMES}, quote_char='"')
-                   .collect()  # every column parsed: a row with extra fields is an error, as in read_dump
-                   .select("id", "event", "event_type", "name", "device", "attr"))
+            from ..io.files import polars_path
+            with polars_path(path) as src:  # a path that is not UTF-8 reaches polars too
+                raw = (pl.scan_csv(src, has_header=True, new_columns=list(NAMES), infer_schema=False,
+                                   schema_overrides={n: pl.String for n in NAMES}, quote_char='"')
+                       .collect()  # every column parsed: a row with extra fields is an error, as in read_dump
+                       .select("id", "event", "event_type", "name", "device", "attr"))
+            from ..io.validate import check_raw
+            check_raw(raw, path)  # rows that cannot be true: read_dump below names the first
             counts = dict(raw.group_by("event").len().iter_rows())
             # a row that is not ours (bad ID, unknown event) sends the dump to read_dump, which names the line
             if (raw["id"].cast(pl.Int64, strict=False).null_count()
@@ -171,10 +175,12 @@ def _offline_leaks(df) -> tuple[list[dict], str]:
 
 
 def _read_json(path):
+    """A JSON object file beside a dump, or None (unreadable, not an object, nested too deep)."""
+    from ..io.reader import DumpError
+    from ..io.validate import load_json_object
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return load_json_object(path)
+    except DumpError:
         return None
 
 

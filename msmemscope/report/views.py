@@ -366,10 +366,11 @@ def compare_steps(df: pl.DataFrame) -> dict | None:
 
 # ---------------------------------------------------------------- findings
 def _read_json(path):
+    # the one bounded JSON reader (io.validate): nesting, size and type are checked there
+    from ..io.validate import load_json_object
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f), None
-    except (OSError, ValueError, RecursionError) as e:
+        return load_json_object(path), None
+    except Exception as e:  # a finding file we cannot read is shown as such, never a crash
         return None, f"cannot read {os.path.basename(path)}: {e}"
 
 
