@@ -183,7 +183,12 @@ def test_findings_survive_sigkill(tmp_path, source):
         assert peaks["final"] is (how == "normal")
         df = read(dump_of(folder))
         mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
-        assert peaks["peaks"][0]["peak_allocated"] == mem["used"].max()
+        if how == "normal":
+            assert peaks["peaks"][0]["peak_allocated"] == mem["used"].max()
+        else:  # saved at some step end (peaks alone may wait for the save budget): the peak up to it
+            cummax = df.select("id", "event", "event_type", pl.col("used").cum_max().forward_fill())
+            at_steps = set(cummax.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))["used"])
+            assert peaks["peaks"][0]["peak_allocated"] in at_steps, (peaks, sorted(at_steps))
     k, n = results["killed"], results["normal"]
     assert k["analysis"] == "leaks" and k["steps_ended"] == 6
     assert [lk["step"] for lk in k["leaks"] if lk["size"] == 4096 * 4] == [2, 3, 4, 5]

@@ -47,7 +47,7 @@ def online_sinks(session) -> list:
 # killer) still leaves what its analyses had found; ``close`` then replaces them with the final ones.
 _OWNED: dict = {}   # (folder, name) -> the result file this process wrote (replaced, never another's)
 SAVE_BUDGET = 0.01  # saves of results that only moved (peaks, step counts): this share of the CPU time
-SAVE_COSTLY_S = 0.002  # a save costing more CPU time than this waits for the budget even with new findings
+SAVE_NEW_BUDGET = 0.05  # saves of new findings: at once while all saves so far cost under this share
 
 
 def save_result(folder: str, name: str, result, indent=2) -> str:
@@ -104,6 +104,7 @@ class StepCheckpoint:
         self._counts: dict = {}  # name -> number of findings last written
         self._next_at = 0.0
         self._cost = 0.0
+        self._spent = 0.0  # CPU time of every save so far
 
     def consume(self, rows, first_id):
         pass
@@ -113,11 +114,12 @@ class StepCheckpoint:
 
     def save(self, session, force=False):
         """Save what changed. New findings (a sink's count of them moved) are saved at once; results
-        that only moved (peaks, steps ended) within ``SAVE_BUDGET`` of the time; and when a save
-        grows costly (thousands of leaks) everything waits for the budget, so that saving never
-        grows with the square of the run."""
-        due = force or time.process_time() >= self._next_at
-        if not due and self._cost > SAVE_COSTLY_S:
+        that only moved (peaks, steps ended) within ``SAVE_BUDGET`` of the time; and once all saves
+        so far cost over ``SAVE_NEW_BUDGET`` of the process's CPU time (thousands of leaks),
+        everything waits for the budget, so that saving never grows with the square of the run."""
+        now = time.process_time()
+        due = force or now >= self._next_at
+        if not due and self._spent > SAVE_NEW_BUDGET * now:
             return
         found = []
         new = False
@@ -154,6 +156,7 @@ class StepCheckpoint:
         # the budget is of this process's CPU time: a loaded machine's waits neither make saves
         # rarer nor more frequent
         self._cost = time.process_time() - c0
+        self._spent += self._cost
         self._next_at = time.process_time() + min(self._cost / SAVE_BUDGET, 60.0)
 
     def _full(self, session, name):
