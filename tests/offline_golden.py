@@ -148,6 +148,10 @@ def outputs(path: str) -> dict:
         res["memory_snapshot"] = snap
         res["perfetto"] = list(E.perfetto_events(df))
         data = H.build_frame(df, [path], None)
+        data.pop("generated", None)
+        for t in data.get("tables") or []:  # rows tied in the table's sort come in any order
+            if isinstance(t, dict) and isinstance(t.get("rows"), list):
+                t["rows"] = sorted(t["rows"], key=str)
         res["html"] = data
     return json.loads(json.dumps(_plain(res), default=str))
 

@@ -82,7 +82,7 @@ def _owners(mem: pl.DataFrame, t0: int, span: int, buckets: int) -> dict | None:
                        signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size")),
                        b=((pl.col("ts") - t0) * buckets // span).clip(0, buckets - 1)))
     m = m.with_columns(live=pl.col("signed").cum_sum().over("o"))
-    peaks = m.group_by("o").agg(p=pl.col("live").max()).sort("p", descending=True)
+    peaks = m.group_by("o").agg(p=pl.col("live").max()).sort("p", "o", descending=[True, False])  # ties: by name, every run alike
     names = [o for o in peaks["o"].to_list() if o != "(unlabelled)"]
     keep = names[:MAX_OWNERS]
     label = pl.when(pl.col("o").is_in(keep)).then(pl.col("o")).otherwise(pl.lit("(other)"))
