@@ -21,6 +21,11 @@ from ..events import COLUMNS, HEADER
 from .files import dump_files
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
+#: what ``read_dump`` gives without ``columns`` (this order)
+DEFAULT_COLUMNS = NAMES + ("alloc_id", "size", "used", "total", "owner", "addr", "step")
+#: every column ``read_dump(columns=...)`` can give: the defaults, then the step number a STEP row
+#: carries (``step_number``), the enclosing op (``op``) and Attr's ``origin``
+COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
 DEFAULT_MAX_INPUT = 8 << 30
 DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a corrupt file
@@ -76,8 +81,14 @@ def resolve_one(path: str) -> str:
     return dumps[0]
 
 
-def read_dump(path: str) -> pl.DataFrame:
-    """Read one dump file (or a folder holding exactly one) into analysis columns."""
+def read_dump(path: str, columns=None, events=None) -> pl.DataFrame:
+    """Read one dump file (or a folder holding exactly one) into analysis columns, sorted by ID.
+
+    ``columns``: the columns wanted (any of ``COLUMNS_OFFERED``; ``id`` always comes; default
+    ``DEFAULT_COLUMNS``). ``events``: keep only the rows of these events (``step``, ``step_number``
+    and ``op`` still count every row of the file). Raises ``DumpError``."""
+    want = _wanted(columns)
+    keep = None if events is None else tuple(events)
     path = resolve_one(path)
     try:
         size = os.path.getsize(path)
@@ -94,28 +105,63 @@ def read_dump(path: str) -> pl.DataFrame:
     except OSError as e:
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     if head.startswith(b"SQLite format 3"):
-        df = _read_db(path)
+        df = _read_db(path, want, keep)
     else:
         df = _read_csv(path)
-    return _derive(df, path)
+    return _derive(df, path, want, keep)
 
 
-def _read_db(path: str) -> pl.DataFrame:
+def _wanted(columns) -> tuple:
+    if columns is None:
+        return DEFAULT_COLUMNS
+    bad = [c for c in columns if c not in COLUMNS_OFFERED]
+    if bad:
+        raise ValueError(f"read_dump: no column {bad[0]!r} (offered: {', '.join(COLUMNS_OFFERED)})")
+    return tuple(c for c in COLUMNS_OFFERED if c in columns or c == "id")
+
+
+def _source_columns(want: tuple, events=None) -> set:
+    """The file's columns needed for ``want`` (and for the checks every read makes: a MALLOC/FREE
+    row read has a size in Attr)."""
+    need = {"id", "event", "event_type", "ts", "ptr"} | {c for c in want if c in NAMES}
+    if (any(c in want for c in _ATTR_COLUMNS + ("step_number", "origin"))
+            or events is None or {"MALLOC", "FREE"} & set(events)):
+        need.add("attr")
+    if "op" in want:
+        need |= {"name", "tid"}
+    return need
+
+
+def _read_db(path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFrame:
+    """The table, with an SQL projection: only the columns ``want`` needs, only the rows of
+    ``events`` (and the rows that number steps and ops), in ID order."""
+    need = _source_columns(want, events)
+    where = ""
+    if events is not None:
+        extra = ["SYSTEM"] + (["OP_LAUNCH"] if "op" in want else [])
+        kinds = sorted(set(events) | set(extra))
+        where = " WHERE Event IN (" + ",".join("?" * len(kinds)) + ")"
+    else:
+        kinds = []
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            cur = con.execute('SELECT * FROM memscope_dump ORDER BY ID')
-            cols = [d[0] for d in cur.description]
-            rows = cur.fetchall()
+            cols = [r[1] for r in con.execute("PRAGMA table_info(memscope_dump)").fetchall()]
+            if tuple(cols) != COLUMNS:
+                if not cols:
+                    con.execute("SELECT * FROM memscope_dump LIMIT 0")  # no such table: say so
+                raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
+            picked = [(n, c) for n, c in zip(NAMES, COLUMNS) if n in need]
+            sel = ",".join(f'"{c}"' for _, c in picked)
+            rows = con.execute(f"SELECT {sel} FROM memscope_dump{where} ORDER BY ID", kinds).fetchall()
         finally:
             con.close()
     except sqlite3.DatabaseError as e:
         raise DumpError(f"{path}: not a readable msmemscope database ({e})") from None
-    if tuple(cols) != COLUMNS:
-        raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
-    data = list(zip(*rows)) if rows else [[] for _ in NAMES]
-    return pl.DataFrame({n: [None if v is None else str(v) for v in col] for n, col in zip(NAMES, data)},
-                        schema={n: pl.String for n in NAMES})
+    data = list(zip(*rows)) if rows else [[] for _ in picked]
+    got = pl.DataFrame({n: [None if v is None else str(v) for v in col] for (n, _), col in zip(picked, data)},
+                       schema={n: pl.String for n, _ in picked})
+    return got.with_columns(pl.lit(None, dtype=pl.String).alias(n) for n in NAMES if n not in got.columns).select(NAMES)
 
 
 def _read_csv(path: str) -> pl.DataFrame:
@@ -209,42 +255,126 @@ def _attr_field(key: str, numeric: bool):
 
 
 _ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr")
-# The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field: one pass of
-# one pattern reads all their fields. Any other text (the original's unquoted keys, rows with
-# extra keys, an owner with a comma) goes through the per-key patterns, which accept them all.
+# The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field (events.py
+# format_attr): these regular expressions say what the fast path below accepts (tests compare).
+# Any other text (the original's unquoted keys, rows with extra keys, an owner with a comma) goes
+# through the per-key patterns, which accept them all.
 _MEM_ATTR = (r'^\{"allocation_id":(?P<alloc_id>\d+),"addr":"(?P<addr>0x[0-9a-fA-F]+)","size":(?P<size>\d+),'
              r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?\}$')
 _ACCESS_ATTR = r'^\{"dtype":"[^"]*","shape":\[[^\]]*\],"size":(?P<size>\d+),"allocation_id":(?P<alloc_id>\d+)\}$'
 
 
+def _per_key_exprs() -> dict:
+    """Expressions for the Attr columns, key by key (any Attr text)."""
+    return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
+            "used": _attr_field("used", True), "total": _attr_field("total", True),
+            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+
+
 def _attr_exprs(mem=None, acc=None) -> dict:
-    """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
-    if mem is None:
-        return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
-                "used": _attr_field("used", True), "total": _attr_field("total", True),
-                "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
-    f = mem.struct.field
-    g = acc.struct.field
-    return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
-            "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
-            "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
-            "owner": f("owner"), "addr": f("addr")}
+    """Per-key expressions (kept for callers that read Attr texts of their own)."""
+    return _per_key_exprs()
 
 
-def _attr_columns(df: pl.DataFrame) -> pl.DataFrame:
-    """alloc_id, size, used, total, owner, addr from Attr (null where the key is absent)."""
-    attr = pl.col("attr")
-    fast = df.select(_m=attr.str.extract_groups(_MEM_ATTR), _a=attr.str.extract_groups(_ACCESS_ATTR))
-    cols = fast.select(**_attr_exprs(pl.col("_m"), pl.col("_a")))
+def _int_of(text: pl.Expr) -> pl.Expr:
+    """The whole number ``text`` spells in its plain form (no sign but '-', no leading zero), else null:
+    the fast path takes a number only when reading it back gives the same text."""
+    v = text.cast(pl.Int64, strict=False)
+    return pl.when(v.cast(pl.String) == text).then(v)
+
+
+def _fast_exprs() -> dict:
+    """The Attr columns of the two templates by literal splits (no regular expression per row);
+    null on every row whose text is not exactly a template."""
+    a = pl.col("attr")
+    m = a.str.splitn(",", 6)
+    f = [m.struct.field(f"field_{i}") for i in range(6)]
+    owner_part = f[5]
+    last = pl.when(owner_part.is_null()).then(f[4].str.strip_suffix("}")).otherwise(f[4])
+    aid_t = f[0].str.strip_prefix('{"allocation_id":')
+    addr_t = f[1].str.strip_prefix('"addr":"').str.strip_suffix('"')
+    size_t = f[2].str.strip_prefix('"size":')
+    used_t = f[3].str.strip_prefix('"used":')
+    total_t = last.str.strip_prefix('"total":')
+    owner_t = owner_part.str.strip_prefix('"owner":"').str.strip_suffix('"}')
+    aid, size, used, total = _int_of(aid_t), _int_of(size_t), _int_of(used_t), _int_of(total_t)
+    hexd = addr_t.str.strip_prefix("0x")
+    ok = (f[0].str.starts_with('{"allocation_id":') & f[1].str.starts_with('"addr":"0x') & f[1].str.ends_with('"')
+          & ~addr_t.str.contains('"', literal=True) & ~addr_t.str.contains("}", literal=True)
+          & (hexd.str.len_bytes() > 0) & hexd.str.to_integer(base=16, strict=False).is_not_null()
+          & ~hexd.str.starts_with("-") & ~hexd.str.starts_with("+")
+          & f[2].str.starts_with('"size":') & f[3].str.starts_with('"used":') & last.str.starts_with('"total":')
+          & (owner_part.is_null() & f[4].str.ends_with("}")
+             | owner_part.str.starts_with('"owner":"') & owner_part.str.ends_with('"}')
+             & ~owner_t.str.contains('"', literal=True) & ~owner_t.str.contains(",", literal=True)
+             & ~owner_t.str.contains("}", literal=True) & ~owner_t.str.contains("\\", literal=True))
+          & aid.is_not_null() & size.is_not_null() & used.is_not_null() & total.is_not_null()
+          & ~aid_t.str.starts_with("-") & ~size_t.str.starts_with("-"))
+    # ACCESS: {"dtype":"..","shape":[..],"size":N,"allocation_id":N}
+    s = a.str.splitn(',"size":', 2)
+    head, rest = s.struct.field("field_0"), s.struct.field("field_1")
+    t = rest.str.splitn(',"allocation_id":', 2)
+    asz_t, aaid_t = t.struct.field("field_0"), t.struct.field("field_1").str.strip_suffix("}")
+    asz, aaid = _int_of(asz_t), _int_of(aaid_t)
+    dtype_shape = head.str.strip_prefix('{"dtype":"')
+    ds = dtype_shape.str.splitn('","shape":[', 2)
+    dt, sh = ds.struct.field("field_0"), ds.struct.field("field_1")
+    acc_ok = (head.str.starts_with('{"dtype":"') & ~head.str.contains("size", literal=True)
+              & ~dt.str.contains('"', literal=True) & sh.str.ends_with("]")
+              & (sh.str.count_matches("]", literal=True) == 1)
+              & t.struct.field("field_1").str.ends_with("}")
+              & asz.is_not_null() & aaid.is_not_null() & ~asz_t.str.starts_with("-") & ~aaid_t.str.starts_with("-"))
+    return {"alloc_id": pl.when(ok).then(aid).when(acc_ok).then(aaid),
+            "size": pl.when(ok).then(size).when(acc_ok).then(asz),
+            "used": pl.when(ok).then(used), "total": pl.when(ok).then(total),
+            "owner": pl.when(ok).then(owner_t), "addr": pl.when(ok).then(addr_t)}
+
+
+def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
+    """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
+    is absent): the writer's templates by the fast path, the rest per key, on those rows only."""
+    exprs = _fast_exprs()
+    cols = df.select(alloc_id=exprs["alloc_id"], **{c: exprs[c] for c in fields if c != "alloc_id"})
     other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
     if other.len():  # the rest, per key, on those rows only
-        slow = df[other].select(**_attr_exprs())
-        cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in _ATTR_COLUMNS))
-    cols = cols.with_columns(addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
-    return df.with_columns(cols)
+        per = _per_key_exprs()
+        slow = df[other].select(alloc_id=per["alloc_id"], **{c: per[c] for c in fields if c != "alloc_id"})
+        cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in cols.columns))
+    if "addr" in fields:
+        cols = cols.with_columns(addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+    return df.with_columns(cols.select(list(fields)))
 
 
-def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
+_IS_STEP = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
+
+
+def _step_number(df: pl.DataFrame) -> pl.Series:
+    """The step of each row as the dump numbers it: a STEP row with ``{"step": N}`` ends step N, so
+    a row belongs to the number of the next STEP row, rows after the last one to the step after it.
+    Uses the numbers in the STEP rows (right under ``--steps``), the count where they carry none."""
+    nums = df.select(n=pl.when(_IS_STEP).then(
+        pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False)))["n"]
+    n_steps = int(df.select(_IS_STEP.sum()).item() or 0)
+    given = nums.drop_nulls()
+    if n_steps == 0 or given.len() != n_steps:
+        return df["step"].cast(pl.Int64).alias("step_number")
+    return nums.backward_fill().fill_null(int(given[-1]) + 1).alias("step_number")
+
+
+def _enclosing_op(df: pl.DataFrame) -> pl.Series:
+    """For each row (frame in ID order), the innermost ATEN op open on its thread at that row
+    (a START row's own op), by depth: the last ATEN_START on the thread that opened the row's depth."""
+    ev, et = pl.col("event"), pl.col("event_type")
+    start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
+    end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
+    d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
+    q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
+    q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
+        pl.when(pl.col("_s")).then(pl.col("_n")).forward_fill().over("_t", "_d")))
+    return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
+
+
+def _derive(df: pl.DataFrame, path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFrame:
     ids = df["id"].cast(pl.Int64, strict=False)
     bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
     if bad.any():
@@ -255,21 +385,34 @@ def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
     if bad.any():
         i = int(bad.arg_max())
         raise DumpError(f"{path}: row {i + 1} (ID {ids[i]}) has timestamp '{df['ts'][i]}', not a number")
-    out = df.with_columns(
-        id=ids, ts=ts,
-        pid=pl.col("pid").cast(pl.Int64, strict=False),
-        tid=pl.col("tid").cast(pl.Int64, strict=False),
-    )
-    out = _attr_columns(out)
+    need = _source_columns(want, events)
+    out = df.select([c for c in NAMES if c in need]).with_columns(id=ids, ts=ts)
+    del df
+    out = out.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in out.columns)
     if not out["id"].is_sorted():
         out = out.sort("id")  # the original writes rows out of ID order
-    mem = out.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    is_step = _IS_STEP.cast(pl.Int32)
+    out = out.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        out = out.with_columns(_step_number(out))
+    if "op" in want:
+        out = out.with_columns(_enclosing_op(out))
+    if events is not None:
+        out = out.filter(pl.col("event").is_in(list(events)))
+    fields = tuple(c for c in _ATTR_COLUMNS if c in want)
+    mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
+    if fields or out.select(mem_rows.any()).item():
+        # every MALLOC/FREE row read has a size, whatever the analysis asks for
+        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("size",))))
+    mem = out.filter(mem_rows)
     if mem.height and mem["size"].null_count():
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
-    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
-    return out.with_columns(step=(is_step.cast(pl.Int32).cum_sum() - is_step.cast(pl.Int32) + 1))
+    if "origin" in want:
+        out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
+                               .then(_attr_field("origin", False)))
+    return out.select(want)
 
 
 def load(path: str):
