@@ -115,29 +115,28 @@ def _as_side(x) -> Side:
 # ---------------------------------------------------------------------------
 # Reading a side into its op sequence
 
+#: what the compare reads of a dump (the reader's column layer): every row but ACCESS
+COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "size", "py_stack", "step", "step_number")
+EVENTS = ("OP_LAUNCH", "KERNEL_LAUNCH", "MALLOC", "FREE", "SYSTEM", "MSTX", "SNAPSHOT", "OOM_DETAIL")
+
+
 def _read(path: str) -> tuple[pl.DataFrame, str]:
     dump = resolve_one(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = read_dump(dump)
+        df = read_dump(dump, columns=COLUMNS, events=EVENTS)
     for w in caught:
         print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return df, dump
 
 
 def step_numbers(df: pl.DataFrame) -> pl.Series:
-    """Step of each row: a STEP row with ``{"step": N}`` ends step N, so a row belongs to the
-    number of the next STEP row; rows after the last one to the step after it. Uses the numbers
-    in the STEP rows (right under ``--steps``), the reader's count where they carry none."""
-    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
-    nums = df.select(n=pl.when(is_step).then(
-        pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False)))["n"]
-    steps_rows = df.select(is_step.alias("s"))["s"]
-    n_steps = int(steps_rows.sum())
-    if n_steps == 0 or nums.drop_nulls().len() != n_steps:
-        return df["step"].cast(pl.Int64)
-    last = int(nums.drop_nulls()[-1])
-    return nums.backward_fill().fill_null(last + 1)
+    """Step of each row as the dump numbers it (the reader's ``step_number``: a STEP row with
+    ``{"step": N}`` ends step N; the count of STEP rows where they carry no numbers)."""
+    if "step_number" in df.columns:
+        return df["step_number"]
+    from ..io.reader import _step_number
+    return _step_number(df)
 
 
 def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.DataFrame:

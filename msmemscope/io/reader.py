@@ -81,12 +81,13 @@ def resolve_one(path: str) -> str:
     return dumps[0]
 
 
-def read_dump(path: str, columns=None, events=None) -> pl.DataFrame:
+def read_dump(path: str, columns=None, events=None, counts: dict | None = None) -> pl.DataFrame:
     """Read one dump file (or a folder holding exactly one) into analysis columns, sorted by ID.
 
     ``columns``: the columns wanted (any of ``COLUMNS_OFFERED``; ``id`` always comes; default
     ``DEFAULT_COLUMNS``). ``events``: keep only the rows of these events (``step``, ``step_number``
-    and ``op`` still count every row of the file). Raises ``DumpError``."""
+    and ``op`` still count every row of the file). ``counts``: a dict to fill with the number of
+    rows of each event in the whole file. Raises ``DumpError``."""
     want = _wanted(columns)
     keep = None if events is None else tuple(events)
     path = resolve_one(path)
@@ -105,10 +106,10 @@ def read_dump(path: str, columns=None, events=None) -> pl.DataFrame:
     except OSError as e:
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     if head.startswith(b"SQLite format 3"):
-        df = _read_db(path, want, keep)
+        df = _read_db(path, want, None if counts is not None else keep)
     else:
         df = _read_csv(path)
-    return _derive(df, path, want, keep)
+    return _derive(df, path, want, keep, counts)
 
 
 def _wanted(columns) -> tuple:
@@ -209,7 +210,6 @@ def check_csv(path: str) -> tuple[int, int]:
         f.seek(0)
         pos = 0          # bytes read
         since = 0        # bytes since the last newline
-        lines = 0        # newlines seen
         while True:
             block = f.read(block_size)
             if not block:
@@ -220,13 +220,26 @@ def check_csv(path: str) -> tuple[int, int]:
             else:
                 since += first
             if since > limit:
-                raise DumpError(f"{path}: line {lines + 1} is longer than {limit} bytes "
+                line = _line_at(path, pos + len(block) - since if first < 0 else pos + first - since)
+                raise DumpError(f"{path}: line {line} is longer than {limit} bytes "
                                 "(not a dump row; MSMEMSCOPE_MAX_LINE_BYTES sets the limit)")
             if first >= 0:
-                lines += block.count(b"\n")
                 since = len(block) - 1 - block.rfind(b"\n")
             pos += len(block)
     return pos - since, pos
+
+
+def _line_at(path: str, offset: int) -> int:
+    """The line number (1-based) of the byte at ``offset`` (errors only: counts newlines before it)."""
+    n, done = 1, 0
+    with open(path, "rb") as f:
+        while done < offset:
+            block = f.read(min(CHUNK, offset - done))
+            if not block:
+                break
+            n += block.count(b"\n")
+            done += len(block)
+    return n
 
 
 def _locate_csv_error(path: str) -> str:
@@ -272,69 +285,25 @@ def _per_key_exprs() -> dict:
 
 
 def _attr_exprs(mem=None, acc=None) -> dict:
-    """Per-key expressions (kept for callers that read Attr texts of their own)."""
-    return _per_key_exprs()
-
-
-def _int_of(text: pl.Expr) -> pl.Expr:
-    """The whole number ``text`` spells in its plain form (no sign but '-', no leading zero), else null:
-    the fast path takes a number only when reading it back gives the same text."""
-    v = text.cast(pl.Int64, strict=False)
-    return pl.when(v.cast(pl.String) == text).then(v)
-
-
-def _fast_exprs() -> dict:
-    """The Attr columns of the two templates by literal splits (no regular expression per row);
-    null on every row whose text is not exactly a template."""
-    a = pl.col("attr")
-    m = a.str.splitn(",", 6)
-    f = [m.struct.field(f"field_{i}") for i in range(6)]
-    owner_part = f[5]
-    last = pl.when(owner_part.is_null()).then(f[4].str.strip_suffix("}")).otherwise(f[4])
-    aid_t = f[0].str.strip_prefix('{"allocation_id":')
-    addr_t = f[1].str.strip_prefix('"addr":"').str.strip_suffix('"')
-    size_t = f[2].str.strip_prefix('"size":')
-    used_t = f[3].str.strip_prefix('"used":')
-    total_t = last.str.strip_prefix('"total":')
-    owner_t = owner_part.str.strip_prefix('"owner":"').str.strip_suffix('"}')
-    aid, size, used, total = _int_of(aid_t), _int_of(size_t), _int_of(used_t), _int_of(total_t)
-    hexd = addr_t.str.strip_prefix("0x")
-    ok = (f[0].str.starts_with('{"allocation_id":') & f[1].str.starts_with('"addr":"0x') & f[1].str.ends_with('"')
-          & ~addr_t.str.contains('"', literal=True) & ~addr_t.str.contains("}", literal=True)
-          & (hexd.str.len_bytes() > 0) & hexd.str.to_integer(base=16, strict=False).is_not_null()
-          & ~hexd.str.starts_with("-") & ~hexd.str.starts_with("+")
-          & f[2].str.starts_with('"size":') & f[3].str.starts_with('"used":') & last.str.starts_with('"total":')
-          & (owner_part.is_null() & f[4].str.ends_with("}")
-             | owner_part.str.starts_with('"owner":"') & owner_part.str.ends_with('"}')
-             & ~owner_t.str.contains('"', literal=True) & ~owner_t.str.contains(",", literal=True)
-             & ~owner_t.str.contains("}", literal=True) & ~owner_t.str.contains("\\", literal=True))
-          & aid.is_not_null() & size.is_not_null() & used.is_not_null() & total.is_not_null()
-          & ~aid_t.str.starts_with("-") & ~size_t.str.starts_with("-"))
-    # ACCESS: {"dtype":"..","shape":[..],"size":N,"allocation_id":N}
-    s = a.str.splitn(',"size":', 2)
-    head, rest = s.struct.field("field_0"), s.struct.field("field_1")
-    t = rest.str.splitn(',"allocation_id":', 2)
-    asz_t, aaid_t = t.struct.field("field_0"), t.struct.field("field_1").str.strip_suffix("}")
-    asz, aaid = _int_of(asz_t), _int_of(aaid_t)
-    dtype_shape = head.str.strip_prefix('{"dtype":"')
-    ds = dtype_shape.str.splitn('","shape":[', 2)
-    dt, sh = ds.struct.field("field_0"), ds.struct.field("field_1")
-    acc_ok = (head.str.starts_with('{"dtype":"') & ~head.str.contains("size", literal=True)
-              & ~dt.str.contains('"', literal=True) & sh.str.ends_with("]")
-              & (sh.str.count_matches("]", literal=True) == 1)
-              & t.struct.field("field_1").str.ends_with("}")
-              & asz.is_not_null() & aaid.is_not_null() & ~asz_t.str.starts_with("-") & ~aaid_t.str.starts_with("-"))
-    return {"alloc_id": pl.when(ok).then(aid).when(acc_ok).then(aaid),
-            "size": pl.when(ok).then(size).when(acc_ok).then(asz),
-            "used": pl.when(ok).then(used), "total": pl.when(ok).then(total),
-            "owner": pl.when(ok).then(owner_t), "addr": pl.when(ok).then(addr_t)}
+    """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
+    if mem is None:
+        return _per_key_exprs()
+    f = mem.struct.field
+    g = acc.struct.field
+    return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
+            "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
+            "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
+            "owner": f("owner"), "addr": f("addr")}
 
 
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
     """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
-    is absent): the writer's templates by the fast path, the rest per key, on those rows only."""
-    exprs = _fast_exprs()
-    cols = df.select(alloc_id=exprs["alloc_id"], **{c: exprs[c] for c in fields if c != "alloc_id"})
+    is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
+    attr = pl.col("attr")
+    fast = df.select(_m=attr.str.extract_groups(_MEM_ATTR), _a=attr.str.extract_groups(_ACCESS_ATTR))
+    ex = _attr_exprs(pl.col("_m"), pl.col("_a"))
+    cols = fast.select(alloc_id=ex["alloc_id"], **{c: ex[c] for c in fields if c != "alloc_id"})
+    del fast
     other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
     if other.len():  # the rest, per key, on those rows only
         per = _per_key_exprs()
@@ -374,7 +343,7 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
 
 
-def _derive(df: pl.DataFrame, path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFrame:
+def _derive(df: pl.DataFrame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
     ids = df["id"].cast(pl.Int64, strict=False)
     bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
     if bad.any():
@@ -397,6 +366,8 @@ def _derive(df: pl.DataFrame, path: str, want: tuple = DEFAULT_COLUMNS, events=N
         out = out.with_columns(_step_number(out))
     if "op" in want:
         out = out.with_columns(_enclosing_op(out))
+    if counts is not None:
+        counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
     if events is not None:
         out = out.filter(pl.col("event").is_in(list(events)))
     fields = tuple(c for c in _ATTR_COLUMNS if c in want)
