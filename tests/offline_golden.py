@@ -140,6 +140,8 @@ def outputs(path: str) -> dict:
         s.pop("input", None)
         res["inefficient"] = {"summary": s, "blocks": _plain(ir.blocks)}
         res["decompose"] = D.summarize(df)
+        if hasattr(D, "summarize_dump"):
+            assert D.summarize_dump(path) == res["decompose"]
         r = S.analyse_rank({"path": path, "folder": os.path.dirname(path), "config": {}, "label": "r"})
         for k in ("seconds", "cpu_seconds", "folder", "dump"):
             r.pop(k, None)
