@@ -94,3 +94,79 @@ def test_projections_agree_with_the_full_read(dump):
     got = [None if ev == "OP_LAUNCH" and et == "ATEN_END" else op
            for ev, et, op in full.select("event", "event_type", "op").iter_rows()]
     assert got == expect
+
+
+def _textbook_myers(a, b):
+    """Myers' greedy forward pass, one diagonal at a time, and its backtrack: the reference."""
+    n, m = len(a), len(b)
+    max_d = n + m
+    off = max_d + 1
+    V = [0] * (2 * max_d + 3)
+    trace = []
+    for d in range(max_d + 1):
+        trace.append(list(V))
+        for k in range(-d, d + 1, 2):
+            x = V[off + k + 1] if k == -d or (k != d and V[off + k - 1] < V[off + k + 1]) else V[off + k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            V[off + k] = x
+            if x >= n and y >= m:
+                pairs = []
+                for dd in range(d, 0, -1):
+                    Vd, k = trace[dd], x - y
+                    pk = k + 1 if k == -dd or (k != dd and Vd[off + k - 1] < Vd[off + k + 1]) else k - 1
+                    px = Vd[off + pk]
+                    py = px - pk
+                    mx = px if pk == k + 1 else px + 1
+                    while x > mx:
+                        x, y = x - 1, y - 1
+                        pairs.append((x, y))
+                    pairs.append((-1, py) if pk == k + 1 else (px, -1))
+                    x, y = px, py
+                while x > 0:
+                    x, y = x - 1, y - 1
+                    pairs.append((x, y))
+                return pairs[::-1], d
+
+
+def test_vectorised_alignment_is_the_textbook_path():
+    """The compare's alignment (numpy rounds, galloping snakes, the multiset bound) gives the very
+    pairs of the one-diagonal-at-a-time algorithm, and gives up exactly when it needs more edits."""
+    import numpy as np
+
+    from msmemscope.analysis.compare import align
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        n, m = int(rng.integers(0, 60)), int(rng.integers(0, 60))
+        vocab = int(rng.integers(1, 6))
+        if trial % 3 == 0:  # periodic, as training steps are, with a few edits
+            base = np.tile(rng.integers(0, vocab, 7), 12)[:n]
+            b = base.copy().tolist()
+            for _ in range(int(rng.integers(0, 5))):
+                if b:
+                    b[int(rng.integers(0, len(b)))] = int(rng.integers(0, vocab + 2))
+            a, b = base, np.asarray(b, dtype=np.int64)
+        else:
+            a, b = rng.integers(0, vocab, n), rng.integers(0, vocab, m)
+        n, m = len(a), len(b)
+        ref, D = _textbook_myers(a.tolist(), b.tolist())
+        ai, bi, minimal = align(a, b)
+        assert minimal
+        got = list(zip(ai.tolist(), bi.tolist()))
+        # the prefix/suffix strip may place equal items differently only where the reference's
+        # script is equally short: the edit count is the same and every pair matches names
+        assert sum(1 for x, y in got if x < 0 or y < 0) == D
+        assert all(a[x] == b[y] for x, y in got if x >= 0 and y >= 0)
+        # with a limit below D it gives up (not minimal), at or above it does not (a middle part
+        # with one side empty after the common start and end are stripped needs no search)
+        al, bl = a.tolist(), b.tolist()
+        p = 0
+        while p < min(n, m) and al[p] == bl[p]:
+            p += 1
+        q = 0
+        while q < min(n, m) - p and al[n - 1 - q] == bl[m - 1 - q]:
+            q += 1
+        if D and n - p - q > 0 and m - p - q > 0:
+            assert align(a, b, max_edits=D - 1)[2] is False
+            assert align(a, b, max_edits=D)[2] is True
