@@ -51,7 +51,10 @@ def test_fast_attr_path_agrees_with_per_key_on_mutated_texts():
             op = rng.randrange(3)
             c = rng.choice(alphabet)
             texts.append(t[:i] + c + t[i + 1:] if op == 0 else t[:i] + t[i + 1:] if op == 1 else t[:i] + c + t[i:])
-    df = pl.DataFrame({"attr": texts}, schema={"attr": pl.String})
+    # the event of each row: mostly the template's own, sometimes another (then it goes per key, alike)
+    kinds = ["MALLOC", "FREE", "ACCESS", "SYSTEM"]
+    events = [("ACCESS" if '"dtype"' in t else "MALLOC") if rng.random() < 0.8 else rng.choice(kinds) for t in texts]
+    df = pl.DataFrame({"attr": texts, "event": events}, schema={"attr": pl.String, "event": pl.String})
     fast = R._attr_columns(df)
     slow = df.with_columns(**R._per_key_exprs()).with_columns(
         addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
@@ -59,7 +62,7 @@ def test_fast_attr_path_agrees_with_per_key_on_mutated_texts():
         diff = [(t, a, b) for t, a, b in zip(texts, fast[c].to_list(), slow[c].to_list()) if a != b]
         assert not diff, (c, diff[:3])
     # and the fast path did read the unchanged templates
-    took = df.head(len(base)).select(pl.col("attr").str.extract_groups(R._MEM_ATTR).struct.field("size").is_not_null().sum()
+    took = df.head(len(base)).with_columns(event=pl.lit("x")).select(pl.col("attr").str.extract_groups(R._MEM_ATTR).struct.field("size").is_not_null().sum()
                                      + pl.col("attr").str.extract_groups(R._ACCESS_ATTR).struct.field("size").is_not_null().sum()).item()
     assert took == len(base)
 

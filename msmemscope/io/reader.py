@@ -299,8 +299,10 @@ def _attr_exprs(mem=None, acc=None) -> dict:
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
     """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
     is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
-    attr = pl.col("attr")
-    fast = df.select(_m=attr.str.extract_groups(_MEM_ATTR), _a=attr.str.extract_groups(_ACCESS_ATTR))
+    attr, ev = pl.col("attr"), pl.col("event")
+    # each template only on the rows of its events (a template text on another row reads alike per key)
+    fast = df.select(_m=pl.when(ev.is_in(["MALLOC", "FREE"])).then(attr).str.extract_groups(_MEM_ATTR),
+                     _a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))
     ex = _attr_exprs(pl.col("_m"), pl.col("_a"))
     cols = fast.select(alloc_id=ex["alloc_id"], **{c: ex[c] for c in fields if c != "alloc_id"})
     del fast
