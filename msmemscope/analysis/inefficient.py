@@ -408,9 +408,10 @@ def annotate_csv(src: str, dst_file, marks: dict[int, str]) -> int:
     (a quoted newline) is copied as it is. Returns the number of rows changed."""
     import csv
     import io
+    from ..io.reader import open_text
     changed = 0
     in_quote = False
-    with open(src, "rb") as f:
+    with open_text(src) as f:  # a .csv.zst dump is read decompressed (the copy is plain CSV)
         for line in f:
             if not in_quote:
                 c = line.find(b",")
@@ -460,11 +461,16 @@ def _is_db(path: str) -> bool:
         return f.read(16).startswith(b"SQLite format 3")
 
 
+def _plain_name(base: str) -> str:
+    """The name of a dump's plain form (``x.csv.zst`` -> ``x.csv``)."""
+    return base[:-4] if base.endswith(".csv.zst") else base
+
+
 def write_annotated_copy(src: str, marks: dict[int, str]) -> str:
     """A new file beside ``src`` (``inefficient_<name>``; never overwrites): the dump with the annotation."""
     from ..io.files import create_new, unique_path
     d, base = os.path.split(src)
-    dst = unique_path(os.path.join(d, "inefficient_" + base))
+    dst = unique_path(os.path.join(d, "inefficient_" + _plain_name(base)))
     with create_new(dst, binary=True) as out:
         if _is_db(src):
             with open(src, "rb") as f:
@@ -593,7 +599,7 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
     if write and not note:
         from ..io.files import create_new, unique_path
         d, base = os.path.split(path)
-        sp = unique_path(os.path.join(d, "inefficient_" + os.path.splitext(base)[0] + ".json"))
+        sp = unique_path(os.path.join(d, "inefficient_" + os.path.splitext(_plain_name(base))[0] + ".json"))
         with create_new(sp) as f:
             json.dump(summary, f, indent=2)
         res.summary_path = sp

@@ -26,9 +26,10 @@ def make_dirs(path: str) -> str:
 
 
 def dump_files(folder: str) -> list[str]:
-    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.db``."""
+    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.csv.zst`` / ``.db``."""
     import glob
     return sorted(set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
+                      + glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv.zst"), recursive=True)
                       + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True)))
 
 

@@ -68,7 +68,8 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = dump_files(path)
     if not found:
-        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db")))
+        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.csv.zst"))
+                       + glob.glob(os.path.join(path, "*.db")))
     if not found:
         raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
     return found
@@ -107,6 +108,8 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     if head.startswith(b"SQLite format 3"):
         df = _read_db(path, want, None if counts is not None else keep)
+    elif head.startswith(ZSTD_MAGIC):
+        df = _read_csv(path, _unzstd(path))
     else:
         df = _read_csv(path)
     return _derive(df, path, want, keep, counts)
@@ -165,13 +168,65 @@ def _read_db(path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFr
     return got.with_columns(pl.lit(None, dtype=pl.String).alias(n) for n in NAMES if n not in got.columns).select(NAMES)
 
 
-def _read_csv(path: str) -> pl.DataFrame:
-    complete, size = check_csv(path)
-    source = path
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def open_text(path: str):
+    """A binary file object on the dump's CSV text: the file itself, or its zstd stream
+    (``.csv.zst``, any number of frames) decompressed as it is read."""
+    f = open(path, "rb")
+    if f.read(4) != ZSTD_MAGIC:
+        f.seek(0)
+        return f
+    f.seek(0)
+    try:
+        import zstandard
+    except ImportError:
+        f.close()
+        raise DumpError(f"{path}: a zstd-compressed dump; reading it needs the zstandard package "
+                        "(pip install zstandard)") from None
+    import io as _io
+    return _io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True,
+                                                                         closefd=True), 1 << 20)
+
+
+def _unzstd(path: str) -> bytes:
+    """The CSV text of a ``.csv.zst`` dump, at most ``max_input_bytes()`` of it; a stream cut short
+    (a killed run) gives what it holds up to the cut."""
+    limit = max_input_bytes()
+    out = bytearray()
+    f = open_text(path)
+    raw = getattr(f, "raw", f)  # unbuffered: a read that meets the cut loses at most its own block
+    try:
+        while True:
+            try:
+                block = raw.read(1 << 16)
+            except Exception:  # a frame cut short: the rows before the cut still count
+                break
+            if not block:
+                break
+            out += block
+            if len(out) > limit:
+                raise DumpError(f"{path}: more than {limit} bytes of CSV once decompressed (set "
+                                "MSMEMSCOPE_MAX_INPUT_BYTES to raise the input limit)")
+    finally:
+        f.close()
+    if not out:
+        raise DumpError(f"{path}: an empty or unreadable zstd stream")
+    return bytes(out)
+
+
+def _read_csv(path: str, text: bytes | None = None) -> pl.DataFrame:
+    """The CSV dump (or, with ``text``, its decompressed text) as string columns."""
+    complete, size = check_csv(path, text)
+    source = path if text is None else io.BytesIO(text)
     if complete < size:
         # cut short by a kill: keep every complete row, say so
-        with open(path, "rb") as f:
-            data = f.read(complete)
+        if text is not None:
+            data = text[:complete]
+        else:
+            with open(path, "rb") as f:
+                data = f.read(complete)
         lines = data.count(b"\n")
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
@@ -181,9 +236,9 @@ def _read_csv(path: str) -> pl.DataFrame:
                          schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
                          quote_char="\"")
     except Exception:
-        raise DumpError(_locate_csv_error(path)) from None
+        raise DumpError(_locate_csv_error(path, text)) from None
     if df.width != len(NAMES):
-        raise DumpError(_locate_csv_error(path))
+        raise DumpError(_locate_csv_error(path, text))
     # polars pads a short row with nulls: every row of a dump has these fields
     short = df["event"].is_null() | df["ts"].is_null() | df["ptr"].is_null()
     if short.any():
@@ -192,14 +247,15 @@ def _read_csv(path: str) -> pl.DataFrame:
     return df
 
 
-def check_csv(path: str) -> tuple[int, int]:
+def check_csv(path: str, text: bytes | None = None) -> tuple[int, int]:
     """A cheap streaming pass over a CSV dump (blocks of at most ``CHUNK`` bytes, bounded memory):
     the header, and no line longer than ``max_line_bytes()`` (a corrupt file with a gigabyte-long
     line is refused without being loaded). Returns ``(bytes up to the end of the last complete
-    line, file size)``; raises ``DumpError`` naming the file and line."""
+    line, file size)``; raises ``DumpError`` naming the file and line. ``text``: the decompressed
+    text of a ``.csv.zst`` dump, checked instead of the file."""
     limit = max_line_bytes()
     block_size = min(CHUNK, limit)  # a line inside one block is never over the limit
-    with open(path, "rb") as f:
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
         header = f.readline(len(HEADER) + 8).rstrip(b"\r\n")  # bounded: a first line of 1 GB is not read whole
         try:
             header_text = header.decode("utf-8")
@@ -220,7 +276,7 @@ def check_csv(path: str) -> tuple[int, int]:
             else:
                 since += first
             if since > limit:
-                line = _line_at(path, pos + len(block) - since if first < 0 else pos + first - since)
+                line = _line_at(path, pos + len(block) - since if first < 0 else pos + first - since, text)
                 raise DumpError(f"{path}: line {line} is longer than {limit} bytes "
                                 "(not a dump row; MSMEMSCOPE_MAX_LINE_BYTES sets the limit)")
             if first >= 0:
@@ -229,10 +285,10 @@ def check_csv(path: str) -> tuple[int, int]:
     return pos - since, pos
 
 
-def _line_at(path: str, offset: int) -> int:
+def _line_at(path: str, offset: int, text: bytes | None = None) -> int:
     """The line number (1-based) of the byte at ``offset`` (errors only: counts newlines before it)."""
     n, done = 1, 0
-    with open(path, "rb") as f:
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
         while done < offset:
             block = f.read(min(CHUNK, offset - done))
             if not block:
@@ -242,9 +298,9 @@ def _line_at(path: str, offset: int) -> int:
     return n
 
 
-def _locate_csv_error(path: str) -> str:
+def _locate_csv_error(path: str, text: bytes | None = None) -> str:
     """Slow path, errors only: find the first bad line, streaming."""
-    with open(path, "rb") as f:
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
         f.readline()
         for n, raw in enumerate(f, start=2):
             try:
