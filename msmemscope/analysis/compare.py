@@ -115,9 +115,10 @@ def _as_side(x) -> Side:
 # ---------------------------------------------------------------------------
 # Reading a side into its op sequence
 
-#: what the compare reads of a dump (the reader's column layer): every row but ACCESS
+#: what the compare reads of a dump (the reader's column layer): ops, kernels, MALLOC, and the
+#: SYSTEM rows (every step a STEP row numbers has at least that row)
 COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "size", "py_stack", "step", "step_number")
-EVENTS = ("OP_LAUNCH", "KERNEL_LAUNCH", "MALLOC", "FREE", "SYSTEM", "MSTX", "SNAPSHOT", "OOM_DETAIL")
+EVENTS = ("OP_LAUNCH", "KERNEL_LAUNCH", "MALLOC", "SYSTEM")
 
 
 def _read(path: str) -> tuple[pl.DataFrame, str]:

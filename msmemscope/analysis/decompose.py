@@ -131,8 +131,8 @@ def summarize(df) -> dict:
     import polars as pl
     rows = df.filter(pl.col("event").is_in([Event.MALLOC, Event.FREE])
                      | ((pl.col("event") == Event.SYSTEM) & pl.col("event_type").is_in([System.STEP, OWNER_ROW])))
-    rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(
-        pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False)))
+    rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(pl.col("attr"))
+                             .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
     dec = Decomposition()
     for ev, et, dev, aid, size, owner, stepno in rows.select(
             "event", "event_type", "device", "alloc_id", "size", "owner", "stepno").iter_rows():

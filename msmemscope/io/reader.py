@@ -379,8 +379,9 @@ def _step_number(df: pl.DataFrame) -> pl.Series:
     """The step of each row as the dump numbers it: a STEP row with ``{"step": N}`` ends step N, so
     a row belongs to the number of the next STEP row, rows after the last one to the step after it.
     Uses the numbers in the STEP rows (right under ``--steps``), the count where they carry none."""
-    nums = df.select(n=pl.when(_IS_STEP).then(
-        pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False)))["n"]
+    # the pattern runs on the STEP rows' text only (when/then would run it on every row)
+    nums = df.select(n=pl.when(_IS_STEP).then(pl.col("attr")).str.extract(r'"?step"?\s*:\s*(\d+)', 1)
+                     .cast(pl.Int64, strict=False))["n"]
     n_steps = int(df.select(_IS_STEP.sum()).item() or 0)
     given = nums.drop_nulls()
     if n_steps == 0 or given.len() != n_steps:
