@@ -106,13 +106,12 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
             head = f.read(16)
     except OSError as e:
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
+    # no local holds the file's columns: _derive lets go of those it does not keep
     if head.startswith(b"SQLite format 3"):
-        df = _read_db(path, want, None if counts is not None else keep)
-    elif head.startswith(ZSTD_MAGIC):
-        df = _read_csv(path, _unzstd(path))
-    else:
-        df = _read_csv(path)
-    return _derive(df, path, want, keep, counts)
+        return _derive(_read_db(path, want, None if counts is not None else keep), path, want, keep, counts)
+    if head.startswith(ZSTD_MAGIC):
+        return _derive(_read_csv(path, _unzstd(path)), path, want, keep, counts)
+    return _derive(_read_csv(path), path, want, keep, counts)
 
 
 def _wanted(columns) -> tuple:
