@@ -106,12 +106,15 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
             head = f.read(16)
     except OSError as e:
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
-    # no local holds the file's columns: _derive lets go of those it does not keep
+    # handed over in a list that _derive empties: no reference is left to the file's columns
+    # once _derive has taken those it keeps (the others are freed before Attr is parsed)
     if head.startswith(b"SQLite format 3"):
-        return _derive(_read_db(path, want, None if counts is not None else keep), path, want, keep, counts)
-    if head.startswith(ZSTD_MAGIC):
-        return _derive(_read_csv(path, _unzstd(path)), path, want, keep, counts)
-    return _derive(_read_csv(path), path, want, keep, counts)
+        frame = [_read_db(path, want, None if counts is not None else keep)]
+    elif head.startswith(ZSTD_MAGIC):
+        frame = [_read_csv(path, _unzstd(path))]
+    else:
+        frame = [_read_csv(path)]
+    return _derive(frame, path, want, keep, counts)
 
 
 def _wanted(columns) -> tuple:
@@ -401,7 +404,10 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
 
 
-def _derive(df: pl.DataFrame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
+def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
+    """The analysis columns from the file's string columns (``frame``: the frame, or a list holding
+    it, which is emptied so that the columns not kept are freed here)."""
+    df = frame.pop() if isinstance(frame, list) else frame
     ids = df["id"].cast(pl.Int64, strict=False)
     bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
     if bad.any():
