@@ -91,10 +91,16 @@ def test_wheel_in_a_fresh_venv_builds_on_first_run(tmp_path):
     """pip's path: a wheel of this checkout in a fresh venv (torch from the test interpreter's
     site-packages through a .pth file, nothing else shared). Two runs started together build the
     source once between them; both finish; a third run uses the cached build at once."""
+    import shutil
     import sysconfig
+    src = tmp_path / "src"  # a copy: building leaves build/ and *.egg-info beside the sources
+    shutil.copytree(os.path.join(ROOT, "msmemscope"), src / "msmemscope",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, f), src / f)
     wheels = tmp_path / "wheels"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                        str(wheels), ROOT], capture_output=True, text=True, timeout=600)
+                        str(wheels), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (whl,) = glob.glob(str(wheels / "msmemscope-*.whl"))
     venv = tmp_path / "venv"
