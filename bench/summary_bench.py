@@ -1,7 +1,8 @@
 """Speed of ``msmemscope summary`` over many rank dumps.
 
     PYTHONPATH=. python bench/summary_bench.py [--ranks 64] [--events 1000000] [--root /tmp/msmemscope_summary_bench]
-                                               [--workers N] [--keep] [--reuse]
+                                               [--workers N] [--keep] [--reuse] [--results] [--from-dumps]
+                                               [--engine pool|ray]
 
 Generates (numpy + polars, vectorized) one run folder per rank, laid out as the
 launcher leaves them (``msmemscope_<pid>_<ts>_cuda_rank<R>/config.json`` and
@@ -12,6 +13,10 @@ output, ``ATEN_END``, then the ``FREE`` of the block made 64 ops earlier;
 throughout. ``used`` is the running sum, ``total`` a caching allocator's
 reserved bytes (the peak so far rounded up to 2 MiB). One rank allocates 1.5x
 (the imbalance to find), one keeps one block in 500 (the leak to find).
+
+With ``--results`` each rank also gets the ``analysis/peaks.json`` and ``leaks.json`` its online
+analyses would have written (computed from the same arrays): the summary then reads those, not
+the dumps (``--from-dumps`` makes it read the dumps anyway, for the comparison).
 
 Then runs the summary (``report.summary.build``) over the root with a process
 pool and prints its wall time, the CPU time of the workers, and how many
@@ -50,8 +55,10 @@ def _hex(col: str, base: int) -> pl.Expr:
     return pl.concat_str([pl.lit("0x"), (pl.col(col) + base).cast(pl.String).str.zfill(16)])
 
 
-def dump_frame(events: int, rank: int, pid: int, scale: float = 1.0, leak: bool = False, seed: int = 0) -> pl.DataFrame:
-    """The 12 dump columns of one rank, about ``events`` rows, in ID order."""
+def dump_frame(events: int, rank: int, pid: int, scale: float = 1.0, leak: bool = False, seed: int = 0,
+               results: dict | None = None) -> pl.DataFrame:
+    """The 12 dump columns of one rank, about ``events`` rows, in ID order. ``results``, when given,
+    receives what the online analyses of such a run write (``analysis/peaks.json``, ``leaks.json``)."""
     rng = np.random.default_rng(seed + rank)
     n = max(events // 4, 4 * WINDOW + STEPS)          # ops; 4 rows each (START, MALLOC, END, FREE)
     unit = (n - 2 * WINDOW) // STEPS                  # ops per step; the run ends inside an unended step
@@ -82,6 +89,8 @@ def dump_frame(events: int, rank: int, pid: int, scale: float = 1.0, leak: bool 
     stepno = np.cumsum(kind == 4)
     rows = len(kind)
     ids = np.arange(1, rows + 1, dtype=np.int64)
+    if results is not None:
+        results.update(_results(kind, blk, used, total, stepno, ids, size, op, rows))
     k = pl.Series(kind)
     owner = np.where(blk < WEIGHTS, '"PTA@weight"', np.where(blk % 3 == 0, '"PTA@ops"', '"PTA@activation"'))
     df = pl.DataFrame({"k": k, "blk": blk, "size": size[blk], "used": used, "total": total,
@@ -114,15 +123,47 @@ def dump_frame(events: int, rank: int, pid: int, scale: float = 1.0, leak: bool 
     return out
 
 
+def _results(kind, blk, used, total, stepno, ids, size, op, rows) -> dict:
+    """The online results of the rank (the step rule of SPEC 4.1 on the same arrays)."""
+    mem = (kind == 1) | (kind == 3)
+    peaks = {"analysis": "peaks", "final": True, "events": int(rows), "steps": STEPS,
+             "peaks": [{"device": "0", "pool": "PTA", "peak_allocated": int(used[mem].max()),
+                        "peak_reserved": int(total[mem].max())}],
+             "access_rows": False, "owner_labels": False}
+    m, f = kind == 1, kind == 3
+    m_blk, m_step, m_id = blk[m], stepno[m] + 1, ids[m]
+    freed_step = np.full(int(blk.max()) + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    freed_step[blk[f]] = stepno[f] + 1
+    bad = (m_step >= 2) & (m_step + 1 <= STEPS) & (freed_step[m_blk] > m_step + 1)
+    leaks = []
+    for b, st, i in zip(m_blk[bad].tolist(), m_step[bad].tolist(), m_id[bad].tolist()):
+        addr = 0x7F0000000000 // 4096 + b  # the decimal digits read as hex, as in the dump
+        leaks.append({"device": "0", "pool": "PTA", "address": f"0x{addr:016d}", "size": int(size[b]),
+                      "step": int(st), "detected_at_step": int(st) + 1, "op": OPS[op[b]], "alloc_id": b + 1,
+                      "id": int(i)})
+    res = {"analysis": "leaks", "rule": "blocks allocated in step s >= 2 still live at the end of step s+1",
+           "steps_ended": STEPS, "leaks": leaks,
+           "summary": [{"device": "0", "count": len(leaks), "bytes": sum(x["size"] for x in leaks)}] if leaks else [],
+           "fluctuation": []}
+    return {"peaks": peaks, "leaks": res}
+
+
 def write_rank(root: str, rank: int, world: int, events: int, scale: float = 1.0, leak: bool = False,
-               pid: int | None = None) -> str:
-    """One run folder as the launcher leaves it; returns its path."""
+               pid: int | None = None, results: bool = False) -> str:
+    """One run folder as the launcher leaves it; returns its path. ``results``: also the
+    ``analysis/*.json`` its online analyses would have written."""
     pid = pid if pid is not None else 100000 + rank
     folder = os.path.join(root, f"msmemscope_{pid}_{TS}_cuda_rank{rank}")
     dump_dir = os.path.join(folder, "device_0", "dump")
     os.makedirs(dump_dir, exist_ok=True)
     path = os.path.join(dump_dir, f"memscope_dump_{TS}.csv")
-    dump_frame(events, rank, pid, scale, leak).write_csv(path, null_value="", quote_style="necessary")
+    res = {} if results else None
+    dump_frame(events, rank, pid, scale, leak, results=res).write_csv(path, null_value="", quote_style="necessary")
+    if results:
+        os.makedirs(os.path.join(folder, "analysis"), exist_ok=True)
+        for name, r in res.items():
+            with open(os.path.join(folder, "analysis", f"{name}.json"), "w") as f:
+                json.dump(r, f, indent=2)
     cfg = {"tool": "msmemscope", "version": "bench", "pid": pid, "rank": rank, "local_rank": rank % 8,
            "world_size": world, "host": f"node{rank // 8}", "backend": "cuda", "device": "0",
            "dump": os.path.relpath(path, folder), "start_time": TS}
@@ -141,10 +182,10 @@ def _machine_cpu():
         return None
 
 
-def generate(root: str, ranks: int, events: int, big: int, leak: int) -> float:
+def generate(root: str, ranks: int, events: int, big: int, leak: int, results: bool = False) -> float:
     t0 = time.perf_counter()
     for r in range(ranks):
-        write_rank(root, r, ranks, events, scale=1.5 if r == big else 1.0, leak=(r == leak))
+        write_rank(root, r, ranks, events, scale=1.5 if r == big else 1.0, leak=(r == leak), results=results)
     return time.perf_counter() - t0
 
 
@@ -156,19 +197,23 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPUs)")
     p.add_argument("--keep", action="store_true", help="keep the generated dumps")
     p.add_argument("--reuse", action="store_true", help="reuse the dumps already under --root")
+    p.add_argument("--results", action="store_true",
+                   help="also write each rank's online results (analysis/peaks.json, leaks.json)")
+    p.add_argument("--from-dumps", action="store_true", help="summary from the dumps even where results exist")
+    p.add_argument("--engine", default="pool", choices=("pool", "ray"))
     a = p.parse_args(argv)
     from msmemscope.report.summary import build, verdict_lines
     big, leak = a.ranks * 3 // 5, a.ranks // 5
     if not (a.reuse and os.path.isdir(a.root)):
         shutil.rmtree(a.root, ignore_errors=True)
         os.makedirs(a.root)
-        gen = generate(a.root, a.ranks, a.events, big, leak)
+        gen = generate(a.root, a.ranks, a.events, big, leak, a.results)
         print(f"generated {a.ranks} rank dumps of ~{a.events} events in {gen:.1f} s under {a.root}")
     nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.root) for f in fs)
     nrows = None
     try:
         m0 = _machine_cpu()
-        s = build(a.root, a.workers, show_progress=False)
+        s = build(a.root, a.workers, show_progress=False, engine=a.engine, from_dumps=a.from_dumps)
         m1 = _machine_cpu()
         nrows = sum(r.get("events", 0) for r in s["ranks"])
         tm = s["timing"]
@@ -177,9 +222,12 @@ def main(argv=None) -> int:
         errors = [r for r in s["ranks"] if "error" in r]
         print(f"summary over {len(s['ranks'])} dumps, {nrows / 1e6:.1f} M events, {nbytes / 1e9:.2f} GB: "
               f"wall {tm['wall_s']:.1f} s, {nrows / tm['wall_s'] / 1e6:.2f} M events/s; "
-              f"{tm['workers']} workers on {tm['cpus']} CPUs; worker CPU time {tm['cpu_s']:.1f} s -> "
-              f"{tm['busy_cores']:.2f} cores busy on average "
-              f"({100 * tm['busy_cores'] / tm['cpus']:.0f}% of the CPUs)")
+              f"engine {tm['engine']}, {tm['workers']} workers on {tm['cpus']} CPUs; "
+              f"{tm['from_analysis']} ranks from their results, {tm['from_dump']} from their dumps; "
+              f"CPU time {tm['cpu_s']:.1f} s -> {tm['busy_cores'] or 0:.2f} cores busy on average "
+              f"({100 * (tm['busy_cores'] or 0) / max(1, tm['cpus']):.0f}% of the CPUs)")
+        if tm.get("engine") == "ray":
+            print(f"ray: {tm['tasks']} tasks; starting or joining the cluster took {tm['ray_start_s']:.1f} s of the wall time")
         if m0 and m1:
             busy = (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]) * tm["cpus"]
             print(f"whole machine during the summary (all processes, /proc/stat): {busy:.2f} of {tm['cpus']} "

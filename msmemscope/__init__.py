@@ -31,14 +31,19 @@ def config(**kwargs):
     if _config is not None:
         base = _config
     opts = _options.build(base, **kwargs)
-    _config = opts
     s = capture.current()
     if s is not None:
         import logging
-        logging.getLogger("msmemscope").warning(
-            "config() called while a trace is already set up (by the msmemscope launcher or an earlier "
-            "start()); its options stay in force")
+        msg = ("config() called while a trace is already set up (by the msmemscope launcher or an earlier "
+               "start()); its options stay in force")
+        logging.getLogger("msmemscope").warning(msg)
+        from ._console import alert_once
+        alert_once("config-after-start", f"[msmemscope] {msg}")
         return opts
+    if opts.device:
+        from .capture.backends import drop_missing_device
+        drop_missing_device(opts)
+    _config = opts
     if opts.collect_mode == "immediate":
         start()
     return opts
@@ -48,7 +53,11 @@ def start():
     """Start (or resume) recording."""
     from . import capture
     opts = _config or _options.Options(collect_mode="deferred")
-    capture.create(opts).start()
+    try:
+        capture.create(opts).start()
+    except OSError as e:  # the output cannot be written: the tool's failure, not the program's
+        from ._console import alert_once
+        alert_once("start", f"[msmemscope] tracing not started: cannot write to {opts.output}: {e.strerror or e}")
 
 
 def stop():
@@ -86,6 +95,7 @@ def __getattr__(name):
         "TakeSnapshot": ("msmemscope.capture.snapshot", "TakeSnapshot"),
         "init_framework_hooks": ("msmemscope.integrations", "init_framework_hooks"),
         "cleanup_framework_hooks": ("msmemscope.integrations", "cleanup_framework_hooks"),
+        "ray_runtime_env": ("msmemscope.integrations.ray", "ray_runtime_env"),
         "watcher": ("msmemscope.watcher", None),
         "describe": ("msmemscope.describe", None),
         "mstx": ("msmemscope.mstx", None),

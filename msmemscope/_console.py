@@ -17,3 +17,22 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
     except Exception:  # a closed stderr must not break the program
         pass
+
+
+def alert(text: str) -> None:
+    """A failure of the tool's own: said even under -q (it changes what the run holds)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except Exception:
+        pass
+
+
+_said: set = set()
+
+
+def alert_once(key: str, text: str) -> None:
+    """``alert`` once per process for ``key`` (a misuse in a loop is said once, not per call)."""
+    if key in _said:
+        return
+    _said.add(key)
+    alert(text)

@@ -92,8 +92,18 @@ def _one_line_warnings():
     warnings.showwarning = show
 
 
+def _paths_print_as_they_are():
+    """A path that is not UTF-8 (held by Python as surrogates) is printed as its bytes, as ls
+    does, not a UnicodeEncodeError (stderr already uses backslashreplace)."""
+    try:
+        sys.stdout.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _paths_print_as_they_are()
     if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith("--input") for a in argv)):
         _one_line_warnings()
     if argv and argv[0] in SUBCOMMANDS:
@@ -174,6 +184,9 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
     env["MSMEMSCOPE_PKG_ROOT"] = pkg_root
     if quiet:
         env["MSMEMSCOPE_QUIET"] = "1"
+    # every traced process of this launch writes it into its config.json: the results are the
+    # folders this launch made, not another launcher's on the same -o root
+    launch_id = env["MSMEMSCOPE_LAUNCH_ID"] = f"{os.getpid()}-{os.urandom(6).hex()}"
     env["PYTHONPATH"] = boot + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     before = set(os.listdir(opts.output))
     started = time.time()
@@ -183,12 +196,16 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
         return error_exit(f"cannot start '{program[0]}': {e.strerror}", 127)
 
     def forward(signum, _frame):
+        if signum == signal.SIGINT and _same_group(proc.pid):
+            return  # Ctrl-C went to the whole process group: the program has it already
         try:
             proc.send_signal(signum)
         except ProcessLookupError:
             pass
-    # Ctrl-C reaches the program through the terminal's process group; the
-    # launcher waits for it to finish its own handling, as a shell does.
+    # Ctrl-C reaches the program through the terminal's process group; the launcher waits for
+    # it to finish its own handling, as a shell does, and never sends it a second one (which
+    # would land in the program's own clean-up). SIGTERM and SIGHUP, sent to the launcher
+    # alone by a scheduler, are forwarded.
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     try:
         rc = proc.wait()
@@ -197,10 +214,29 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
             signal.signal(s, h)
     code = rc if rc >= 0 else 128 - rc
     new = sorted(d for d in set(os.listdir(opts.output)) - before if d.startswith("msmemscope_"))
-    _wait_for_writers([os.path.join(opts.output, d) for d in new])
+    mine = [f for f in (os.path.join(opts.output, d) for d in new) if _launched_by(f, launch_id)]
+    _wait_for_writers(mine)
     if not quiet:
-        _print_results(opts, [os.path.join(opts.output, d) for d in new], time.time() - started)
+        _print_results(opts, mine, time.time() - started)
     return code
+
+
+def _same_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _launched_by(folder: str, launch_id: str) -> bool:
+    """The run folder was made by a process of this launch (its config.json says so)."""
+    import json
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            cfg = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("launch_id") == launch_id
 
 
 def _wait_for_writers(folders):

@@ -107,6 +107,8 @@ def format_attr(event: str, attr) -> str:
             return _FREE_T % attr
         if event == "ACCESS":
             return _ACCESS_T % (attr[0], ",".join(map(str, attr[1])), attr[2], attr[3])
+    if type(attr.get("addr")) is int:  # addresses are hex text in every Attr (the readers parse them so)
+        attr = {**attr, "addr": "0x%016x" % attr["addr"]}
     return json.dumps(attr, separators=(",", ":"))
 
 

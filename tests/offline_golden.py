@@ -154,8 +154,12 @@ def outputs(path: str) -> dict:
         for t in data.get("tables") or []:  # rows tied in the table's sort come in any order
             if isinstance(t, dict) and isinstance(t.get("rows"), list):
                 t["rows"] = sorted(t["rows"], key=str)
+        for sr in data.get("series") or []:  # its frame order follows an unordered group_by (report/views.py)
+            if isinstance(sr, dict):
+                sr.pop("live", None)
         res["html"] = data
-    return json.loads(json.dumps(_plain(res), default=str))
+    # paths as seen from the tests folder: the golden file was written from another checkout
+    return json.loads(json.dumps(_plain(res), default=str).replace(HERE, "<tests>"))
 
 
 def save() -> None:

@@ -164,7 +164,8 @@ def test_clean_transformer_reports_no_leak(tmp_path):
     with open(os.path.join(folder, "analysis", "leaks.json")) as f:
         res = json.load(f)
     assert res["steps_ended"] == 20
-    assert res["leaks"] == []
+    assert res["leaks"] == [] and res["sites"] == []
+    assert "no leaks found (20 steps checked)" in r.stderr and "leak: " not in r.stderr
     assert "Detected memory leaks" not in r.stderr and not _leak_lines(r.stderr)
     assert [s["step"] for s in res["fluctuation"][0]["steps"]] == list(range(2, 21))
     from msmemscope.analysis.leaks import step_leaks
@@ -316,3 +317,11 @@ def test_unrecorded_free_is_not_a_leak(tmp_path):
         leaks = json.load(f)["leaks"]
     assert [(lk["step"], lk["size"], lk["op"]) for lk in leaks] == [(2, 400, "torch._ops.aten.ones.default")]
     assert len(_leak_lines(r.stderr)) == 1
+    # growth by site needs every step: with --steps it is not judged, and the report says so
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        res = json.load(f)
+    assert res["growth_judged"] is False and res["sites"] == [] and res["retained"] == []
+    assert "growth by site not judged" in r.stderr and "no leaks found" not in r.stderr
+    from msmemscope.analysis.leaks import analyze
+    off, = analyze(folder)   # offline: findings only where the dump holds the step that could free them
+    assert off["growth_judged"] is False and off["leaks"] == [] and off["steps_ended"] == 5

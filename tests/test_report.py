@@ -1,16 +1,19 @@
-"""Report, exports, load(): on a real traced training run (examples/mlp.py, with marks),
-on the original tool's dumps, and in a real headless Chromium."""
+"""Report, exports, load(): on real traced training runs (examples/mlp.py with marks, without
+owners or stacks; tests/progs/report_train.py with owners, stacks, analyses and a planted leak;
+two rank processes under one root), on the original tool's dumps, and in a real headless
+Chromium (one browser per module)."""
 from __future__ import annotations
 
 import base64
-import glob
 import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
+import sys
 import threading
 import zlib
 from contextlib import redirect_stdout
@@ -18,8 +21,11 @@ from contextlib import redirect_stdout
 import polars as pl
 import pytest
 
-from conftest import EXAMPLES, PEER, dump_of, read, run_cli, run_folders
+from conftest import EXAMPLES, PEER, ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
 
+# a mark whose name holds the template's slot markers, a script end tag and the two JavaScript
+# line separators (RELIABILITY.md: the report's data can never touch its template)
+HOSTILE = "x/*JS*/y/*DATA*/%TITLE%</script><script>window.pwned=1</script>&amp;\u2028\u2029<!--"
 SCRIPT = """
 import runpy, sys
 import torch
@@ -33,21 +39,62 @@ rid = msmemscope.range_start("training")
 sys.argv = ["mlp.py", "--steps", "3"]
 runpy.run_path(%r, run_name="__main__")
 msmemscope.range_end(rid)
-""" % os.path.join(EXAMPLES, "mlp.py")
+msmemscope.mark(%r)
+""" % (os.path.join(EXAMPLES, "mlp.py"), HOSTILE)
+TRAIN = os.path.join(ROOT, "tests", "progs", "report_train.py")
+LEAK_LINE = "report_train.py:%d" % next(i for i, ln in enumerate(open(TRAIN), 1) if "# LEAK_LINE" in ln)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One traced training run shared by the tests: (run folder, dump path, frame)."""
+    """A traced training run without owners or Python stacks: (run folder, dump path, frame)."""
     base = tmp_path_factory.mktemp("report")
     script = base / "train.py"
     script.write_text(SCRIPT)
     out = base / "out"
-    r = run_cli(["--output", str(out), "--call-stack=python:4", str(script)])
+    r = run_cli(["--output", str(out), str(script)])
     assert r.returncode == 0, r.stderr
     (folder,) = run_folders(out)
     dump = dump_of(folder)
-    return folder, dump, read(dump)
+    df = read(dump)
+    check_invariants(df)
+    return folder, dump, df
+
+
+@pytest.fixture(scope="module")
+def owned(tmp_path_factory):
+    """AdamW training with owners (decompose), Python stacks, leaks and inefficient analyses."""
+    out = tmp_path_factory.mktemp("report-owned") / "out"
+    r = run_cli(["--output", str(out), "--analysis=leaks,decompose,inefficient", "--call-stack=python:8",
+                 TRAIN, "5"])
+    assert r.returncode == 0, r.stderr
+    (folder,) = run_folders(out)
+    dump = dump_of(folder)
+    df = read(dump)
+    check_invariants(df)
+    return folder, dump, df
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Two rank processes of one job under one root (RANK/WORLD_SIZE as torchrun sets them);
+    rank 1 runs longer, so its planted leak makes it the outlier."""
+    root = tmp_path_factory.mktemp("report-ranks") / "job"
+    procs = []
+    for rank, steps in ((0, 2), (1, 5)):
+        env = env_for_tests()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, "-m", "msmemscope", "--output", str(root),
+                                       "--call-stack=python:6", TRAIN, str(steps)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    folders = sorted(run_folders(root), key=lambda f: json.load(open(os.path.join(f, "config.json")))["rank"])
+    assert len(folders) == 2, folders
+    for f in folders:
+        check_invariants(read(dump_of(f)))
+    return str(root), folders
 
 
 @pytest.fixture
@@ -80,29 +127,72 @@ def test_report_is_one_self_contained_file_and_never_overwrites(folder_copy, run
     assert p1 == os.path.join(folder_copy, "msmemscope_report.html")
     text = open(p1, encoding="utf-8").read()
     assert "<script src" not in text and "<link" not in text
-    assert "http://" not in text and "https://" not in text, "the page must not reach the network"
+    assert not re.search(r"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", text), "the page must not reach the network"
+    assert "echarts" in text and len(text.encode()) < 5_000_000
     r2 = cli_ok(["report", folder_copy])
     p2 = written(r2, "report")
     assert p2 != p1 and os.path.exists(p1) and open(p1, encoding="utf-8").read() == text
 
 
+def undelta(xs):
+    out, s = [], 0
+    for x in xs:
+        s += x
+        out.append(s)
+    return out
+
+
+def leaf_values(live, j):
+    """Bytes of each live-view leaf at moment j (the change-point encoding the page reads)."""
+    out = []
+    for lf in live["leaves"]:
+        v, val = lf["v"], 0
+        for k in range(0, len(v), 2):
+            if v[k] <= j:
+                val = v[k + 1]
+        out.append(val)
+    return out
+
+
+def check_series(s, mem):
+    """A timeline series against the dump's own rows: every level counts every event once,
+    keeps the peak, and its layers add up to the allocated bytes at every point."""
+    assert s["peak"] == mem["used"].max() and s["events"] == mem.height
+    for lv in s["levels"]:
+        hi, lo = undelta(lv["hi"]), undelta(lv["lo"])
+        assert sum(lv["n"]) == mem.height and len(hi) <= lv["buckets"]
+        assert max(hi) == s["peak"] and min(lo) == mem["used"].min()
+        layers = [undelta(x) for x in lv["layers"]]
+        assert all(sum(v[i] for v in layers) == hi[i] for i in range(len(hi)))
+        t = undelta(lv["t"])
+        assert t == sorted(t)
+    assert len(s["levels"][0]["hi"]) <= 1200 and len(s["levels"]) >= 2
+    # live view: at the peak the leaves hold the peak's bytes, at each step end the bytes in use there
+    live = s["live"]
+    assert sum(leaf_values(live, live["peak"])) == s["peak"] == live["used"][live["peak"]]
+    for j in range(len(live["t"])):
+        assert sum(leaf_values(live, j)) == live["used"][j]
+
+
 def test_report_data_matches_the_dump(run):
     from msmemscope.report.html import build
     folder, dump, df = run
-    data = build(dump, buckets=40)
+    data = build(dump)
     (s,) = data["series"]
     mem = mem_rows(df)
-    assert s["peak"] == mem["used"].max() == max(s["hi"])
-    assert len(s["t"]) <= 40 and sum(s["n"]) == mem.height
-    assert s["last"][-1] == mem["used"][-1]
-    assert s["total"] is None  # CPU: reserved == allocated, not drawn twice
+    check_series(s, mem)
+    assert s["by"] == "op" and not s["live"]["has_stacks"]
+    assert all(n.startswith("aten.") or n.startswith("(") for n in s["layers"])
     steps = df.filter(pl.col("event_type") == "STEP")
     assert [x["step"] for x in data["steps"]] == steps["step"].to_list() and len(data["steps"]) == 3
-    assert [m["name"] for m in data["marks"] if m["kind"] == "Mark"] == ["optimizer step"] * 3
-    # hover names: the op at each bucket's peak is an op of the dump
-    ops = set(df.filter(pl.col("event") == "OP_LAUNCH")["name"].str.replace(r"^torch\._ops\.", "").to_list())
-    assert all(s["ops"][i] in ops or s["ops"][i] == "" for i in s["op"])
-    assert sum(s["ops"][i].startswith("aten.") for i in s["op"]) > len(s["op"]) // 2
+    # each step end is a sampled moment, and the live bytes there are the dump's used at that row
+    live = s["live"]
+    for st, rid in steps.select("step", "id").iter_rows():
+        used_then = mem.filter(pl.col("id") < rid)["used"][-1]
+        assert live["used"][live["step_end"][str(st)]] == used_then
+    assert [m["name"] for m in data["marks"]][:3] == ["optimizer step"] * 3
+    assert data["marks"][-1]["name"] == df.filter(pl.col("event_type") == "Mark")["name"][-1]
+    assert [r["name"] for r in data["ranges"]] == ["training"]
     tables = {t["title"]: t for t in data["tables"]}
     per = tables["Per-step summary"]
     want = mem.group_by("step").agg(peak=pl.col("used").max(), allocs=(pl.col("event") == "MALLOC").sum(),
@@ -111,54 +201,142 @@ def test_report_data_matches_the_dump(run):
     top = tables["Top ops by bytes allocated"]["rows"]
     mallocs = df.filter(pl.col("event") == "MALLOC")
     assert sum(r[1] for r in top) == mallocs["size"].sum()
-    assert top[0][1] == max(r[1] for r in top)
+    # compare: per op and step, the bytes each step allocated
+    c = data["compare"]
+    want = (mallocs.with_columns(op=pl.col("name").str.replace(r"^torch\._ops\.", "").replace("N/A", "(outside any op)"))
+            .group_by("step", "op")
+            .agg(b=pl.col("size").sum()))
+    got = {(st, c["ops"][o]): b for st, o, b, n in c["cells"]}
+    assert got == {(st, op): b for st, op, b in want.iter_rows()}
 
 
-def test_report_shows_analysis_results_and_compare(folder_copy):
-    os.makedirs(os.path.join(folder_copy, "analysis"), exist_ok=True)  # leaks.json of the real run is replaced
-    with open(os.path.join(folder_copy, "analysis", "leaks.json"), "w") as f:
-        json.dump({"device": "cpu", "leaks": [{"addr": "0x10", "size": 4096, "op": "aten.mm.default", "step": 2}]}, f)
-    with open(os.path.join(folder_copy, "analysis", "inefficient.json"), "w") as f:
-        json.dump([{"allocation_id": 7, "inefficient_type": "early_allocation", "size": 512}], f)
+def test_report_of_an_owned_run_with_stacks(owned):
+    """Owners: layers are what the memory is; stacks: the live view names the user's lines,
+    the leak finding names the planted line."""
+    from msmemscope.report.html import build
+    folder, dump, df = owned
+    data = build(folder)
+    (s,) = data["series"]
+    check_series(s, mem_rows(df))
+    assert s["by"] == "owner"
+    assert {"weights", "gradients", "optimizer state", "label: loader"} <= set(s["layers"]), s["layers"]
+    assert s["layers"][:3] == ["weights", "gradients", "optimizer state"]
+    # weights layer at the peak: the model's parameters (independent truth: their sizes)
+    n_params = (128 * 256 + 256) + (256 * 16 + 16)
+    peak_layers = dict(zip(s["layers"], s["peak_layers"]))
+    assert peak_layers["weights"] == 4 * n_params
+    assert peak_layers["optimizer state"] >= 2 * 4 * n_params  # AdamW: two moments (+ step counters)
+    live = s["live"]
+    assert live["has_stacks"]
+    lines = {lf["line"] for lf in live["leaves"] if lf["line"]}
+    assert any(LEAK_LINE in ln for ln in lines), lines
+    labels = {f[0] for f in live["frames"]}
+    assert any(lab.startswith("remember (report_train.py:") for lab in labels), labels
+    # what grew from step 4 to 5: the planted 32 KiB, at the planted line
+    a, b = leaf_values(live, live["step_end"]["4"]), leaf_values(live, live["step_end"]["5"])
+    grew = {}
+    for lf, x, y in zip(live["leaves"], a, b):
+        if y != x:
+            grew[lf["line"]] = grew.get(lf["line"], 0) + y - x
+    leak = [v for k, v in grew.items() if k and LEAK_LINE in k]
+    assert leak == [32768], grew
+    texts = [f["text"] for f in data["findings"]]
+    assert texts[0].startswith("Peak: ")
+    leak_f = [f for f in data["findings"] if f["kind"] == "leak"]
+    assert leak_f and LEAK_LINE in leak_f[0]["text"] and "32.00 KB" in leak_f[0]["text"], texts
+    assert leak_f[0]["window"][0] < leak_f[0]["window"][1]
+    assert any(f["kind"] == "inefficient" and " MB" in f["text"] or " KB" in f["text"] for f in data["findings"])
+
+
+def test_findings_from_leak_sites_hand_made_and_malformed(folder_copy, tmp_path):
+    """leaks.json with issue 19's ``sites`` (hand-made), inefficient and oom results, compare CSV;
+    then the same files malformed: never a crash, a sentence saying what could not be read."""
+    adir = os.path.join(folder_copy, "analysis")
+    os.makedirs(adir, exist_ok=True)
+    site = {"device": "cpu", "pool": "PTA", "op": "aten.clone.default", "python": "/w/train.py:45(hook)",
+            "bytes_per_step": 32768, "live_bytes": 262144, "first_step": 1, "last_step": 3,
+            "steps_growing": 3, "example_alloc_id": 7}
+    with open(os.path.join(adir, "leaks.json"), "w") as f:
+        json.dump({"device": "cpu", "sites": [site, "junk", {"python": 5, "bytes_per_step": "x"}],
+                   "leaks": [{"size": 4096, "op": "aten.mm.default", "step": 2}],
+                   "retained": [{"size": 4 << 20, "op": "aten.empty.memory_format", "step": 1,
+                                 "python": "/w/train.py:12(main)"}],
+                   "retained_sites": [{"device": "cpu", "pool": "PTA", "op": "aten.zeros_like.default",
+                                       "python": "/w/adamw.py:88(_init_group)", "count": 8, "bytes": 1 << 20}, 3]}, f)
+    with open(os.path.join(adir, "oom.json"), "w") as f:
+        json.dump({"events": [{"trigger": {"op": "aten.mm.default", "size": 1 << 30, "step": 2, "used": 3 << 30,
+                                           "live_blocks": 12},
+                               "top": [{"size": 1 << 29, "op": "aten.empty", "python": "/w/m.py:3(f)"}]}]}, f)
+    with open(os.path.join(adir, "fragmentation.json"), "w") as f:
+        json.dump({"analysis": "fragmentation", "steps": [
+            {"step": 1, "device": "0", "reserved": 8 << 20, "allocated": 6 << 20, "unallocated": 2 << 20,
+             "segments": 2, "segments_with_free": 1, "largest_free": 2 << 20, "pinned_segments": 0},
+            {"step": 2, "device": "0", "reserved": 64 << 20, "allocated": 24 << 20, "unallocated": 40 << 20,
+             "segments": 3, "segments_with_free": 3, "largest_free": 20 << 20, "pinned_segments": 1,
+             "pinned_bytes": 18 << 20}, "junk"]}, f)
     os.makedirs(os.path.join(folder_copy, "compare"))
     with open(os.path.join(folder_copy, "compare", "memory_compare_1.csv"), "w") as f:
         f.write(",,,Base,Compare\nEvent,Name,Device Id,Allocated Memory(byte),Allocated Memory(byte),Diff Memory(byte)\n"
                 "OP_LAUNCH,aten.mm.default,0,100,300,200\nOP_LAUNCH,aten.add.Tensor,0,50,40,-10\n")
     from msmemscope.report.html import build
-    data = build(folder_copy, buckets=20)
-    titles = [t["title"] for t in data["tables"]]
-    leaks = [t for t in data["tables"] if t["title"].startswith("Leaks")]
-    assert any(r[:2] == ["0x10", 4096] for t in leaks for r in t["rows"]), leaks
-    ineff = [t for t in data["tables"] if t["title"] == "Inefficient blocks"][0]
-    assert ineff["rows"] == [[7, "early_allocation", 512]]
-    comp = [t for t in data["tables"] if t["title"].startswith("Compare")][0]
-    assert comp["rows"][0][1] == "aten.mm.default" and "Compare Allocated Memory(byte)" in comp["columns"], titles
+    data = build(folder_copy)
+    by = {}
+    for fnd in data["findings"]:
+        by.setdefault(fnd["kind"], []).append(fnd)
+    site_s = by["leak"][0]
+    assert site_s["text"] == ("Leak: at train.py:45 (hook) in aten.clone.default grows by 32.00 KB per step over "
+                              "steps 1\u20133 (3 steps growing); 256.00 KB live now on cpu PTA."), site_s["text"]
+    assert site_s["raw"] == site and site_s["focus_step"] == 3 and site_s["window"][1] > site_s["window"][0]
+    assert any("1 block(s) of the growing sites above, 4.00 KB" in f["text"] for f in by["leak"])
+    assert by["retained"][0]["text"].startswith("Retained, not growing: 4.00 MB allocated at train.py:12 (main)")
+    assert by["retained"][1]["text"] == ("Retained, not growing: adamw.py:88 (_init_group) (aten.zeros_like.default) "
+                                         "keeps 8 block(s), 1.00 MB, that outlived their step without growing "
+                                         "(allocated once: not a leak).")
+    assert by["oom"][0]["text"] == ("Out of memory in aten.mm.default in step 2: asked for 1.00 GB with 3.00 GB in use "
+                                    "in 12 live blocks; largest holders: 512.00 MB at m.py:3 (f) in aten.empty.")
+    assert by["fragmentation"][0]["text"] == (
+        "Fragmentation on device 0 at the end of step 2: 40.00 MB reserved but unallocated in 3 segment(s); "
+        "largest free block 20.00 MB (reserved 64.00 MB); 1 mostly empty segment(s) pinned by live blocks, "
+        "18.00 MB that empty_cache() cannot return."), by["fragmentation"]
+    assert by["fragmentation"][0]["focus_step"] == 2
+    comp = data["compare_tables"][0]
+    assert comp["rows"][0][1] == "aten.mm.default" and "Compare Allocated Memory(byte)" in comp["columns"]
+    # malformed: a list, then not JSON
+    for text in ("[1, 2]", "{not json", json.dumps({"sites": {"a": 1}, "leaks": "x"})):
+        with open(os.path.join(adir, "leaks.json"), "w") as f:
+            f.write(text)
+        found = build(folder_copy)["findings"]
+        assert found[0]["kind"] == "peak"
+        assert not any(f["kind"] == "leak" for f in found)
 
 
 def test_report_stacks_by_owner(run, tmp_path):
-    """MALLOC rows with owners: the stacked view's layers add up to the allocated bytes."""
+    """Owners written into a real dump (the original's owner chains): the layers are categories
+    and add up to the allocated bytes."""
     folder, dump, df = run
     lines = open(dump, encoding="utf-8").read().splitlines(keepends=True)
     out = [lines[0]]
     for ln in lines[1:]:
         if ",MALLOC," in ln:
-            owner = "PTA@activation" if "mm.default" in ln else ("PTA@weight" if "empty" in ln else "PTA@ops")
-            ln = ln.replace('""owner"":""""', f'""owner"":""{owner}""')
+            owner = ("PTA@activation" if "mm.default" in ln else
+                     "PTA@weight@fsdp2@sharded" if "empty" in ln else "PTA@ops@mylabel")
+            ln = re.sub(r'(""total"":\d+)', r'\1,""owner"":""%s""' % owner, ln.replace(',""owner"":""""', ""))
         out.append(ln)
     p = tmp_path / "memscope_dump_owned.csv"
     p.write_text("".join(out))
     from msmemscope.report.html import build
-    (s,) = build(str(p), buckets=60)["series"]
-    assert s["owners"] is not None
-    assert set(s["owners"]["names"]) == {"PTA@weight", "PTA@activation", "PTA@ops"}
-    for i, hi in enumerate(s["hi"]):
-        assert sum(v[i] for v in s["owners"]["values"]) == hi
+    (s,) = build(str(p))["series"]
+    assert s["by"] == "owner"
+    assert set(s["layers"]) == {"fsdp2 sharded", "activations", "label: mylabel"}, s["layers"]
+    check_series(s, mem_rows(read(str(p))))
 
 
 def test_report_stays_small_for_millions_of_events():
-    """The page holds a few thousand points per series whatever the dump's length."""
+    """The page holds a bounded number of points whatever the dump's length (the 10M-event
+    figures are bench/report_bench.py's, in BENCHMARKS.md)."""
+    from msmemscope.report import views
     from msmemscope.report.html import build_frame, render
-    n = 2_000_000
+    n = full(600_000, 4_000_000)
     size = pl.int_range(0, n, eager=True) % 97 * 64 + 64
     ev = pl.Series(["MALLOC", "FREE"]).gather(pl.int_range(0, n, eager=True) % 2)
     signed = pl.when(ev == "MALLOC").then(size).otherwise(-size.shift(1, fill_value=0))
@@ -172,8 +350,13 @@ def test_report_stays_small_for_millions_of_events():
     df = df.with_columns(used=pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size")).cum_sum(),
                          total=pl.lit(1 << 30))
     del signed
-    html = render(build_frame(df, ["synthetic.csv"], None))
-    assert len(html.encode()) < 2_000_000
+    data = build_frame(df, ["synthetic.csv"], None)
+    (s,) = data["series"]
+    assert sum(len(lv["hi"]) for lv in s["levels"]) <= views.POINT_BUDGET
+    assert sum(sum(lv["n"]) == n for lv in s["levels"]) == len(s["levels"]) >= 2
+    assert len(s["live"]["t"]) <= views.LIVE_SAMPLES + views.MAX_STEP_SAMPLES + 2
+    html = render(data)
+    assert len(html.encode()) < 5_000_000
     assert "aten.add.Tensor" in html
 
 
@@ -301,69 +484,245 @@ def chromium():
     return exe
 
 
-def test_report_renders_in_chromium_with_hover(run, tmp_path, chromium):
-    folder, dump, df = run
-    page = str(tmp_path / "report.html")
-    cli_ok(["report", dump, "-o", page])
-    dt = DevTools(chromium, str(tmp_path / "profile"))
-    try:
-        target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        sid = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+class Page:
+    """One tab of the shared browser on a report file."""
+
+    def __init__(self, dt, path, hash_=""):
+        self.dt = dt
+        self.target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.sid = dt.send("Target.attachToTarget", {"targetId": self.target, "flatten": True})["sessionId"]
+        self.first_event = len(dt.events)
         for m in ("Runtime.enable", "Log.enable", "Page.enable", "Network.enable"):
-            dt.send(m, session=sid)
+            dt.send(m, session=self.sid)
         dt.send("Emulation.setDeviceMetricsOverride",
-                {"width": 1200, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=sid)
-        dt.send("Page.navigate", {"url": "file://" + page}, session=sid)
-        dt.wait_event("Page.loadEventFired")
+                {"width": 1300, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=self.sid)
+        dt.send("Page.navigate", {"url": "file://" + path + hash_}, session=self.sid)
+        self.wait(lambda: self.js("document.readyState") == "complete"
+                  and self.js("!!(document.body && document.body.getAttribute('data-ready') === '1')"))
 
-        def js(expr):
-            r = dt.send("Runtime.evaluate", {"expression": expr, "returnByValue": True}, session=sid)
-            assert "exceptionDetails" not in r, r
-            return r["result"].get("value")
+    def wait(self, cond, tries=400):
+        import time
+        for _ in range(tries):
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError("the page did not get ready: " + json.dumps(self.errors())[:2000])
 
-        assert js("document.body.getAttribute('data-ready')") == "1"
-        # hover the bucket holding the run's peak: the tooltip names its op and block
-        data = js("(function(){var s=msmemscope.data.series[0]; var i=s.hi.indexOf(Math.max.apply(null,s.hi));"
-                  "return {i:i, op:s.ops[s.op[i]], blk:s.blk[i], p:msmemscope.pointOf(0,i)};})()")
-        assert data["op"].startswith("aten."), data
-        dt.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": data["p"]["x"], "y": data["p"]["y"]},
-                session=sid)
-        tip = js("(function(){var t=document.getElementById('tip'); return {hidden:t.hidden, text:t.textContent};})()")
-        assert not tip["hidden"], tip
-        assert "op: " + data["op"] in tip["text"] and data["blk"] in tip["text"], (tip, data)
-        assert data["op"] in set(df["name"].str.replace(r"^torch\._ops\.", "").to_list())
-        # wheel zoom narrows the view
-        span0 = js("msmemscope.view.x1 - msmemscope.view.x0")
-        dt.send("Input.dispatchMouseEvent", {"type": "mouseWheel", "x": data["p"]["x"], "y": data["p"]["y"],
-                                             "deltaX": 0, "deltaY": -300}, session=sid)
-        assert js("msmemscope.view.x1 - msmemscope.view.x0") < span0
-        js("msmemscope.zoomTo(0, 1e18)")
-        dt.send("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": 5, "y": 5}, session=sid)
-        # screenshot of the chart area: drawn, not blank
-        rect = js("msmemscope.chartRect(0)")
-        clip = {"x": rect["left"], "y": rect["top"], "width": rect["right"] - rect["left"],
-                "height": rect["bottom"] - rect["top"], "scale": 1}
-        png = base64.b64decode(dt.send("Page.captureScreenshot", {"format": "png", "clip": clip}, session=sid)["data"])
-        (tmp_path / "chart.png").write_bytes(png)
-        w, h, bpp, rows = decode_png(png)
-        inked = blue = 0
-        for row in rows:
-            for x in range(0, w * bpp, bpp):
-                r_, g_, b_ = row[x], row[x + 1], row[x + 2]
-                if min(r_, g_, b_) < 235:
-                    inked += 1
-                if b_ > r_ + 40:
-                    blue += 1
-        assert inked > 0.05 * w * h, (inked, w, h)
-        assert blue > 0.02 * w * h, "the allocated-memory area is drawn"
-        errors = [e for e in dt.events if e["method"] == "Runtime.exceptionThrown"
-                  or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-                  or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
-        assert not errors, errors
-        requests = [e["params"]["request"]["url"] for e in dt.events if e["method"] == "Network.requestWillBeSent"]
-        assert all(u.startswith(("file:", "data:", "about:")) for u in requests), requests
+    def js(self, expr):
+        r = self.dt.send("Runtime.evaluate", {"expression": expr, "returnByValue": True}, session=self.sid)
+        assert "exceptionDetails" not in r, r
+        return r["result"].get("value")
+
+    def mouse(self, kind, x, y, **kw):
+        self.dt.send("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, **kw}, session=self.sid)
+
+    def click(self, x, y):
+        self.mouse("mouseMoved", x, y)
+        self.mouse("mousePressed", x, y, button="left", clickCount=1)
+        self.mouse("mouseReleased", x, y, button="left", clickCount=1)
+
+    def shot(self, selector, save=None):
+        """Pixels of one element (scrolled into view)."""
+        rect = self.js("(function(){var e=document.querySelector(%s); e.scrollIntoView(); var r=e.getBoundingClientRect();"
+                       "return {x:r.left+window.scrollX, y:r.top+window.scrollY, w:r.width, h:r.height};})()" % json.dumps(selector))
+        clip = {"x": rect["x"], "y": rect["y"], "width": rect["w"], "height": rect["h"], "scale": 1}
+        png = base64.b64decode(self.dt.send("Page.captureScreenshot", {"format": "png", "clip": clip,
+                                                                       "captureBeyondViewport": True},
+                                            session=self.sid)["data"])
+        if save:
+            with open(save, "wb") as f:
+                f.write(png)
+        return decode_png(png)
+
+    def pixels(self, selector, colours=()):
+        """What the chart's canvas holds, counted in the page (pure-Python PNG decoding is slow):
+        the inked fraction (any pixel darker than near-white) and the pixels near each colour."""
+        return self.js("""(function(){
+          var c = document.querySelector(%s + ' canvas'), g = c.getContext('2d');
+          var d = g.getImageData(0, 0, c.width, c.height).data, cols = %s, n = [], ink = 0;
+          for (var k = 0; k < cols.length; k++) { n.push(0); }
+          for (var i = 0; i < d.length; i += 4) {
+            var a = d[i + 3] / 255, r = d[i] * a + 255 * (1 - a), gg = d[i + 1] * a + 255 * (1 - a), b = d[i + 2] * a + 255 * (1 - a);
+            if (Math.min(r, gg, b) < 235) { ink++; }
+            for (k = 0; k < cols.length; k++) {
+              if (Math.abs(r - cols[k][0]) <= 12 && Math.abs(gg - cols[k][1]) <= 12 && Math.abs(b - cols[k][2]) <= 12) { n[k]++; }
+            }
+          }
+          return {ink: ink / (d.length / 4), counts: n};
+        })()""" % (json.dumps(selector), json.dumps([list(c) for c in colours])))
+
+    def errors(self):
+        evs = self.dt.events[self.first_event:]
+        return [e for e in evs if e.get("sessionId", self.sid) == self.sid and (
+            e["method"] == "Runtime.exceptionThrown"
+            or (e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert", "warning"))
+            or (e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] in ("error", "warning")
+                # what the test's own pixel reads (getImageData) make Chromium say
+                and not e["params"]["entry"]["text"].startswith("Canvas2D: Multiple readback")))]
+
+    def requests(self):
+        return [e["params"]["request"]["url"] for e in self.dt.events[self.first_event:]
+                if e["method"] == "Network.requestWillBeSent" and e.get("sessionId") == self.sid]
+
+    def close(self):
+        errors, requests = self.errors(), self.requests()
+        self.dt.send("Target.closeTarget", {"targetId": self.target})
+        assert not errors, [e["params"].get("exceptionDetails", {}).get("exception", {}).get("description")
+                            or json.dumps(e)[:1500] for e in errors]
+        assert all(u.startswith(("file:", "data:", "about:", "blob:")) for u in requests), requests
+
+
+@pytest.fixture(scope="module")
+def browser(chromium, tmp_path_factory):
+    dt = DevTools(chromium, str(tmp_path_factory.mktemp("chromium-profile")))
+    yield dt
+    dt.close()
+
+
+WEIGHTS, GRADIENTS, OPT_STATE = (0x4e, 0x79, 0xa7), (0xf2, 0x8e, 0x2b), (0x59, 0xa1, 0x4f)
+
+
+def report_of(path, tmp_path, name="report.html"):
+    page = str(tmp_path / name)
+    cli_ok(["report", path, "-o", page])
+    return page
+
+
+def test_chromium_owned_run_stacked_live_click_findings(owned, tmp_path, browser):
+    folder, dump, df = owned
+    page = Page(browser, report_of(folder, tmp_path))
+    try:
+        for view in ("timeline", "live", "findings", "compare"):
+            assert page.js("!!document.getElementById(%r)" % view), view
+        # stacked series: one area per layer (drawn top layer first) plus the bucket-min line
+        names = page.js("msmemscope.timelines[0].chart.getOption().series.map(function(s){return s.name;})")
+        layers = page.js("msmemscope.data.series[0].layers")
+        assert names[:len(layers)] == layers[::-1] and "bucket min" in names
+        px = page.pixels("#timeline .timeline-chart", [WEIGHTS, GRADIENTS, OPT_STATE])
+        w, c, o = px["counts"]
+        assert w > 500 and c > 200 and o > 200, px
+        # the live view opens at the peak: its flame graph is drawn, its total is the peak
+        m = page.js("msmemscope.moment")
+        peak = page.js("msmemscope.data.series[0].peak")
+        assert m["index"] == page.js("msmemscope.data.series[0].live.peak") and m["total"] == peak
+        assert m["nodes"] > 10
+        px = page.pixels("#live-flame", [WEIGHTS, GRADIENTS, OPT_STATE])
+        w, c, o = px["counts"]
+        assert px["ink"] > 0.15 and w > 100 and o > 100, px
+        assert "at the peak" in page.js("document.getElementById('live-title').textContent")
+        table = page.js("document.getElementById('live-table').textContent")
+        assert LEAK_LINE in table and "optimizer state" in table, table
+        # click an early moment on the timeline (in step 2): the live view follows
+        page.js("msmemscope.zoomTo(0, 0, 1e15)")
+        live = page.js("msmemscope.data.series[0].live")
+        target = next(j for j in range(len(live["t"])) if live["step"][j] == 2 and live["used"][j] != peak)
+        pos = page.js("(function(){var tl=msmemscope.timelines[0]; document.getElementById('timeline').scrollIntoView();"
+                      "var p=tl.chart.convertToPixel({gridIndex:0},[%f, 0]); var r=tl.chart.getDom().getBoundingClientRect();"
+                      "return {x:r.left+p[0], y:r.top+p[1]-20};})()" % (live["t"][target] / 1000))
+        page.click(pos["x"], pos["y"])
+        m2 = page.js("msmemscope.moment")
+        assert m2["index"] != m["index"], (m, m2)
+        assert abs(live["t"][m2["index"]] - live["t"][target]) < abs(live["t"][target] - live["t"][m["index"]])
+        assert m2["total"] == live["used"][m2["index"]]
+        assert "selected moment" in page.js("document.getElementById('live-title').textContent")
+        # the leak sentence names the planted line; its link zooms the timeline onto it
+        leak = page.js("Array.prototype.map.call(document.querySelectorAll('#findings li[data-kind=leak] .text'),"
+                       "function(e){return e.textContent;})")
+        assert leak and LEAK_LINE in leak[0], leak
+        span0 = page.js("msmemscope.timelines[0].view[1] - msmemscope.timelines[0].view[0]")
+        page.js("document.querySelector('#findings li[data-kind=leak] a.go').click()")
+        span1 = page.js("msmemscope.timelines[0].view[1] - msmemscope.timelines[0].view[0]")
+        assert span1 < span0
+        assert "report_train.py" in page.js("document.querySelector('#findings li[data-kind=leak] details pre').textContent")
+        # zooming in picks a finer level, still drawn from a bounded number of points
+        t_peak = live["t"][live["peak"]]
+        page.js("msmemscope.zoomTo(0, %d, %d)" % (t_peak - 2000, t_peak + 2000))
+        assert page.js("msmemscope.timelines[0].level") > 0
+        assert page.js("msmemscope.timelines[0].shown") <= 2502
+        # what grew: opens on the step pair that grew most; the planted line is in its table
+        assert LEAK_LINE in page.js("document.getElementById('grew-table').textContent")
+        assert page.pixels("#grew-flame")["ink"] > 0.1
+        # compare: per op, differences first
+        rows = page.js("Array.prototype.map.call(document.querySelectorAll('#compare-table tbody tr'),"
+                       "function(r){return r.textContent;})")
+        assert rows and page.pixels("#compare-chart")["ink"] > 0.03
     finally:
-        dt.close()
+        page.close()
+
+
+def test_chromium_run_without_owners_or_stacks_and_hostile_names(run, tmp_path, browser):
+    folder, dump, df = run
+    path = report_of(dump, tmp_path)
+    text = open(path, encoding="utf-8").read()
+    assert "window.pwned=1</script>" not in text and "\u2028" not in text
+    page = Page(browser, path, "#live")
+    try:
+        assert page.js("window.pwned === undefined")
+        # the hostile mark name arrives intact, as data
+        assert page.js("msmemscope.data.marks[msmemscope.data.marks.length-1].name") == HOSTILE
+        assert page.js("document.title").startswith("msmemscope report")
+        layers = page.js("msmemscope.data.series[0].layers")
+        assert any(x.startswith("aten.") for x in layers)
+        assert page.pixels("#timeline .timeline-chart")["ink"] > 0.1
+        assert page.pixels("#live-flame")["ink"] > 0.1
+        table = page.js("document.getElementById('live-table').textContent")
+        assert "(no Python line)" in table and "aten." in table
+        # hovering the bucket of the peak: the tooltip names its time, bytes and op
+        tip = page.js("(function(){var tl=msmemscope.timelines[0], lv=tl.s.levels[tl.level], i=lv.HI.indexOf(tl.s.peak);"
+                      "tl.chart.dispatchAction({type:'showTip', seriesIndex:0, dataIndex:i - tl.slice.i0});"
+                      "return {text: tl.chart.getDom().textContent, op: tl.s.ops[lv.op[i]]};})()")
+        assert "allocated" in tip["text"] and ("op at the bucket peak: " + tip["op"]) in tip["text"], tip
+        assert page.js("msmemscope.moment.total") == page.js("msmemscope.data.series[0].peak")
+    finally:
+        page.close()
+
+
+def test_chromium_peer_dump(tmp_path, browser):
+    page = Page(browser, report_of(os.path.join(PEER, "leaks.csv"), tmp_path))
+    try:
+        pools = page.js("msmemscope.data.series.map(function(s){return s.pool;})")
+        assert sorted(pools) == ["HAL", "PTA"]
+        assert page.js("msmemscope.data.series[msmemscope.data.main].pool") == "PTA"
+        for i in range(2):
+            assert page.pixels(".timeline-chart[data-series='%d']" % i)["ink"] > 0.05
+        assert page.pixels("#live-flame")["ink"] > 0.1
+        kinds = page.js("Array.prototype.map.call(document.querySelectorAll('#findings li'), function(e){return e.dataset.kind;})")
+        assert "peak" in kinds and "fragmentation" in kinds
+    finally:
+        page.close()
+
+
+def test_chromium_rank_root(ranks, tmp_path, browser):
+    root, folders = ranks
+    r = cli_ok(["report", root])
+    path = written(r, "report")
+    assert path == os.path.join(root, "msmemscope_report.html")
+    page = Page(browser, path, "#ranks")
+    try:
+        rows = page.js("Array.prototype.map.call(document.querySelectorAll('#ranks-table tbody tr'),"
+                       "function(r){return {text:r.textContent, outlier:r.className};})")
+        assert len(rows) == 2 and rows[0]["text"].startswith("rank 0") and rows[1]["text"].startswith("rank 1")
+        assert rows[1]["outlier"] == "outlier"
+        assert "Outlier: rank 1" in page.js("document.getElementById('outlier').textContent")
+        assert LEAK_LINE in rows[1]["text"]
+        peaks = [read(dump_of(f))["used"].max() for f in folders]
+        assert page.js("msmemscope.data.ranks.map(function(r){return r.peak;})") == peaks
+        assert page.pixels("#ranks-chart")["ink"] > 0.03 and page.pixels("#ranks-timeline")["ink"] > 0.03
+        # x in steps: every rank's points run from 0 to (its steps + 1), the step ends land on integers
+        prog = page.js("msmemscope.data.ranks.map(function(r){return [r.progress[0], r.progress[r.progress.length-1]];})")
+        assert all(0 <= a <= b <= r_steps + 1 for (a, b), r_steps in zip(prog, (2, 5))), prog
+        assert page.js("document.getElementById('ranks-axis').value") == "step"
+        page.js("var s=document.getElementById('ranks-axis'); s.value='time'; s.dispatchEvent(new Event('change'))")
+        assert page.pixels("#ranks-timeline")["ink"] > 0.03
+        links = page.js("Array.prototype.map.call(document.querySelectorAll('a.rank-link'), function(a){return a.href;})")
+        assert [u[len("file://"):] for u in links] == [os.path.join(f, "msmemscope_report.html") for f in folders]
+    finally:
+        page.close()
+    rank_page = Page(browser, links[1][len("file://"):], "#findings")
+    try:
+        assert LEAK_LINE in rank_page.js("document.getElementById('findings').textContent")
+    finally:
+        rank_page.close()
 
 
 # ------------------------------------------------------------------ memory snapshot
@@ -378,15 +737,20 @@ def _replay(trace):
     return live, peak
 
 
-def test_memory_snapshot_read_by_torch_memory_viz(run, tmp_path):
+@pytest.mark.parametrize("which", ["run", "owned"])
+def test_memory_snapshot_read_by_torch_memory_viz(which, request, tmp_path):
+    """torch's own memory_viz code on our export: segsum, trace, compare and its HTML plots."""
     from torch.cuda import _memory_viz as mv
-    folder, dump, df = run
+    folder, dump, df = request.getfixturevalue(which)
+    from msmemscope.report.export import _cut, memory_snapshot
     snaps = {}
-    for step in (1, 2, None):
-        o = tmp_path / f"snap_{step}.pickle"
-        cli_ok(["export", "--format=memory-snapshot", dump, "-o", str(o)] + ([] if step is None else [f"--step={step}"]))
-        with open(o, "rb") as f:
-            snaps[step] = pickle.load(f)
+    o = tmp_path / "snap.pickle"
+    cli_ok(["export", "--format=memory-snapshot", dump, "-o", str(o), "--step=1"])  # the command, once
+    with open(o, "rb") as f:
+        snaps[1] = pickle.load(f)
+    assert snaps[1] == memory_snapshot(_cut(read(dump), 1))
+    for step in (2, None):  # the same function in process: no interpreter start per cut
+        snaps[step] = pickle.loads(pickle.dumps(memory_snapshot(_cut(read(dump), step)), protocol=4))
     mem = mem_rows(df)
     for step, snap in snaps.items():
         part = mem if step is None else mem.filter(pl.col("step") <= step)
@@ -403,7 +767,12 @@ def test_memory_snapshot_read_by_torch_memory_viz(run, tmp_path):
         assert sum(s["allocated_size"] for s in snap["segments"]) == live
     assert sum(s["allocated_size"] for s in snaps[1]["segments"]) > 0
     assert any(f["name"].startswith("aten.") for e in snaps[None]["device_traces"][0] for f in e["frames"])
-    assert any(f["filename"].endswith("mlp.py") for e in snaps[None]["device_traces"][0] for f in e["frames"])
+    if which == "owned":  # recorded with --call-stack=python
+        files = {f["filename"] for e in snaps[None]["device_traces"][0] for f in e["frames"]}
+        assert any(x.endswith("report_train.py") for x in files), files
+    for plot in (mv.trace_plot, mv.segment_plot):
+        page = plot(snaps[None])
+        assert "<html" in page.lower() or "<!doctype" in page.lower() or len(page) > 1000
     # compare the memory left at the end of step 1 and step 2
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -457,9 +826,17 @@ def test_perfetto_trace_matches_the_dump(run, tmp_path):
         if e["ph"] == "i":
             assert e.get("s", "t") in ("g", "p", "t")
     mem = mem_rows(df)
-    counters = [e for e in evs if e["ph"] == "C"]
+    counters = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory"]
     assert [e["args"]["allocated"] for e in counters] == mem["used"].to_list()
     assert [e["args"]["reserved"] for e in counters] == mem["total"].to_list()
+    # thread ids: small integers (Perfetto's importer takes a tid above 2**32 for a pid), one per thread
+    tids = df["tid"].drop_nulls().unique().to_list()
+    named = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(0 <= e.get("tid", 0) <= len(tids) for e in evs)
+    assert sorted(v for k, v in named.items() if k) == sorted(f"thread {t}" for t in tids)
+    # one counter per op (no owners in this run): its last value is what that op's blocks hold at the end
+    by_op = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory by op"]
+    assert by_op and sum({e["name"]: e["args"]["bytes"] for e in by_op}.values()) == mem["used"][-1]
     ops = [e for e in evs if e["ph"] == "X" and e["cat"] == "op"]
     starts = df.filter(pl.col("event_type") == "ATEN_START")
     assert len(ops) == starts.height
@@ -467,7 +844,8 @@ def test_perfetto_trace_matches_the_dump(run, tmp_path):
     steps = [e for e in evs if e["ph"] == "X" and e["cat"] == "step"]
     assert [e["args"]["step"] for e in steps] == [1, 2, 3]
     marks = [e for e in evs if e["ph"] == "i"]
-    assert len(marks) == df.filter(pl.col("event_type") == "Mark").height == 3
+    assert len(marks) == df.filter(pl.col("event_type") == "Mark").height == 4  # 3 steps + the hostile name
+    assert marks[-1]["name"] == HOSTILE
     ranges = [e for e in evs if e["ph"] == "X" and e["cat"] == "range"]
     assert [e["name"] for e in ranges] == ["training"]
     # nesting: every op slice lies inside the training range
@@ -538,3 +916,49 @@ def test_progress_bar_shows_only_when_asked(monkeypatch):
         p.stage("first")
         assert not p.shown
     assert buf2.getvalue() == ""
+
+
+def test_perfetto_counters_per_owner_category(owned, tmp_path):
+    folder, dump, df = owned
+    o = tmp_path / "trace.json"
+    cli_ok(["export", "--format=perfetto", dump, "-o", str(o)])
+    evs = json.load(open(o))["traceEvents"]
+    cats = [e for e in evs if e["ph"] == "C" and e["cat"] == "memory by owner"]
+    last = {}
+    for e in cats:
+        last[e["name"]] = e["args"]["bytes"]
+    names = {n.split(" device ")[0] for n in last}
+    assert {"owner weights", "owner gradients", "owner optimizer state"} <= names, names
+    mem = mem_rows(df)
+    assert sum(last.values()) == mem["used"][-1]
+    # at every sample, the categories add up to the pool's allocated bytes at that row
+    running, alloc = {}, [e["args"]["allocated"] for e in evs if e["ph"] == "C" and e["cat"] == "memory"]
+    sums = []
+    for e in cats:
+        running[e["name"]] = e["args"]["bytes"]
+        sums.append(sum(running.values()))
+    assert sums == alloc
+    assert all(e["tid"] <= 8 for e in evs if "tid" in e)
+
+
+def page_data(path):
+    """The data a report page embeds (its JSON element), as the page's script reads it."""
+    text = open(path, encoding="utf-8").read()
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', text, re.S)
+    return json.loads(m.group(1))
+
+
+def test_rank_root_with_an_unreadable_rank(ranks, tmp_path):
+    """One rank's dump broken: the root page still lists both, the broken one with its error."""
+    root, folders = ranks
+    copy = tmp_path / "job"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.html"))
+    broken = dump_of(os.path.join(copy, os.path.basename(folders[0])))
+    with open(broken, "w") as f:
+        f.write("hello,world\n1,2\n")
+    r = cli_ok(["report", str(copy)])
+    data = page_data(written(r, "report"))
+    assert [x["label"] for x in data["ranks"]] == ["rank 0", "rank 1"]
+    assert data["ranks"][0]["href"] is None and "error" in data["ranks"][0]
+    assert data["ranks"][1]["peak"] == read(dump_of(folders[1]))["used"].max()
+    assert data["outlier"] is None  # one readable rank: no median to stand out from

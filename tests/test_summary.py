@@ -225,3 +225,32 @@ def test_find_rank_dumps_nested_roots_and_workers(tmp_path):
     s, _ = _summary_json(tmp_path, tmp_path / "node1")
     assert {r["label"] for r in s["ranks"]} == {"rank 0", "rank 0 worker 0 (pid 777)", "rank 1"}
     assert s["imbalance"]["label"] in ("rank 0", "rank 1")  # the worker is not a rank
+
+
+def test_summary_from_online_results_equals_from_dumps(tmp_path):
+    """Ranks that left analysis/peaks.json and leaks.json are summarised from those (no dump read);
+    the numbers and the verdicts are those read from their dumps."""
+    root = tmp_path / "job"
+    b = _bench()
+    for rank in range(4):
+        b.write_rank(str(root), rank, 4, 3000, scale=1.5 if rank == 2 else 1.0, leak=(rank == 3), results=True)
+    from msmemscope.report.summary import build
+    saved = build(str(root), workers=1, show_progress=False)
+    dumps = build(str(root), workers=1, show_progress=False, from_dumps=True)
+    assert [r["source"] for r in saved["ranks"]] == ["analysis"] * 4
+    assert [r["source"] for r in dumps["ranks"]] == ["dump"] * 4
+    assert saved["timing"]["workers"] == 0  # read in this process: no pool started
+    for a, d in zip(saved["ranks"], dumps["ranks"]):
+        for k in ("label", "peaks", "peak_allocated", "peak_reserved", "device", "steps", "events"):
+            assert a[k] == d[k], k
+        for k in ("count", "bytes", "steps", "signatures"):
+            assert a["leaks"][k] == d["leaks"][k], k
+    assert saved["imbalance"] == dumps["imbalance"] and saved["imbalance"]["label"] == "rank 2"
+    assert saved["leaking"] == dumps["leaking"] == ["rank 3"]
+    # a rank whose results are damaged is read from its dump, with the same answer
+    [f3] = [f for f in run_folders(root) if f.endswith("rank3")]
+    with open(os.path.join(f3, "analysis", "leaks.json"), "w") as f:
+        f.write("{not json")
+    mixed = build(str(root), workers=1, show_progress=False)
+    assert [r["source"] for r in mixed["ranks"]] == ["analysis"] * 3 + ["dump"]
+    assert mixed["leaking"] == ["rank 3"]

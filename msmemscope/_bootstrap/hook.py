@@ -24,9 +24,27 @@ def start_from_env():
     if _is_launcher_agent():
         return
     opts = Options.from_json(os.environ["MSMEMSCOPE_OPTIONS"])
+    from ..capture.backends import drop_missing_device
+    drop_missing_device(opts)
+    ray_worker = _in_ray_worker()
+    if ray_worker:
+        from ..integrations.ray import prepare_worker_env
+        prepare_worker_env()
     s = capture.create(opts, launched=True)
     if opts.collect_mode == "immediate":
         s.start()
+    if ray_worker or "ray" in sys.modules:
+        # after start(): importing msmemscope.integrations before it would turn on its framework hooks
+        try:
+            from ..integrations.ray import attach
+            attach(s)
+        except Exception as e:
+            print(f"[msmemscope] Ray worker {os.getpid()}: no Ray details in config.json: {e}", file=sys.stderr)
+
+
+def _in_ray_worker() -> bool:
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.basename(argv0) == "default_worker.py" and "ray" in argv0
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):
@@ -52,7 +70,45 @@ class _TorchWatcher(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` right after the module ``name`` is imported."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        orig_exec, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            orig_exec(module)
+            try:
+                then()
+            except Exception as e:
+                print(f"[msmemscope] process {os.getpid()}: {e}", file=sys.stderr)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _ray_call_hook():
+    from ..integrations.ray import install_call_hook
+    install_call_hook()
+
+
 def install():
+    if _in_ray_worker():
+        # each task and actor method saves the trace when it returns (Ray ends workers with _exit):
+        # hooked before the first task, whose loading is what imports torch
+        if "ray._private.function_manager" in sys.modules:
+            _ray_call_hook()
+        else:
+            sys.meta_path.insert(0, _AfterImport("ray._private.function_manager", _ray_call_hook))
     if "torch" in sys.modules:
         start_from_env()
     else:

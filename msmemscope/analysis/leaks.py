@@ -1,22 +1,25 @@
-"""Leaks and memory fluctuation (SPEC §4.1 online, §4.2 offline).
+"""Leaks and memory fluctuation (SPEC §4.1 online, §4.2 offline). docs/leaks.md has the rules.
 
-Step rule (online, and offline without marks): a block allocated in step
-``s >= 2`` that is still live when step ``s + 1`` ends has outlived one full
-step and is reported once, as "leaked at step s". Blocks of step 1 (weights,
-optimizer state, warm-up caches) are never reported.
+Growth by site (``growth.py``): live bytes per allocation site at every step end; a site whose
+live bytes keep rising (>= 3 rises, one noisy step end skipped, ending at a new high) is a leak,
+whether it keeps its blocks or re-makes a bigger one each step.
 
-Fluctuation: per (device, pool) and per ended step from step 2 on, the
-smallest and largest ``used`` within the step (the level carried into the step
-counts as a value of the step); the ratio min/max is printed for the steps with
-the smallest (MinGap) and largest (MaxGap) ratio.
+Block rule (the original's): a block allocated in step ``s >= 2`` that is still live when step
+``s + 1`` ends has outlived one full step. It is a leak when its site is growing, else
+"retained" (a cache, optimizer state, a window). Blocks of step 1 are never findings.
 
-Mark rule (offline, ``check_leaks``): marks A, B, C are the Mark rows whose
-message equals ``mstx_info``, from ``start_index`` on, in ID order. A block
-allocated between A and B and not freed before C is a leak.
+Fluctuation: per (device, pool) and per ended step from step 2 on, the smallest and largest
+``used`` within the step (the level carried into the step counts as a value of the step); the
+ratio min/max is printed for the steps with the smallest (MinGap) and largest (MaxGap) ratio.
 
-The online sink consumes the session's raw rows through ``StepLeakTracker``;
-the offline functions compute the same answers with polars over the reader's
-columns (``step_leaks``, ``fluctuation``, ``leaks_between``).
+Mark rule (offline, ``check_leaks``): marks A, B, C are the Mark rows whose message equals
+``mstx_info``, from ``start_index`` on, in ID order. A block allocated between A and B and not
+freed before C is a leak.
+
+One implementation: ``StepLeakTracker`` consumes raw rows; the online sink feeds it each flush,
+``replay(df)`` feeds it a dump's rows (``check-leaks`` without marks). ``step_leaks`` and
+``fluctuation`` are the block rule and the gap table vectorized with polars over the reader's
+columns (the run summary uses them; the tests hold them equal to the tracker's).
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ import sys
 log = logging.getLogger("msmemscope")
 
 MB = 1048576.0
+# The caching allocator's segments (the allocator-trace source's HAL rows): memory it keeps cached
+# for reuse is no leak; the blocks inside them (pool PTA) are judged instead.
+CACHED_SEGMENTS = "HAL"
 POOL_TITLES = {
     "PTA": "Pytorch Caching memory pool",
     "PTA_WORKSPACE": "Pytorch workspace memory pool",
@@ -57,6 +63,7 @@ def hex_addr(addr) -> str:
 
 
 from ..frames import user_line as _user_line  # noqa: E402
+from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- report text
@@ -114,20 +121,38 @@ def fluct_json(fluct: dict) -> list[dict]:
     return out
 
 
-# ---------------------------------------------------------------------------- online: the tracker
+# ---------------------------------------------------------------------------- the tracker (online and offline)
+MAX_BLOCKS = 50     # block findings kept per site (the counts cover all of them)
+FLUCT_STEPS = 1024  # steps whose fluctuation the tracker keeps (plus the extreme ones: issue 21)
+_STACK_CACHE = 4096
+
+
 class StepLeakTracker:
-    """The step rule and fluctuation over a stream of MALLOC/FREE/STEP events, in ID order.
-    Online it sees every allocation: a suspect is a tuple until it is judged a leak."""
+    """The block rule, growth by site (``growth.SiteGrowth``) and fluctuation over a stream of
+    raw rows in ID order: the online sink feeds it each flush, the offline check replays a dump's
+    rows through it. Per MALLOC/FREE row it does a few dict operations; per step end, one pass
+    over the sites. A suspect of the block rule is a tuple until it is judged."""
 
     def __init__(self):
         self.step = 1
         # (device, pool, alloc_id) -> (step, row_id, addr, size, op, py_stack) for the live blocks
         # of steps >= 2 not yet judged (at most those of the last two steps)
         self.pending: dict = {}
-        self.reported: dict = {}     # key -> leak record (to note a later free)
-        self.leaks: list = []
+        self.reported: dict = {}     # key -> stored block record (to note a later free)
         self.level: dict = {}        # (device, pool) -> used after the last event
-        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}
+        self.fluct: dict = {}        # (device, pool) -> {step: [min, max]}, the last FLUCT_STEPS steps
+        self.gaps: dict = {}         # (device, pool) -> {step: (min, max)} of the extreme steps dropped
+        self.growth = SiteGrowth()
+        self._sites, self._blocks = self.growth.sites, self.growth.blocks
+        self.steps_ended = 0
+        self.labels: dict = {}       # tid -> the label of its allocations (innermost range, else last mark)
+        self._ranges: dict = {}      # tid -> [(range_id, message)] open ranges
+        self._marks: dict = {}       # tid -> last mark message
+        self._lines: dict = {}       # Python stack text -> the user's line
+        self.recorded = None         # offline with --steps: the recorded steps (a FREE outside is unseen)
+        # online: the allocation ids the tracer knows to be live (a FREE that was not recorded,
+        # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
+        self.live_ids = None
 
     def _used(self, pk, used):
         s = self.step
@@ -148,41 +173,289 @@ class StepLeakTracker:
             mm[1] = used
         self.level[pk] = used
 
-    def malloc(self, row_id, device, pool, alloc_id, addr, size, used, op, py_stack=None):
+    def _line(self, stack):
+        line = self._lines.get(stack, False)
+        if line is False:
+            if len(self._lines) >= _STACK_CACHE:
+                self._lines.clear()
+            line = self._lines[stack] = _user_line(stack)
+        return line
+
+    def malloc(self, row_id, device, pool, alloc_id, addr, size, used, op, py_stack=None, tid=None, owner=None):
         self._used((device, pool), used)
+        if pool == CACHED_SEGMENTS:
+            return
+        python = self._line(py_stack) if py_stack else None
+        label = None
+        if python is None:
+            if owner and owner.count("@") >= 2:  # <pool>@<category>@<labels...>: describe labels
+                label = owner.split("@", 2)[2]
+            else:
+                label = self.labels.get(tid)
+        key = (device, pool, alloc_id)
+        site = self._sites.get((device, pool, op, python, label))
+        if site is None:
+            site = self.growth.site(device, pool, op, python, label)
+        size = size or 0
+        site.live += size
+        site.last_aid = alloc_id
+        self._blocks[key] = (site, size)
         s = self.step
         if s >= 2:
-            self.pending[(device, pool, alloc_id)] = (s, row_id, addr, size, op, py_stack)
+            self.pending[key] = (s, row_id, addr, size, op, py_stack)
 
     def free(self, device, pool, alloc_id, used):
         self._used((device, pool), used)
         key = (device, pool, alloc_id)
+        v = self._blocks.pop(key, None)
+        if v is not None:
+            site = v[0]
+            site.live -= v[1]
+            if site.last_aid == alloc_id:
+                site.last_aid = None
         if self.pending.pop(key, None) is None and self.reported:
             rec = self.reported.pop(key, None)
             if rec is not None:
                 rec["freed_at_step"] = self.step
 
-    def end_step(self, n, is_live=None) -> list:
-        """Step ``n`` ended: blocks of steps <= n-1 still live have outlived a full step.
+    def mstx(self, kind, tid, msg, attr):
+        if kind == "Mark":
+            self._marks[tid] = msg
+        elif kind == "Range_start":
+            if msg != "step start":  # the step ranges say when a step ends, not what a block is for
+                self._ranges.setdefault(tid, []).append((_range_id(attr), msg))
+        elif kind == "Range_end":
+            rid = _range_id(attr)
+            for t in (tid, *self._ranges):
+                opened = self._ranges.get(t)
+                hit = [i for i, (r, _) in enumerate(opened or ()) if r == rid]
+                if hit:
+                    del opened[hit[-1]]
+                    self._label(t)
+                    break
+        self._label(tid)
 
-        ``is_live(alloc_id)``, when given, confirms a suspect against the allocator's own view: a
-        FREE that was not recorded (``--steps``, a stop/start gap) must not make a leak."""
+    def _label(self, tid):
+        opened = self._ranges.get(tid)
+        label = opened[-1][1] if opened else self._marks.get(tid)
+        if label:
+            self.labels[tid] = label
+        else:
+            self.labels.pop(tid, None)
+
+    def end_step(self, n) -> list:
+        """Step ``n`` ended: blocks of steps <= n-1 still live have outlived a full step; then the
+        growth rule per site. Returns the block findings of this step end."""
         new = []
+        live = None
         pending = self.pending
+        blocks = self.growth.blocks
         due = [k for k, v in pending.items() if v[0] <= n - 1]  # in allocation order
         for key in sorted(due, key=lambda k: pending[k][0]):
             s, row_id, addr, size, op, stack = pending.pop(key)
             device, pool, alloc_id = key
-            if is_live is not None and not is_live(alloc_id):
-                continue
+            if self.live_ids is not None:
+                if live is None:
+                    live = self.live_ids()
+                if alloc_id not in live:
+                    continue
+            if self.recorded is not None and n not in self.recorded:
+                continue  # step n was not recorded: its FREE rows are not in the dump
+            site = blocks[key][0]
+            site.hits += 1
+            site.hit_bytes += size or 0
             rec = {"device": str(device), "pool": pool, "addr": addr, "size": size, "step": s, "op": op,
-                   "alloc_id": alloc_id, "id": row_id, "detected_at_step": n, "python": _user_line(stack),
+                   "alloc_id": alloc_id, "id": row_id, "detected_at_step": n, "python": site.python,
                    "address": hex_addr(addr)}
-            self.reported[key] = rec
+            if site.label:
+                rec["label"] = site.label
+            if len(site.blocks) < MAX_BLOCKS:
+                site.blocks.append(rec)
+                self.reported[key] = rec
             new.append(rec)
-        self.leaks.extend(new)
+        self.growth.end_step(n)
+        self.steps_ended += 1
         self.step = n + 1
+        self._bound_fluct()
         return new
+
+    def consume(self, rows, first_id, ids=None):
+        """Raw rows (``events`` field order) with IDs ``first_id, first_id + 1, ...`` (or ``ids``).
+        Returns the block findings of the step ends among them."""
+        found = []
+        malloc, free = self.malloc, self.free
+        for i, r in enumerate(rows):
+            ev = r[0]
+            if ev == "OP_LAUNCH" or ev == "ACCESS":  # most rows: nothing to do
+                continue
+            if ev == "MALLOC":
+                a = r[7]
+                if type(a) is tuple:
+                    malloc(first_id + i if ids is None else ids[i], r[5], r[1], a[0], a[1], a[2], a[3], r[2], r[8],
+                           r[4], a[5] if len(a) > 5 else None)
+                else:
+                    a = a or {}
+                    malloc(first_id + i if ids is None else ids[i], r[5], r[1], a.get("allocation_id"),
+                           a.get("addr"), a.get("size"), a.get("used"), r[2], r[8], r[4], a.get("owner"))
+            elif ev == "FREE":
+                a = r[7]
+                if type(a) is tuple:
+                    free(r[5], r[1], a[0], a[3])
+                else:
+                    a = a or {}
+                    free(r[5], r[1], a.get("allocation_id"), a.get("used"))
+            elif ev == "MSTX":
+                self.mstx(r[1], r[4], r[2], r[7])
+            elif ev == "SYSTEM" and r[1] == "STEP":
+                a = r[7] or {}
+                n = a.get("step", self.step) if isinstance(a, dict) else self.step
+                found.extend(self.end_step(n))
+        return found
+
+    # ------------------------------------------------------------------ results
+    def results(self, judged=True) -> dict:
+        """sites (growing), leaks (block findings of growing sites), retained (the others).
+        ``judged=False`` (some steps not recorded): growth is not judged, the block findings
+        are all leaks, as in the original's rule."""
+        growing = self.growth.growing() if judged else []
+        grow_ids = {id(s) for s in growing}
+        hit_sites = [s for s in self.growth.sites.values() if s.hits]
+        leaks, retained = [], []
+        for s in hit_sites:
+            (leaks if (id(s) in grow_ids or not judged) else retained).extend(s.blocks)
+        leaks.sort(key=lambda r: r["id"])
+        retained.sort(key=lambda r: r["id"])
+        return {"growing": growing, "leaks": leaks, "retained": retained,
+                "leak_sites": [s for s in hit_sites if id(s) in grow_ids or not judged],
+                "retained_sites": [s for s in hit_sites if judged and id(s) not in grow_ids]}
+
+    def _bound_fluct(self):
+        """Keep the per-step fluctuation of the last FLUCT_STEPS steps only (it grew by ~180 B a step
+        for ever, issue 21), and of the steps with the extreme ratios among those dropped, so that
+        MinGap/MaxGap stay those of the whole run."""
+        for pk, steps in self.fluct.items():
+            if len(steps) <= FLUCT_STEPS:
+                continue
+            keep = self.gaps.setdefault(pk, {})
+            while len(steps) > FLUCT_STEPS:
+                s = next(iter(steps))
+                mn, mx = steps.pop(s)
+                if mx and mx > 0:
+                    keep[s] = (mn, mx)
+            if len(keep) > 2:  # only the lowest and the highest ratio (earliest on a tie) matter
+                rows = sorted(keep.items())
+                lo = min(rows, key=lambda r: r[1][0] / r[1][1])
+                hi = max(rows, key=lambda r: r[1][0] / r[1][1])
+                self.gaps[pk] = dict(sorted({lo[0]: lo[1], hi[0]: hi[1]}.items()))
+
+    def fluctuation(self) -> dict:
+        last = self.step - 1  # the rows after the last STEP row are not a full step
+        return {k: {**self.gaps.get(k, {}), **{s: tuple(v) for s, v in steps.items() if s <= last}}
+                for k, steps in self.fluct.items()}
+
+
+def _range_id(attr):
+    if isinstance(attr, dict):
+        return attr.get("range_id")
+    return None
+
+
+def _where(python, label) -> str:
+    if python:
+        head, _, func = python.partition("(")
+        return f"at {os.path.basename(head)} ({func.rstrip(')')})" if func else f"at {os.path.basename(head)}"
+    if label:
+        return f"at '{label}'"
+    return ""
+
+
+_NO_LINE = " (--call-stack=python names the line)"
+
+
+def _op_short(op) -> str:
+    op = short_op(op)
+    return op[:-len(".default")] if op.endswith(".default") else op
+
+
+def site_line(site) -> str:
+    """``leak: +32.0 KB/step over steps 3-10 at train.py:45 (hook) in aten.clone``"""
+    v = site.verdict
+    where = _where(site.python, site.label)
+    return (f"leak: +{fmt_bytes(v['bytes_per_step'])}/step over steps {v['first_step']}-{v['last_step']} "
+            f"{where + ' ' if where else ''}in {_op_short(site.op)}{'' if site.python else _NO_LINE}")
+
+
+def retained_line(site) -> str:
+    steps = sorted({b["step"] for b in site.blocks})
+    when = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    n = site.hits
+    where = _where(site.python, site.label)
+    return (f"retained: {fmt_bytes(site.hit_bytes)} in {n} block{'s' if n != 1 else ''} from {when} "
+            f"{where + ' ' if where else ''}in {_op_short(site.op)} (kept, not growing: not a leak)")
+
+
+NO_STEP = ("msmemscope: no step ended in this run, so leaks were not checked: call msmemscope.step() at "
+           "the end of each iteration (or open and close an mstx range named 'step start' around it; "
+           "an optimizer.step() also ends a step)")
+
+
+def report_lines(t: StepLeakTracker, judged=True, res=None) -> list:
+    """The console report of a finished run (online at exit, offline per dump)."""
+    res = t.results(judged) if res is None else res
+    lines = []
+    if t.steps_ended == 0:
+        lines.append(NO_STEP)
+    lines.extend(site_line(s) for s in res["growing"])
+    if res["leaks"]:
+        by_dev: dict = {}
+        for lk in res["leaks"]:
+            by_dev.setdefault(lk["device"], []).append(lk)
+        totals: dict = {}
+        for s in res["leak_sites"]:
+            c = totals.setdefault(str(s.device), [0, 0])
+            c[0] += s.hits
+            c[1] += s.hit_bytes
+        for dev, items in by_dev.items():
+            lines.append(f"====== ERROR: Detected memory leaks on device {dev} ======")
+            lines.extend(leak_line(lk) for lk in items)
+            n, total = totals.get(dev, (len(items), sum(lk["size"] or 0 for lk in items)))
+            if n > len(items):
+                lines.append(f"... and {n - len(items)} more block(s) at the same site(s)")
+            lines.append(f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {n} allocation(s)"
+                         + (f" on device {dev} ======" if len(by_dev) > 1 else " ======"))
+    if not judged:
+        lines.append("msmemscope: growth by site not judged: some steps were not recorded (--steps); "
+                     "the blocks above follow the original's rule only")
+    if t.steps_ended and not res["growing"] and not res["leaks"]:
+        lines.append(f"no leaks found ({t.steps_ended} step{'s' if t.steps_ended != 1 else ''} checked"
+                     + (")" if t.steps_ended > MIN_RISES - 1 else
+                        f"; growth needs at least {MIN_RISES} step ends)"))
+    lines.extend(retained_line(s) for s in res["retained_sites"])
+    return lines
+
+
+def result_json(t: StepLeakTracker, judged=True, res=None) -> dict:
+    res = t.results(judged) if res is None else res
+    summary: dict = {}
+    for s in res["leak_sites"]:
+        c = summary.setdefault(str(s.device), {"device": str(s.device), "count": 0, "bytes": 0})
+        c["count"] += s.hits
+        c["bytes"] += s.hit_bytes
+    return {"analysis": "leaks",
+            "rule": "blocks allocated in step s >= 2 still live at the end of step s+1",
+            "site_rule": (f"live bytes of the site strictly increasing over its last step ends, at least "
+                          f"{MIN_RISES} rises, one step end may be skipped, ending at a new high"),
+            "growth_judged": judged,
+            "steps_ended": t.steps_ended,
+            "sites": [s.record() for s in res["growing"]],
+            "leaks": [_leak_json(lk) for lk in res["leaks"]],
+            "retained": [_leak_json(lk) for lk in res["retained"]],
+            "summary": list(summary.values()),
+            # per retained site, all its block findings (the lists above keep MAX_BLOCKS per site)
+            "retained_sites": [{"device": str(s.device), "pool": s.pool,
+                                "op": s.op if not s.label else f"{s.op}@{s.label}", "python": s.python,
+                                "count": s.hits, "bytes": s.hit_bytes} for s in res["retained_sites"]],
+            "fluctuation": fluct_json(t.fluctuation())}
 
 
 class LeakSink:
@@ -190,85 +463,35 @@ class LeakSink:
 
     def __init__(self, session):
         self.t = StepLeakTracker()
-        self.pending: list = []
+        self.t.live_ids = session.live_alloc_ids
         self.session = session
-        self._live_ids = None
-
-    def _is_live(self, alloc_id) -> bool:
-        if self._live_ids is None:
-            self._live_ids = self.session.live_alloc_ids()
-        return alloc_id in self._live_ids
 
     def consume(self, rows, first_id):
-        t = self.t
-        for i, r in enumerate(rows):
-            ev = r[0]
-            if ev == "OP_LAUNCH":  # most rows: nothing to do
-                continue
-            if ev == "MALLOC":
-                a = r[7]
-                if type(a) is tuple:
-                    aid, addr, size, used = a[0], a[1], a[2], a[3]
-                else:
-                    aid, addr, size, used = a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used")
-                t.malloc(first_id + i, r[5], r[1], aid, addr, size, used, r[2], r[8])
-            elif ev == "FREE":
-                a = r[7]
-                if type(a) is tuple:
-                    t.free(r[5], r[1], a[0], a[3])
-                else:
-                    t.free(r[5], r[1], a.get("allocation_id"), a.get("used"))
-            elif ev == "SYSTEM" and r[1] == "STEP":
-                a = r[7] or {}
-                n = a.get("step", t.step) if isinstance(a, dict) else t.step
-                self._live_ids = None
-                self.pending.extend(t.end_step(n, self._is_live))
-                self._live_ids = None
+        self.t.consume(rows, first_id)
 
     def step_end(self, session, step):
-        self._emit_pending()
+        pass  # findings are judged at exit: a block hit is a leak only if its site keeps growing
 
-    def _emit_pending(self):
-        if not self.pending:
-            return
-        lines = []
-        by_dev: dict = {}
-        for lk in self.pending:
-            by_dev.setdefault(lk["device"], []).append(lk)
-        for dev, items in by_dev.items():
-            lines.append(f"====== ERROR: Detected memory leaks on device {dev} ======")
-            lines.extend(leak_line(lk) for lk in items)
-        self.pending = []
-        _say(lines)
+    def findings(self, session, count_only=False):
+        """The result as ``close`` would write it now, and how many findings it holds (block hits,
+        growing sites): saved at step ends by analysis.StepCheckpoint."""
+        g = self.t.growth
+        count = (sum(s.hits for s in g.sites.values()), len(g.growing()))
+        if count_only:
+            return "leaks", None, count
+        return "leaks", result_json(self.t, not session.opts.steps), count
 
     def close(self, session):
-        self._emit_pending()
-        leaks = self.t.leaks
-        lines = []
-        by_dev: dict = {}
-        for lk in leaks:
-            by_dev.setdefault(lk["device"], []).append(lk)
-        for dev, items in by_dev.items():
-            total = sum(lk["size"] for lk in items)
-            lines.append(f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) "
-                         f"on device {dev} ======" if len(by_dev) > 1 else
-                         f"====== SUMMARY: {total / MB:.4f} Mb(s) leaked in {len(items)} allocation(s) ======")
-        last = self.t.step - 1  # the rows after the last STEP row are not a full step
-        fluct = {k: {s: tuple(v) for s, v in steps.items() if s <= last} for k, steps in self.t.fluct.items()}
-        lines.extend(gap_report(fluct))
+        judged = not session.opts.steps
+        res = self.t.results(judged)
+        lines = report_lines(self.t, judged, res)
+        lines.extend(gap_report(self.t.fluctuation()))
         _say(lines)
-        result = {"analysis": "leaks",
-                  "rule": "blocks allocated in step s >= 2 still live at the end of step s+1",
-                  "steps_ended": self.t.step - 1,
-                  "leaks": [_leak_json(lk) for lk in leaks],
-                  "summary": [{"device": d, "count": len(v), "bytes": sum(x["size"] for x in v)}
-                              for d, v in by_dev.items()],
-                  "fluctuation": fluct_json(fluct)}
-        write_result(session.folder, "leaks", result)
+        write_result(session.folder, "leaks", result_json(self.t, judged, res))
 
 
 def _leak_json(lk):
-    keys = ("device", "pool", "address", "addr", "size", "step", "detected_at_step", "op", "python",
+    keys = ("device", "pool", "address", "addr", "size", "step", "detected_at_step", "op", "python", "label",
             "alloc_id", "id", "freed_at_step")
     return {k: lk.get(k) for k in keys if k in lk}
 
@@ -282,12 +505,8 @@ def _say(lines):
 
 
 def write_result(folder, name, result) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
-    d = make_dirs(os.path.join(folder, "analysis"))
-    path = unique_path(os.path.join(d, f"{name}.json"))
-    with create_new(path) as f:
-        json.dump(result, f, indent=2, default=str)
-    return path
+    from . import save_result  # replaces this process's step-end findings, never another's file
+    return save_result(folder, name, result)
 
 
 def make_sink(session):
@@ -373,7 +592,8 @@ def step_leaks(df) -> list[dict]:
     pl = _pl()
     last = ended_steps(df)
     mem = _mem(df)
-    m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last))
+    m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last)
+                   & (pl.col("event_type") != CACHED_SEGMENTS))
     f = mem.filter(pl.col("event") == "FREE").select(*_KEY, freed_at_step=pl.col("step"))
     leaked = (m.join(f, on=_KEY, how="left", nulls_equal=True)
               .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
@@ -480,19 +700,87 @@ def _read(path):
     return df
 
 
-def check_step_leaks(input_path, out=None):
-    """The online step rule and fluctuation table, recomputed from a dump."""
+def _attr_json(text):
+    if not text or text == "N/A":
+        return None
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return None
+    return v if isinstance(v, dict) else None
+
+
+def replay(df, recorded=None) -> StepLeakTracker:
+    """The online tracker run over a dump's rows (the same implementation, offline). ``recorded``:
+    the steps a ``--steps`` run recorded (block findings only where the dump can show the FREE)."""
+    pl = _pl()
+    t = StepLeakTracker()
+    t.recorded = set(recorded) if recorded else None
+    cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
+                        "owner", "py_stack", "attr", "step") if c in df.columns]
+    q = (df.lazy().filter(pl.col("event").is_in(["MALLOC", "FREE", "MSTX"])
+                          | ((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")))
+         .sort("id").select(cols).collect())
+    has = set(cols)
+    batch, ids = [], []
+    for r in q.iter_rows(named=True):
+        ev = r["event"]
+        if ev == "MALLOC":
+            attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None, r.get("owner"))
+        elif ev == "FREE":
+            attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
+        else:
+            attr = _attr_json(r.get("attr")) or {}
+            if ev == "SYSTEM":
+                n = attr.get("step")
+                if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
+                    n = r["step"] if "step" in has else None
+                attr = {"step": n} if n is not None else {}
+        batch.append((ev, r["event_type"], r["name"], None, r.get("tid"), r["device"], None, attr,
+                      r.get("py_stack") if ev == "MALLOC" else None, None))
+        ids.append(r["id"])
+        if len(batch) >= 65536:
+            t.consume(batch, 0, ids)
+            batch, ids = [], []
+    t.consume(batch, 0, ids)
+    return t
+
+
+def _recorded_steps(dump):
+    """The steps a ``--steps`` run recorded (from its config.json), or None: every step."""
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dump))))
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            steps = (json.load(f).get("options") or {}).get("steps")
+        return [int(x) for x in steps] if steps else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def analyze(input_path) -> list[dict]:
+    """The online analysis recomputed from each dump under ``input_path``: a list of
+    ``leaks.json``-shaped dicts (``sites``, ``leaks``, ``retained``, ...), each with ``dump``,
+    and the console report of each in ``lines``."""
     from ..io.reader import find_dumps
-    out = sys.stdout if out is None else out
-    results = []
+    out = []
     for d in find_dumps(os.fspath(input_path)):
-        df = _read(d)
-        leaks = step_leaks(df)
-        print(f"msmemscope: step leak check of {d} ({ended_steps(df)} steps ended)", file=out)
-        lines = leak_report(leaks) or ["====== No memory leaks detected ======"]
-        lines += gap_report(fluctuation(df))
-        print("\n".join(lines), file=out)
-        results.extend(leaks)
+        recorded = _recorded_steps(d)
+        t = replay(_read(d), recorded)
+        judged = recorded is None
+        res = t.results(judged)
+        lines = report_lines(t, judged, res) + gap_report(t.fluctuation())
+        out.append({"dump": d, **result_json(t, judged, res), "lines": lines})
+    return out
+
+
+def check_step_leaks(input_path, out=None):
+    """The online analysis (growth by site, block rule, fluctuation), recomputed from a dump:
+    prints the report and returns the leaks.json-shaped result of each dump."""
+    out = sys.stdout if out is None else out
+    results = analyze(input_path)
+    for r in results:
+        print(f"msmemscope: leak check of {r['dump']} ({r['steps_ended']} steps ended)", file=out)
+        print("\n".join(r.pop("lines")), file=out)
     return results
 
 
@@ -505,12 +793,14 @@ def main(argv=None) -> int:
     p = _Parser(prog="msmemscope check-leaks", add_help=True,
                 description="Offline leak check of a dump (CSV or db, ours or the original's). With --mark: "
                             "blocks allocated between marks A and B and not freed before mark C. Without: the "
-                            "online step rule and the fluctuation table.")
+                            "online analysis (growing sites, block findings, fluctuation table).")
     p.add_argument("input", help="a dump file or an output folder")
     p.add_argument("--mark", "--mstx-info", dest="mark", help="message of the marks A, B, C")
     p.add_argument("--start-index", "--start_index", dest="start_index", default="0",
                    help="which matching mark is A (default 0)")
-    p.add_argument("--json", action="store_true", help="print the leaked blocks as JSON instead of the report")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON instead of the report: with --mark the leaked blocks, without it the "
+                        "structure of analysis/leaks.json (sites, leaks, retained, ...)")
     from ..io.reader import DumpError
     try:
         ns = p.parse_args(argv)
@@ -531,5 +821,7 @@ def main(argv=None) -> int:
         print(f"msmemscope: error: {e}", file=sys.stderr)
         return 2
     if ns.json:
+        if ns.mark is None:  # leaks.json's structure: one dict, or a list when a folder held several dumps
+            leaks = leaks[0] if len(leaks) == 1 else leaks
         print(json.dumps(leaks, indent=2, default=str))
     return 0

@@ -29,6 +29,7 @@ from ..events import Event, Oom
 
 log = logging.getLogger("msmemscope")
 MB = 1048576.0
+GiB = float(1 << 30)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30,
           "TIB": 1 << 40, "PIB": 1 << 50}
 _BYTES_RE = re.compile(r"allocate (\d+) bytes")
@@ -97,15 +98,29 @@ class OomSink:
     def _cuda_observer(self, device, alloc, device_allocated, device_free):
         """Called by the CUDA caching allocator right before it raises OutOfMemoryError."""
         s = self._session
+        src = getattr(s, "device_source", None)
+        if src is not None and src.installed:
+            try:  # the allocator trace has the layout: its OOM account (rows, report) comes through take()
+                src.on_oom()
+                s.flush()
+                self._observed = True
+            except Exception as e:
+                log.error("OOM analysis failed in the CUDA observer: %s", e)
+            return
         try:
             info = {"device_allocated": int(device_allocated), "device_free": int(device_free),
-                    "source": "cuda_oom_observer"}
+                    "source": "cuda_oom_observer", **_device_figures(device, int(device_free))}
             op = getattr(s.tls, "op", None)
             self.record(s, op, str(device), int(alloc), "OutOfMemoryError",
                         "CUDA caching allocator: out of memory", info)
             self._observed = True
         except Exception as e:
             log.error("OOM analysis failed in the CUDA observer: %s", e)
+
+    def take(self, session, listed):
+        """An OOM account the allocator-trace source built (its rows are already in the dump)."""
+        self.events.append(listed)
+        _print(report_lines(listed))
 
     # ------------------------------------------------------------------ sink protocol
     def consume(self, rows, first_id):
@@ -124,9 +139,22 @@ class OomSink:
                 return
             msg = str(exc)
             device = self._device_of(session, exc, msg)
+            src = getattr(session, "device_source", None)
+            if src is not None and src.installed and device != "cpu":
+                # no observer ran (NPU): the allocator's trace holds this OOM, with its layout
+                before = src.oom_accounts()
+                src.on_oom()
+                if src.oom_accounts() > before:
+                    session.flush()
+                    return
             self.record(session, op_name, device, requested_bytes(msg), type(exc).__name__, msg, {})
         except Exception as e:  # never replace the program's exception with ours
             log.error("OOM analysis failed: %s", e)
+
+    def findings(self, session, count_only=False):
+        if not self.events:
+            return None
+        return "oom", None if count_only else {"analysis": "oom", "k": self.k, "events": self.events}, len(self.events)
 
     def close(self, session):
         from .leaks import write_result
@@ -176,12 +204,42 @@ class OomSink:
         _print(report_lines(listed))
 
 
+def _device_figures(device, device_free) -> dict:
+    """Reserved bytes and the device's capacity at a CUDA OOM: what lies outside the allocator."""
+    try:
+        import torch
+        reserved = int(torch.cuda.memory_reserved(int(device)))
+        total = int(torch.cuda.mem_get_info(int(device))[1])
+    except Exception:
+        return {}
+    return {"reserved": reserved, "device_total": total, "outside_allocator": max(0, total - device_free - reserved)}
+
+
+def _gib(n) -> str:
+    return f"{(n or 0) / GiB:.2f} GiB"
+
+
+def device_lines(t) -> list[str]:
+    """The allocator's and the device's side of an OOM: fragmentation and memory outside the allocator."""
+    lines = []
+    if t.get("unallocated") is not None:
+        lines.append(f"{_gib(t['unallocated'])} reserved but unallocated in {t.get('segments_with_free', 0)} "
+                     f"segment(s); largest free block {_gib(t.get('largest_free'))} "
+                     f"(reserved {_gib(t.get('reserved'))}).")
+    if t.get("device_total") and t.get("device_free") is not None:
+        lines.append(f"Device: {_gib(t['device_free'])} free of {_gib(t['device_total'])}; "
+                     f"{_gib(t.get('outside_allocator'))} in use outside the caching allocator "
+                     f"(CUDA context, libraries' workspaces, NCCL, other processes).")
+    return lines
+
+
 def report_lines(ev) -> list[str]:
     t = ev["trigger"]
     size = f"{t['size'] / MB:.6f} Mb(s)" if t.get("size") is not None else "an unknown size"
     lines = [f"====== ERROR: Out of memory on device {t['device']}: {_short(t['op'])} failed to allocate {size} "
              f"at step {t['step']} ({t['exception']}) ======",
              f"In use: {t['used'] / MB:.6f} Mb(s) in {t['live_blocks']} live block(s) traced on this device."]
+    lines += device_lines(t)
     for key, title in (("recent", "most recently allocated"), ("top", "largest")):
         if not ev[key]:
             continue

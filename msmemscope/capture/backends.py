@@ -52,6 +52,33 @@ def available_accelerator() -> str | None:
     return None
 
 
+def missing_device(spec: str | None) -> str | None:
+    """Why ``spec`` (``cuda:3``, ``npu``) names no device of this host, or None when it does."""
+    if not spec or spec.split(":")[0] == "cpu":
+        return None
+    kind, _, idx = spec.partition(":")
+    mod = getattr(torch, kind, None)
+    try:
+        count = int(mod.device_count()) if mod is not None and mod.is_available() else 0
+    except Exception:
+        count = 0
+    if count == 0:
+        return f"this host has no {kind} device"
+    if idx.isdigit() and int(idx) >= count:
+        return f"this host has {count} {kind} device{'s' if count > 1 else ''} ({kind}:0 to {kind}:{count - 1})"
+    return None
+
+
+def drop_missing_device(opts) -> None:
+    """A device option naming no device here (``config(device="cuda:99")`` on a CPU host) would
+    trace an empty run of that kind: said once on stderr, and the program's own devices traced."""
+    why = missing_device(opts.device)
+    if why:
+        from .._console import alert_once
+        alert_once("device", f"[msmemscope] device={opts.device!r}: {why}; tracing the devices the program uses")
+        opts.device = None
+
+
 def synchronize(kind: str) -> None:
     mod = getattr(torch, kind, None)
     if kind != "cpu" and mod is not None:

@@ -19,15 +19,27 @@ def _session():
     return s if s is not None and s.active else None
 
 
+def _text(msg, api: str):
+    """A mark's message must be text: anything else (an object's repr is not a message) is said
+    once on stderr and not recorded."""
+    if isinstance(msg, str):
+        return msg
+    from .._console import alert_once
+    alert_once(f"{api}-type", f"[msmemscope] {api}() takes a str message, not {type(msg).__name__}: not recorded")
+    return None
+
+
 def mark(msg: str) -> None:
     s = _session()
-    if s is not None:
-        s.mark(str(msg))
+    if s is not None and _text(msg, "mark") is not None:
+        s.mark(msg)
 
 
 def range_start(msg: str) -> int:
     s = _session()
-    return s.range_start(str(msg)) if s is not None else 0
+    if s is None or _text(msg, "range_start") is None:
+        return 0
+    return s.range_start(msg)
 
 
 def range_end(range_id: int) -> None:

@@ -50,6 +50,11 @@ class _LogFile(logging.StreamHandler):
         finally:
             self.release()
         super().close()
+
+    def handleError(self, record):
+        pass  # a log line that cannot be written (disk full) is dropped, never a traceback
+
+
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
 
 
@@ -87,6 +92,13 @@ class Block(weakref.ref):
         self.owner = None
         self.stack = None
         self.native = False  # counted by the native source, whose FREE row reports it
+
+
+def _why(exc) -> str:
+    """A failure in a few words: 'No space left on device (/out/x.csv)'."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc) or type(exc).__name__
 
 
 def _timestamp() -> str:
@@ -140,6 +152,9 @@ class Session:
         self.flush_lock = threading.RLock()
         self._flushing = None                # thread id of the flush in progress
         self._pending_signal = None          # SIGTERM that arrived during that flush
+        self._closing = False                # close() in progress: signals wait for its end
+        self._deferred: list = []            # signals that arrived during close()
+        self.failure = None                  # why tracing stopped on a failure of the tool's own
         self.tls = threading.local()
         self.live: dict[int, Block] = {}     # id(storage) -> Block; the storage object lives as long as the memory
         self.used: dict = {}                 # (device, pool) -> allocated bytes
@@ -164,6 +179,7 @@ class Session:
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self.native = self._choose_source()  # NativeSource, or None: the dispatch-mode source (ops.py)
         self.native_ops = self.native is not None  # the native source records ops and new blocks
+        self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
         self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
@@ -188,6 +204,27 @@ class Session:
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
         return native.NativeSource(self, mod)
+
+    def _choose_device_source(self):
+        """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
+        allocator's own trace (capture/cuda_source.py) where the build offers it and the options
+        allow it; else device blocks stay with the dispatch-mode source (tensor storages).
+        ``MSMEMSCOPE_SOURCE=python`` keeps the dispatch mode for everything."""
+        self.device_source_note = None
+        if self.kind not in ("cuda", "npu"):
+            return None
+        if os.environ.get("MSMEMSCOPE_SOURCE", "auto").strip().lower() == "python":
+            self.device_source_note = "MSMEMSCOPE_SOURCE=python"
+            return None
+        from . import cuda_source
+        why = cuda_source.unsupported_by(self.opts)
+        mem = None
+        if why is None:
+            mem, why = cuda_source.memory_module(self.kind)
+        if mem is None:
+            self.device_source_note = why
+            return None
+        return cuda_source.AllocatorSource(self, self.kind, mem)
 
     # ------------------------------------------------------------------ output
     def _primary_kind(self) -> str:
@@ -218,10 +255,19 @@ class Session:
             "source": "native" if self.native is not None else "dispatch",
             "source_note": self.source_note,   # why not native, when it is not
             "native_missing": self.native_missing,
+            "launch_id": os.environ.get("MSMEMSCOPE_LAUNCH_ID"),  # which launcher run made it
+            # device blocks: "allocator_trace" (the caching allocator's own events) or "dispatch"
+            "device_source": None if self.kind == "cpu" else
+            ("allocator_trace" if self.device_source is not None else "dispatch"),
+            "device_source_note": self.device_source_note,
         }
         self._write_config()
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
                  f"; not native: {self.source_note}" if self.source_note else "")
+        if self.kind != "cpu":
+            log.info("%s memory from the %s%s", self.kind, "caching allocator's trace" if self.device_source
+                     else "dispatch-mode source (tensor storages)",
+                     f" ({self.device_source_note})" if self.device_source_note else "")
 
     def _write_config(self):
         path = os.path.join(self.folder, "config.json")
@@ -254,6 +300,8 @@ class Session:
         ids = {b.alloc_id for b in list(self.live.values())}
         if self.native is not None:
             ids |= self.native.live_alloc_ids()
+        if self.device_source is not None:
+            ids |= self.device_source.live_alloc_ids()
         return ids
 
     def use_dispatch_source(self, why: str):
@@ -359,6 +407,8 @@ class Session:
             kind = _KIND.get(dev) or _kind_of(dev)
             if size == 0 or kind == "meta":
                 return None
+            if self.device_source is not None and kind == self.device_source.kind:
+                return None  # the allocator trace reports this device's blocks
             addr = st.data_ptr()
         except Exception:
             return None
@@ -491,6 +541,8 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
+        if self.device_source is not None:
+            self.device_source.at_step_end(self.buf, ended)
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
         self.flush(step_end=ended)
@@ -527,12 +579,15 @@ class Session:
                 self._on_sigterm(signum, None)
 
     def _flush(self, step_end=None):
-        if self.closed:
+        if self.closed or self.failure is not None:
+            self.buf.clear()
             return
         if self.labeler is not None:
             self.labeler.before_flush()
         if self.native is not None:
             self.native.drain_into(self.buf)
+        if self.device_source is not None:
+            self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -542,6 +597,9 @@ class Session:
             try:
                 c_syms = self._symbolize(rows) if self.c_depth else None
                 self.writer.write(rows, first, self.pid, c_syms)
+            except Exception as e:  # the disk is full, the folder went away: the tool's failure
+                self._tool_failed("cannot write the dump", e)
+                return
             except BaseException:
                 # interrupted inside the write (KeyboardInterrupt, or SystemExit raised by the
                 # program's own signal handler): the rows are out of the buffer, so write them
@@ -552,11 +610,61 @@ class Session:
                 except Exception:
                     pass
                 raise
-        for s in self.sinks:
-            if rows:
-                s.consume(rows, first)
-            if step_end is not None:
-                s.step_end(self, step_end)
+        for s in list(self.sinks):
+            try:
+                if rows:
+                    s.consume(rows, first)
+                if step_end is not None:
+                    s.step_end(self, step_end)
+            except Exception as e:  # an analysis's failure never reaches the program
+                self._sink_failed(s, e)
+
+    def _sink_failed(self, sink, exc):
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+        name = getattr(sink, "name", None) or type(sink).__name__
+        log.error("analysis %s failed: %r; its result is not written", name, exc)
+        from .._console import alert
+        alert(f"[msmemscope] analysis {name} failed ({exc!r}); its result is not written")
+
+    def _tool_failed(self, what, exc):
+        """A failure of the tool's own (a write refused: disk full, folder unwritable, I/O error):
+        tracing stops, it is said once on stderr and in config.json, what was written stays
+        readable, and nothing reaches the program, which runs on."""
+        if self.failure is not None:
+            return
+        reason = f"{what}: {_why(exc)}"
+        self.failure = reason
+        self.buf.clear()
+        try:
+            self._pop_mode()
+            if self.native is not None:
+                self.native.stop()
+            if self.device_source is not None:
+                self.device_source.stop()
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+        except Exception:
+            pass
+        self.active = False
+        self._update_flags()
+        try:
+            self.writer.abandon()
+        except Exception:
+            pass
+        from ..io.writers import last_id_in
+        last = last_id_in(self.dump_path)
+        self.config["tool_failure"] = reason
+        self.config["rows_kept"] = last
+        try:
+            self._write_config()
+        except Exception:
+            pass
+        log.error("tracing stopped: %s", reason)
+        from .._console import alert
+        alert(f"[msmemscope] tracing stopped in process {self.pid}: {reason}. The program runs on; "
+              f"{self.dump_path} keeps the rows written before (up to ID {last}).")
 
     def _symbolize(self, rows):
         raw = [(i, r[9]) for i, r in enumerate(rows) if r[9] is not None]
@@ -594,6 +702,8 @@ class Session:
                 say(f"[msmemscope] --level=kernel: no KERNEL_LAUNCH rows will be written ({why})")
             self._install_exit_handlers()
             self._skip_dataloader_workers()
+        if self.device_source is not None:
+            self.device_source.start()
         if self.native_ops:
             self.native.start()  # its flags were set by _update_flags() above
         else:
@@ -609,43 +719,107 @@ class Session:
         self._pop_mode()
         if self.native is not None:
             self.native.stop()
+        if self.device_source is not None:
+            self.device_source.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         self.system(System.STOP_TRACE)
         self.flush()
-        if sync and not self.closed:
-            self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
+        if sync and not self.closed and self.failure is None:
+            try:
+                self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
+            except Exception as e:
+                self._tool_failed("cannot finish the dump", e)
         self.active = False
         self._update_flags()
         log.info("trace stopped")
 
     def close(self, exit_code=None):
-        """Process exit: stop, write PROC_EXIT, final flush, let the analyses report."""
-        if self.closed or os.getpid() != self.pid:
+        """Process exit: stop, write PROC_EXIT, final flush, let the analyses report.
+
+        Runs once: a signal that arrives meanwhile (Pool.terminate()'s SIGTERM, a second Ctrl-C)
+        waits for its end and is then delivered as it would have been (``_redeliver``); a
+        failure to write stops tracing (``_tool_failed``) and never reaches the program."""
+        if self.closed or self._closing or os.getpid() != self.pid:
             return
+        self._closing = True
+        saved = self._defer_signals()
         try:
-            self.stop(sync=False)  # the writer is closed below, after the last rows
-            self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
-            self.flush()
-            self.writer.close()  # the whole dump on disk before an analysis reads or annotates it
-            for s in self.sinks:
+            if self.failure is None:
                 try:
-                    s.close(self)
-                except Exception as e:  # an analysis must never hide the dump
-                    log.error("analysis %s failed: %s", type(s).__name__, e)
+                    self.stop(sync=False)  # the writer is closed below, after the last rows
+                    self.system(System.PROC_EXIT, None if exit_code is None else {"exit_code": exit_code})
+                    self.flush()
+                    if self.failure is None:
+                        self.writer.close()  # the whole dump on disk before an analysis reads or annotates it
+                except Exception as e:
+                    self._tool_failed("cannot finish the dump", e)
+            if self.failure is None:
+                for s in self.sinks:
+                    try:
+                        s.close(self)
+                    except Exception as e:  # an analysis must never hide the dump
+                        log.error("analysis %s failed: %s", type(s).__name__, e)
         finally:
             self.closed = True
             self.active = False
-            self.writer.close()
+            try:
+                self.writer.close()
+            except Exception as e:
+                log.error("closing the dump: %s", _why(e))
             self.config["end_time"] = _timestamp()
             self.config["events_written"] = self.next_id
+            lost = getattr(self.writer, "rows_lost_after", None)
+            if lost is not None:  # the writer process was killed: the readers must not expect every row
+                self.config["rows_lost_after"] = lost
             try:
                 self._write_config()
-            except OSError:
+            except Exception:
                 pass
             log.removeHandler(self._log_handler)
             self._log_handler.close()
+            self._closing = False
+            self._redeliver(saved)
+
+    def _defer_signals(self):
+        """While close() runs (main thread only), SIGINT and SIGTERM are noted, not acted on: a
+        KeyboardInterrupt inside it would lose the analyses or write rows twice, and a SIGTERM
+        handler that closes again would wait on the writer process it is already waiting on."""
+        saved = {}
+        if threading.current_thread() is not threading.main_thread():
+            return saved
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old = signal.getsignal(signum)
+                if old in (signal.SIG_IGN, None):
+                    continue
+                if signum == signal.SIGTERM and old not in (signal.SIG_DFL, self._on_sigterm):
+                    continue  # the program's own SIGTERM handler stays the program's
+                saved[signum] = old
+                signal.signal(signum, lambda n, f: self._deferred.append(n))
+            except (ValueError, OSError):
+                pass
+        return saved
+
+    def _redeliver(self, saved):
+        for signum, old in saved.items():
+            try:
+                signal.signal(signum, old)
+            except (ValueError, OSError):
+                pass
+        pending, self._deferred = self._deferred, []
+        for signum in dict.fromkeys(pending):
+            old = saved.get(signum, signal.SIG_DFL)
+            if old is signal.default_int_handler or old in (signal.SIG_DFL, self._on_sigterm):
+                # the program would have died of it: it does now, its output flushed first
+                for f in (sys.stdout, sys.stderr):
+                    try:
+                        f.flush()
+                    except Exception:
+                        pass
+                signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _push_mode(self):
         tid = threading.get_ident()
@@ -752,6 +926,9 @@ class Session:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _on_sigterm(self, signum, frame):
+        if self._closing:  # close() runs in another thread: it delivers the signal at its end
+            self._deferred.append(signum)
+            return
         if self._flushing == threading.get_ident():
             # arrived while this thread writes a batch: finish that batch first (flush ends by
             # calling us again), so no row taken from the buffer is lost and IDs stay contiguous

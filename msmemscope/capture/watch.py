@@ -301,8 +301,8 @@ class WatchEngine:
                         self._dump_dir(), f"watch_dump_data_check_sum_{dev}_{_timestamp()}.csv"))
                     self._csv = create_new(self.csv_path)
                     self._csv.write("Tensor info,Check data sum\n")
-                info = stem.replace(",", "_")
-                self._csv.write(f"{info},0x{checksum:016x}\n")
+                from ..io.writers import csv_line  # the one CSV writer: quoted, neutralised
+                self._csv.write(csv_line([stem, f"0x{checksum:016x}"]))
         except OSError as exc:
             if not getattr(self, "_dump_failed", False):
                 self._dump_failed = True

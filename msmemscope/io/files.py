@@ -7,6 +7,35 @@ import os
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 
+# Fault injection for the reliability tests: MSMEMSCOPE_FAULT=<role>:<n>:<ERRNO>[,…] makes the
+# n-th write of a process of that role ("traced": the traced process; "writer": the dump writer
+# process) fail with that errno; ``<n>+`` makes it and every later one fail, as a full disk does.
+# Counted writes: each file created (create_new), each batch of dump rows, each batch handed to
+# the writer process.
+ROLE = "traced"
+_writes = 0
+_faults = None
+
+
+def fault_point() -> None:
+    global _writes, _faults
+    if _faults is None:
+        import errno
+        _faults = {}
+        for part in os.environ.get("MSMEMSCOPE_FAULT", "").split(","):
+            role, _, rest = part.strip().partition(":")
+            n, _, name = rest.partition(":")
+            sticky = n.endswith("+")
+            n = n.rstrip("+")
+            if role and n.isdigit() and hasattr(errno, name):
+                _faults[role] = (int(n), getattr(errno, name), sticky)
+    if not _faults:
+        return
+    _writes += 1
+    hit = _faults.get(ROLE)
+    if hit is not None and (_writes == hit[0] or hit[2] and _writes > hit[0]):
+        raise OSError(hit[1], os.strerror(hit[1]) + " (injected by MSMEMSCOPE_FAULT)")
+
 
 def make_dirs(path: str) -> str:
     """Create ``path`` and any missing parents, each 0o750; refuse a symlink planted at ``path``."""
@@ -26,11 +55,22 @@ def make_dirs(path: str) -> str:
 
 
 def dump_files(folder: str) -> list[str]:
-    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.csv.zst`` / ``.db``."""
+    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.csv.zst`` / ``.db``.
+    Regular files only: a FIFO or device planted under a dump's name would block a reader."""
     import glob
-    return sorted(set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
-                      + glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv.zst"), recursive=True)
-                      + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True)))
+    found = set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
+                + glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv.zst"), recursive=True)
+                + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True))
+    return sorted(p for p in found if is_regular(p))
+
+
+def is_regular(path: str) -> bool:
+    """A regular file (through symlinks): not a FIFO, socket or device, which can block a read."""
+    import stat
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def unique_path(path: str) -> str:
@@ -46,7 +86,32 @@ def unique_path(path: str) -> str:
 
 def create_new(path: str, binary: bool = False):
     """Open a new file for writing; fails if anything (file or symlink) is already there."""
+    fault_point()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
     if binary:
         return os.fdopen(fd, "wb")
-    return os.fdopen(fd, "w", encoding="utf-8", newline="")
+    # a path that is not UTF-8 (a stack line, a report's title) is written as \\udcff: the file stays UTF-8
+    return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="")
+
+
+class polars_path:
+    """A path polars can open: polars takes UTF-8 paths only, so a path that is not (a file named
+    with bytes such as ``\\xff``, held by Python as surrogates) is opened here and handed over as
+    ``/proc/self/fd/N``. Other sources (paths, buffers) pass through."""
+
+    def __init__(self, source):
+        self.source, self.fd = source, None
+
+    def __enter__(self):
+        if isinstance(self.source, str):
+            try:
+                self.source.encode("utf-8")
+            except UnicodeEncodeError:
+                self.fd = os.open(self.source, os.O_RDONLY)
+                return f"/proc/self/fd/{self.fd}"
+        return self.source
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)
+        return False

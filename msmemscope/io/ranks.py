@@ -11,7 +11,6 @@ copied side by side works too), a single run folder, or a dump file.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -40,6 +39,30 @@ class RankDump:
     def host(self):
         return self.config.get("host")
 
+    @property
+    def ray(self) -> dict:
+        """The Ray identity of a traced Ray worker or driver (job id, node, actor, tasks), or {}."""
+        r = self.config.get("ray")
+        return r if isinstance(r, dict) else {}
+
+
+def ray_name(cfg: dict) -> str | None:
+    """``actor leaky (pid 12)``, ``task train_fn (pid 12)``, ``ray driver (pid 12)`` for a Ray
+    process's folder; None for any other."""
+    r = cfg.get("ray")
+    if not isinstance(r, dict):
+        return None
+    pid = cfg.get("pid", "?")
+    role = cfg.get("role")
+    if role == "ray_actor" or r.get("actor_id"):
+        who = r.get("actor_name") or r.get("actor_class") or (r.get("actor_id") or "?")[:8]
+        return f"actor {who} (pid {pid})"
+    if role == "ray_task":
+        tasks = r.get("tasks") or []
+        who = ",".join(tasks[:2]) + ("…" if len(tasks) > 2 else "") if tasks else "?"
+        return f"task {who} (pid {pid})"
+    return f"ray driver (pid {pid})"
+
 
 def run_folder_of(dump: str, stop: str | None = None) -> tuple[str, dict]:
     """The nearest folder above ``dump`` holding a config.json (not above ``stop``), and that config."""
@@ -49,10 +72,9 @@ def run_folder_of(dump: str, stop: str | None = None) -> tuple[str, dict]:
         cfg = os.path.join(d, CONFIG)
         if os.path.isfile(cfg):
             try:
-                with open(cfg, encoding="utf-8") as f:
-                    data = json.load(f)
-                return d, data if isinstance(data, dict) else {}
-            except (OSError, ValueError):
+                from .validate import load_json_object
+                return d, load_json_object(cfg)  # an object, never nested past 64 levels
+            except (OSError, ValueError, DumpError):
                 return d, {}
         parent = os.path.dirname(d)
         if parent == d or (stop is not None and d == stop) or (stop is not None and not d.startswith(stop)):
@@ -80,7 +102,9 @@ def _label(rds: list[RankDump]) -> None:
     """``rank R``; where two runs share a rank (two jobs under one root) the host and pid tell them apart;
     a process outside a distributed job is named by its folder."""
     seen: dict = {}
+    per_folder: dict = {}
     for r in rds:
+        per_folder[r.folder] = per_folder.get(r.folder, 0) + 1
         if not r.is_worker:
             seen[r.rank] = seen.get(r.rank, 0) + 1
     for r in rds:
@@ -88,12 +112,14 @@ def _label(rds: list[RankDump]) -> None:
             who = f"rank {r.rank}" if r.rank is not None else os.path.basename(os.path.dirname(r.folder))
             r.label = f"{who} worker {r.config.get('worker_id', '?')} (pid {r.config.get('pid', '?')})"
         elif r.rank is None:
-            r.label = os.path.basename(r.folder)
+            r.label = ray_name(r.config) or os.path.basename(r.folder)
         elif seen[r.rank] > 1:
             r.label = f"rank {r.rank} ({r.host or '?'} pid {r.config.get('pid', '?')})"
         else:
             r.label = f"rank {r.rank}"
-        if len([x for x in rds if x.folder == r.folder]) > 1:
+        if r.rank is not None and r.ray and ray_name(r.config):  # a ranked Ray actor: both names
+            r.label += f" {ray_name(r.config).split(' (pid')[0]}"
+        if per_folder[r.folder] > 1:  # (a count, not a scan: 1,024 ranks made that quadratic)
             r.label += f" {os.path.basename(r.path)}"
 
 
@@ -107,8 +133,10 @@ def heading(rd: RankDump) -> str:
         extra.append(f"local rank {cfg['local_rank']}")
     if cfg.get("host"):
         extra.append(f"host {cfg['host']}")
+    if rd.ray.get("job_id"):
+        extra.append(f"ray job {rd.ray['job_id']}")
     tail = f" ({', '.join(extra)})" if extra else ""
     return f"===== {rd.label}{tail}: {rd.path} ====="
 
 
-__all__ = ["RankDump", "find_rank_dumps", "run_folder_of", "heading", "DumpError"]
+__all__ = ["RankDump", "find_rank_dumps", "run_folder_of", "heading", "ray_name", "DumpError"]

@@ -18,7 +18,8 @@ import warnings
 import polars as pl
 
 from ..events import COLUMNS, HEADER
-from .files import dump_files
+from . import validate
+from .files import dump_files, is_regular, polars_path
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 #: what ``read_dump`` gives without ``columns`` (this order)
@@ -68,8 +69,8 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = dump_files(path)
     if not found:
-        found = sorted(glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.csv.zst"))
-                       + glob.glob(os.path.join(path, "*.db")))
+        found = sorted(p for p in glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.csv.zst"))
+                       + glob.glob(os.path.join(path, "*.db")) if is_regular(p))
     if not found:
         raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
     return found
@@ -157,6 +158,9 @@ def _read_db(path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFr
                 if not cols:
                     con.execute("SELECT * FROM memscope_dump LIMIT 0")  # no such table: say so
                 raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
+            # no rows; too large for memory: said before fetching
+            n = con.execute("SELECT COUNT(*) FROM memscope_dump").fetchone()[0]
+            validate.after_scan(path, os.path.getsize(path), os.path.getsize(path), n)
             picked = [(n, c) for n, c in zip(NAMES, COLUMNS) if n in need]
             sel = ",".join(f'"{c}"' for _, c in picked)
             rows = con.execute(f"SELECT {sel} FROM memscope_dump{where} ORDER BY ID", kinds).fetchall()
@@ -234,9 +238,10 @@ def _read_csv(path: str, text: bytes | None = None) -> pl.DataFrame:
                       TruncatedDumpWarning, stacklevel=3)
         source = io.BytesIO(data)
     try:
-        df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
-                         schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
-                         quote_char="\"")
+        with polars_path(source) as source:
+            df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
+                             schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
+                             quote_char="\"")
     except Exception:
         raise DumpError(_locate_csv_error(path, text)) from None
     if df.width != len(NAMES):
@@ -268,6 +273,7 @@ def check_csv(path: str, text: bytes | None = None) -> tuple[int, int]:
         f.seek(0)
         pos = 0          # bytes read
         since = 0        # bytes since the last newline
+        lines = 0        # newlines seen
         while True:
             block = f.read(block_size)
             if not block:
@@ -282,8 +288,10 @@ def check_csv(path: str, text: bytes | None = None) -> tuple[int, int]:
                 raise DumpError(f"{path}: line {line} is longer than {limit} bytes "
                                 "(not a dump row; MSMEMSCOPE_MAX_LINE_BYTES sets the limit)")
             if first >= 0:
+                lines += block.count(b"\n")
                 since = len(block) - 1 - block.rfind(b"\n")
             pos += len(block)
+    validate.after_scan(path, pos - since, pos, max(lines - 1, 0))  # no rows; too large for memory
     return pos - since, pos
 
 
@@ -370,7 +378,11 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
         slow = df[other].select(alloc_id=per["alloc_id"], **{c: per[c] for c in fields if c != "alloc_id"})
         cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in cols.columns))
     if "addr" in fields:
-        cols = cols.with_columns(addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+        # hex ("0x…", the contract); a bare number is decimal (the JSON of a MALLOC row with extra keys)
+        a = pl.col("addr")
+        cols = cols.with_columns(addr=pl.when(a.str.starts_with("0x"))
+                                 .then(a.str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+                                 .otherwise(a.str.to_integer(base=10, strict=False)))
     return df.with_columns(cols.select(list(fields)))
 
 
@@ -438,12 +450,13 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
     if fields or out.select(mem_rows.any()).item():
         # every MALLOC/FREE row read has a size, whatever the analysis asks for
-        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("size",))))
+        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("alloc_id", "size"))))
     mem = out.filter(mem_rows)
     if mem.height and mem["size"].null_count():
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
+    validate.check_rows(out, path)  # rows that parse but cannot be true
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
                                .then(_attr_field("origin", False)))
@@ -465,11 +478,12 @@ def load(path: str):
 
 def _parse_attr_loose(text):
     import json
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or validate._depth(text) > validate.MAX_JSON_DEPTH:
         return {}
     try:
-        return json.loads(text)
-    except ValueError:
+        obj = json.loads(text)
+        return obj if isinstance(obj, dict) else {}
+    except (ValueError, RecursionError):
         out = {}
         for part in text.strip("{}").split(","):
             k, _, v = part.partition(":")

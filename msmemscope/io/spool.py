@@ -36,6 +36,10 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from msmemscope.io.spool import serve; serve(sys.argv[2:])")
 
 
+class WriterFailed(OSError):
+    """The writer process could not write the dump (disk full, I/O error): the tool's failure."""
+
+
 def _spooling_enabled() -> bool:
     return os.environ.get("MSMEMSCOPE_WRITER", "").lower() not in ("inline", "0", "off")
 
@@ -63,6 +67,8 @@ class SpoolWriter:
         self._proc = None
         self._fd = None
         self._sent = 0                # ID of the last row handed over
+        self._whole = False           # the last frame went into the pipe whole
+        self.rows_lost_after = None   # the writer process died: rows after this ID may be missing
         self._inline = not _spooling_enabled()  # write here: asked to, or no writer process could run
 
     # ------------------------------------------------------------------ start
@@ -84,7 +90,7 @@ class SpoolWriter:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _BOOT, _PKG_ROOT, self.suffix[1:], target, str(lock)],
-                stdin=r, stdout=subprocess.DEVNULL, pass_fds=pass_fds + (lock,), start_new_session=True,
+                stdin=r, stdout=subprocess.PIPE, pass_fds=pass_fds + (lock,), start_new_session=True,
                 close_fds=True)
         except OSError as e:
             os.close(lock)
@@ -120,13 +126,20 @@ class SpoolWriter:
         try:
             self._send(len(data).to_bytes(_LEN, "little") + data)
         except BrokenPipeError:
-            # the writer process was killed (the OOM killer, say): never let that reach the
-            # program; the rows still in the pipe are lost, the rest is written from here
+            # the writer process ended. Killed (the OOM killer, say): never let that reach the
+            # program; the rows still in the pipe are lost, the rest is written from here. Ended
+            # on a write error of its own (disk full): the tool's failure, raised to the session
             self._take_over()
             self.inner.write(rows, first, pid, c_syms)
+        finally:
+            if self._whole:  # in the pipe, whatever interrupted us after: never sent twice
+                self._sent = first + len(rows) - 1
         self._sent = first + len(rows) - 1
 
     def _send(self, frame: bytes) -> None:
+        from .files import fault_point
+        self._whole = False
+        fault_point()
         view = memoryview(frame)
         done = 0
         try:
@@ -140,6 +153,7 @@ class SpoolWriter:
                     done += os.write(self._fd, view[done:])
                 except BrokenPipeError:
                     break
+            self._whole = done == len(frame)
 
     def _drop_pipe(self, inner):
         """Write inline from now on, into ``inner``, without the pipe."""
@@ -152,10 +166,34 @@ class SpoolWriter:
         self._inline = True
         self.inner = inner
 
+    def _failure(self) -> str | None:
+        """What the ended writer process said went wrong, if it ended on an error of its own."""
+        out = self._proc.stdout if self._proc is not None else None
+        if out is None:
+            return None
+        try:
+            text = out.read().decode("utf-8", "replace").strip()
+            out.close()
+        except (OSError, ValueError):
+            return None
+        return text or None
+
     def _take_over(self):
+        if self._fd is not None:  # closed first: a writer process still reading sees the end
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
         rc = self._proc.wait() if self._proc is not None else None
+        why = self._failure()
+        if why:
+            self._drop_pipe(_Nowhere())
+            raise WriterFailed(why)
         log.error("the dump writer process ended (status %s): rows after ID %d that it had not written "
                   "are lost; the rest is written by the traced process", rc, self._sent)
+        if self.rows_lost_after is None:
+            self.rows_lost_after = self._sent
         self._drop_pipe(self.inner.reopen())
 
     def last_id(self) -> int:
@@ -176,8 +214,13 @@ class SpoolWriter:
             os.close(self._fd)
             self._fd = None
         rc = self._proc.wait()
+        if rc == 0 and self._proc.stdout is not None:
+            self._proc.stdout.close()  # its failure channel: nothing to say
         if rc != 0:
+            why = self._failure()
             log.error("the dump writer process failed (status %s): %s may be incomplete", rc, self.path)
+            if why:
+                raise WriterFailed(why)
 
     def sync(self) -> None:
         """Return when every row handed over is in the file (``stop()``: the program may read the
@@ -187,6 +230,18 @@ class SpoolWriter:
         self.close()
         self._proc = None
         self.inner = self.inner.reopen()
+
+    def abandon(self) -> None:
+        """A failure stopped tracing: end the stream without raising; what reached the file stays."""
+        try:
+            if self._inline or self._proc is None:
+                self.inner.close()
+            else:
+                self.close()
+        except Exception:
+            pass
+        self._proc = None
+        self._drop_pipe(_Nowhere())
 
     def forget(self) -> None:
         """In a forked child: let go of the pipe without ending the parent's stream."""
@@ -209,6 +264,9 @@ class _Nowhere:
     def write(self, *a, **k):
         pass
 
+    def last_id(self):
+        return 0
+
     def close(self):
         pass
 
@@ -227,15 +285,15 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 def serve(argv) -> None:
     """Main of the writer process: frames from stdin into the dump until the stream ends."""
+    from . import files
     from .writers import CsvWriter, DbWriter
+    files.ROLE = "writer"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is for the program
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     kind, target, _lock = argv  # the lock descriptor stays open until this process exits
-    if kind == "csv":
-        writer = CsvWriter.attach(int(target))
-    else:
-        writer = DbWriter.attach(target)
+    writer = None
     try:
+        writer = CsvWriter.attach(int(target)) if kind == "csv" else DbWriter.attach(target)
         while True:
             head = _read_exact(0, _LEN)
             if head is None:
@@ -248,8 +306,22 @@ def serve(argv) -> None:
                 break
             first, pid, rows, c_syms = marshal.loads(data)
             writer.write(rows, first, pid, c_syms)
-    finally:
         writer.close()
+    except Exception as e:
+        # a write refused (disk full, I/O error): no traceback on the program's stderr; the
+        # reason goes to the traced process (our stdout), which stops tracing and says it once
+        why = (e.strerror + (f" ({e.filename})" if e.filename else "")
+               if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}")
+        try:
+            if writer is not None:
+                writer.close()
+        except Exception:
+            pass
+        try:
+            os.write(1, f"{why} (in the dump writer process)".encode("utf-8", "replace"))
+        except OSError:
+            pass
+        os._exit(3)
 
 
 def wait_for_writer(path: str, timeout: float = 120.0) -> bool:

@@ -9,18 +9,24 @@ import os
 import sqlite3
 
 from ..events import COLUMNS, HEADER, format_attr, format_ptr
-from .files import FILE_MODE, create_new
+from .files import FILE_MODE, create_new, fault_point
 
 SQL_TABLE = "memscope_dump"
 SQL_COLUMNS = ('ID INTEGER, Event TEXT, "Event Type" TEXT, Name TEXT, "Timestamp(ns)" INTEGER, '
                '"Process Id" INTEGER, "Thread Id" INTEGER, "Device Id" TEXT, Ptr TEXT, Attr TEXT, '
                '"Call Stack(Python)" TEXT, "Call Stack(C)" TEXT')
 
-_FORMULA_START = ("=", "+", "-", "@")
+# Every CSV we write (the dump, the compare table, the watch checksums) goes through these: a
+# text that a spreadsheet would run as a formula (it starts with = + - @, or with a TAB or CR
+# before one, which some strip) gets a leading ', and a field holding a quote, comma or line
+# break is quoted, so no text can start a row of its own.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FORMULA_RE = r"^[=+\-@\t\r]"
 
 
-def _csv_text(v: str) -> str:
-    """A CSV field: neutralised, quoted only where it must be."""
+def csv_field(v) -> str:
+    """One CSV field: neutralised, quoted only where it must be."""
+    v = "" if v is None else str(v)
     if not v:
         return v
     if v[0] in _FORMULA_START:
@@ -30,17 +36,25 @@ def _csv_text(v: str) -> str:
     return v
 
 
+_csv_text = csv_field
+
+
+def csv_line(fields) -> str:
+    """One CSV row of fields, each through ``csv_field``, ended by a newline."""
+    return ",".join(csv_field(f) for f in fields) + "\n"
+
+
 def _plain(text: str) -> bool:
     """Text that JSON and CSV carry as it is (no quote, backslash or control character)."""
     return not text or (text.isprintable() and '"' not in text and "\\" not in text)
 
 
 def csv_safe(column: str):
-    """A polars expression: the string ``column`` with text that starts with ``= + - @`` prefixed
-    by ``'`` (as ``_csv_text`` does for the dump), so a spreadsheet shows it instead of running it."""
+    """A polars expression: the string ``column`` neutralised as ``csv_field`` does (polars's
+    writer then quotes what must be quoted), so a spreadsheet shows it instead of running it."""
     import polars as pl
     c = pl.col(column).cast(pl.String)
-    return pl.when(c.str.contains(r"^[=+\-@]")).then(pl.lit("'") + c).otherwise(c).alias(column)
+    return pl.when(c.str.contains(_FORMULA_RE)).then(pl.lit("'") + c).otherwise(c).alias(column)
 
 
 def table_rows(rows, first, pid, c_syms=None):
@@ -65,7 +79,7 @@ class CsvWriter:
     def attach(cls, fd: int) -> "CsvWriter":
         """A writer on a dump another process created (the spool's writer process)."""
         w = cls.__new__(cls)
-        w._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        w._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
         w._esc = {}
         return w
@@ -91,13 +105,14 @@ class CsvWriter:
         if pos != end:
             os.ftruncate(fd, pos)
         os.lseek(fd, 0, os.SEEK_END)
-        self._f = os.fdopen(fd, "a", encoding="utf-8", newline="")
+        self._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         return self
 
     def write(self, rows, first, pid, c_syms=None) -> None:
         # One f-string per row, specialised for the frequent kinds; op names and
         # stacks repeat, so their CSV text is cached. This loop is the cost of a
         # flush, paid at every step: keep it lean.
+        fault_point()
         c_syms = c_syms or {}
         esc = self._esc
         if len(esc) > 200_000:
@@ -140,20 +155,8 @@ class CsvWriter:
     def last_id(self) -> int:
         """ID of the last row in the file (0 if none): what reached it, whatever interrupted a write."""
         self._f.flush()
-        with open(self.path, "rb") as f:
-            pos = f.seek(0, os.SEEK_END)
-            tail = b""
-            while pos > 0:
-                n = min(1 << 16, pos)
-                pos -= n
-                f.seek(pos)
-                tail = f.read(n) + tail
-                i = tail.rfind(b"\n", 0, len(tail) - 1)
-                if i >= 0:
-                    tail = tail[i + 1:]
-                    break
-        head = tail.split(b",", 1)[0]
-        return int(head) if head.isdigit() else 0
+        return last_id_in(self.path)
+
 
     def close(self) -> None:
         if not self._f.closed:
@@ -195,6 +198,7 @@ class DbWriter:
         self._db = None
 
     def write(self, rows, first, pid, c_syms=None) -> None:
+        fault_point()
         self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
         self._db.commit()
 
@@ -207,6 +211,36 @@ class DbWriter:
             self._db.close()
             self._db = None
             os.chmod(self.path, FILE_MODE)
+
+
+def last_id_in(path: str) -> int:
+    """ID of the last complete row of a dump file (0 if none or unreadable)."""
+    try:
+        if path.endswith(".db"):
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                return con.execute(f"SELECT MAX(ID) FROM {SQL_TABLE}").fetchone()[0] or 0
+            finally:
+                con.close()
+        with open(path, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            tail = b""
+            while pos > 0:
+                n = min(1 << 16, pos)
+                pos -= n
+                f.seek(pos)
+                tail = f.read(n) + tail
+                end = tail.rfind(b"\n")  # a last row cut short (no newline) is not written
+                i = tail.rfind(b"\n", 0, end) if end >= 0 else -1
+                if i >= 0 or (pos == 0 and end >= 0):
+                    tail = tail[i + 1:end]
+                    break
+            else:
+                return 0
+        head = tail.split(b",", 1)[0]
+        return int(head) if head.isdigit() else 0
+    except (OSError, ValueError, sqlite3.Error):
+        return 0
 
 
 def open_writer(data_format: str, path_without_suffix: str, spool: bool = False):

@@ -1,7 +1,6 @@
 """Console text: the short summary printed after a traced run."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -63,14 +62,16 @@ def run_summary(folders, seconds=None, out=sys.stderr):
         cfg = os.path.join(folder, "config.json")
         if os.path.exists(cfg):
             try:
-                with open(cfg) as f:
-                    conf = json.load(f)
+                from ..io.validate import load_json_object
+                conf = load_json_object(cfg)  # an object, never nested past 64 levels, or DumpError
                 rank = conf.get("rank")
                 if rank is not None:
                     print(f"  rank {rank}", file=out)
                 if conf.get("native_missing"):  # the run paid for the slower source, and need not have
                     print(f"  captured through the dispatch mode, slower: {conf.get('source_note')}", file=out)
-            except (OSError, ValueError):
+                if conf.get("tool_failure"):  # the run stopped tracing on a failure of the tool's own
+                    print(f"  tracing stopped early: {conf['tool_failure']}", file=out)
+            except (OSError, ValueError, DumpError):
                 pass
 
 
@@ -137,11 +138,11 @@ def main(argv) -> int:
     cfg = os.path.join(path, "config.json")
     if os.path.isfile(cfg):
         try:
-            with open(cfg) as f:
-                rank = json.load(f).get("rank")
+            from ..io.validate import load_json_object
+            rank = load_json_object(cfg).get("rank")
             if rank is not None:
                 print(f"  rank {rank}")
-        except (OSError, ValueError):
+        except (OSError, ValueError, DumpError):
             pass
     for d, df, s in frames:
         print_tables(df, sys.stdout, s)

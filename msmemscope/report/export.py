@@ -183,11 +183,19 @@ def perfetto_events(df: pl.DataFrame):
     def us(ts):
         return round((ts - t0) / 1000.0, 3)
 
+    # Perfetto's JSON importer takes a tid above 2**32 for a pid, which folds every thread of
+    # ours (pthread ids) into one track: threads become 1, 2, ... here, named by their real id
+    tids = df["tid"].drop_nulls().unique().sort().to_list()
+    tid_of = {t: i + 1 for i, t in enumerate(tids)}
+
+    def tid(t):
+        return tid_of.get(t, 0)
+
     yield {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"msmemscope pid {pid}"}}
     yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "steps"}}
-    for tid in df["tid"].drop_nulls().unique().sort().to_list():
-        yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": int(tid), "args": {"name": f"thread {tid}"}}
-    # memory counters: one sample per MALLOC/FREE row
+    for t in tids:
+        yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid_of[t], "args": {"name": f"thread {t}"}}
+    # memory counters: one sample per MALLOC/FREE row, per device and pool
     mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("used").is_not_null())
     for ts, dev, pool, used, total in mem.select("ts", "device", "event_type", "used", "total").iter_rows():
         args = {"allocated": int(used)}
@@ -195,10 +203,21 @@ def perfetto_events(df: pl.DataFrame):
             args["reserved"] = int(total)
         yield {"name": f"memory device {dev} {pool}", "cat": "memory", "ph": "C", "ts": us(ts), "pid": pid,
                "tid": 0, "args": args}
+    # one counter per owner category (or per op when the dump has no owners), per device and pool:
+    # a sample where that category's bytes change
+    from .views import final_owners, layer_frame
+    owners = final_owners(df)
+    for (dev, pool), part in sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
+                                    key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        m, names, by = layer_frame(part, owners)
+        m = m.with_columns(v=pl.col("signed").cum_sum().over("layer"))
+        for ts, layer, v in m.select("ts", "layer", "v").iter_rows():
+            yield {"name": f"{by} {names[layer]} device {dev} {pool}", "cat": f"memory by {by}", "ph": "C",
+                   "ts": us(ts), "pid": pid, "tid": 0, "args": {"bytes": int(v)}}
     # ops
-    for tid, name, ts, end in _op_slices(df).select("tid", "op", "ts", "end").iter_rows():
+    for tid_, name, ts, end in _op_slices(df).select("tid", "op", "ts", "end").iter_rows():
         yield {"name": name or "?", "cat": "op", "ph": "X", "ts": us(ts), "dur": max(0.0, round((end - ts) / 1000.0, 3)),
-               "pid": pid, "tid": int(tid or 0)}
+               "pid": pid, "tid": tid(tid_)}
     # steps: a STEP row ends its step
     prev = t0
     for step, ts in (df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
@@ -209,21 +228,22 @@ def perfetto_events(df: pl.DataFrame):
     # marks and ranges
     mstx = df.filter(pl.col("event") == "MSTX").select("ts", "tid", "event_type", "name", "attr")
     open_ranges = {}
-    for ts, tid, kind, name, attr in mstx.iter_rows():
+    for ts, mtid, kind, name, attr in mstx.iter_rows():
         if kind == "Mark":
             yield {"name": name or "mark", "cat": "mark", "ph": "i", "s": "t", "ts": us(ts), "pid": pid,
-                   "tid": int(tid or 0)}
+                   "tid": tid(mtid)}
         else:
             try:
-                rid = json.loads(attr).get("range_id") if attr else None
-            except ValueError:
+                from ..io.validate import attr_object
+                rid = attr_object(attr).get("range_id") if attr else None  # never deeper than 64 levels
+            except (ValueError, TypeError):
                 rid = None
             if kind == "Range_start":
-                open_ranges[rid] = (ts, name, tid)
+                open_ranges[rid] = (ts, name, mtid)
             elif kind == "Range_end" and rid in open_ranges:
                 t_start, n, t_tid = open_ranges.pop(rid)
                 yield {"name": n or "range", "cat": "range", "ph": "X", "ts": us(t_start),
-                       "dur": max(0.0, round((ts - t_start) / 1000.0, 3)), "pid": pid, "tid": int(t_tid or 0)}
+                       "dur": max(0.0, round((ts - t_start) / 1000.0, 3)), "pid": pid, "tid": tid(t_tid)}
 
 
 def write_perfetto(df: pl.DataFrame, f, source: str) -> int:

@@ -1,14 +1,15 @@
-"""``msmemscope report <output-folder-or-dump> [-o file.html]``: one self-contained
-HTML file a person opens in a browser.
+"""``msmemscope report <output-folder-or-dump | job root> [-o file.html]``: one self-contained
+HTML file a person opens in a browser, offline (Apache ECharts inlined).
 
-Memory over time per device and pool (allocated, and reserved where it differs),
-step boundaries and marks on it, stacked by owner when MALLOC rows carry owners;
-zoom and hover naming the op and the block; tables of leaks, inefficient blocks,
-top ops, compare results and a per-step summary.
+Views (ids a link opens): ``#findings`` (the analyses' results as sentences), ``#timeline``
+(memory over time per device and pool, stacked by what it is, with zoom levels),
+``#live`` (what is live at the peak or a clicked moment, a flame graph by Python stack;
+what grew between two step ends), ``#compare`` (two steps side by side), ``#details`` (raw
+tables). On the root of a job's rank folders: one page per rank and a root page (``#ranks``).
 
-The browser never gets every event: the series is cut into ``BUCKETS`` time
-buckets on the Python side (polars) and each bucket keeps the min and max of
-``used``, the max of ``total``, and the op and block at its peak.
+The browser never gets every event: ``report/views.py`` downsamples each series into a
+bounded number of buckets per zoom level (min/max of ``used``, every layer at the max row),
+and samples the live blocks at a bounded number of moments.
 """
 from __future__ import annotations
 
@@ -19,86 +20,22 @@ import glob
 import html
 import json
 import os
+import re
 import sys
 
 import polars as pl
 
 from .common import ReportError, check_output, human_bytes, locate, read_all, with_op
 from .progress import progress
+from ..frames import user_line
 
-BUCKETS = 3000
-MAX_OWNERS = 8
+BUCKETS = None  # kept for callers of build(path, buckets): the zoom levels' sizes are views.BASE_BUCKETS
 MAX_ROWS = 500
 MAX_MARKS = 2000
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 
 # ---------------------------------------------------------------- data
-def _series(mem: pl.DataFrame, t0: int, span: int, buckets: int) -> dict:
-    """Downsample one (device, pool) memory series into time buckets."""
-    b = ((pl.col("ts") - t0) * buckets // span).clip(0, buckets - 1).alias("b")
-    mem = mem.with_columns(b)
-    g = (mem.group_by("b", maintain_order=True)
-         .agg(t=pl.col("ts").first(), t_last=pl.col("ts").last(),
-              lo=pl.col("used").min(), hi=pl.col("used").max(), last=pl.col("used").last(),
-              total=pl.col("total").max(), n=pl.len())
-         .sort("b"))
-    # the row at each bucket's peak: op and block for the hover
-    idx = (mem.with_row_index("row").group_by("b", maintain_order=True)
-           .agg(row=pl.col("row").get(pl.col("used").arg_max())).sort("b"))
-    peak_rows = mem.with_row_index("row").join(idx, on="row", how="semi").sort("b")
-    ops = peak_rows["op"].fill_null("").to_list()
-    op_names = sorted(set(ops))
-    op_index = {o: i for i, o in enumerate(op_names)}
-    blocks = [f"{ev} #{aid if aid is not None else '?'} {human_bytes(sz)}" + (f" at 0x{ad:x}" if ad is not None else "")
-              for ev, aid, sz, ad in peak_rows.select("event", "alloc_id", "size", "addr").iter_rows()]
-    total = g["total"].to_list()
-    used_hi = g["hi"].to_list()
-    has_total = any(t is not None and h is not None and t != h for t, h in zip(total, used_hi))
-    out = {
-        "t": [round((x - t0) / 1e6, 6) for x in g["t"].to_list()],
-        "t2": [round((x - t0) / 1e6, 6) for x in g["t_last"].to_list()],
-        "lo": g["lo"].to_list(), "hi": used_hi, "last": g["last"].to_list(),
-        "total": [t if t is not None else h for t, h in zip(total, used_hi)] if has_total else None,
-        "n": g["n"].to_list(),
-        "ops": op_names, "op": [op_index[o] for o in ops], "blk": blocks,
-    }
-    out["peak"] = int(mem["used"].max() or 0)
-    out["peak_reserved"] = int(mem["total"].max() or 0) if has_total else None
-    out["events"] = mem.height
-    return out
-
-
-def _owners(mem: pl.DataFrame, t0: int, span: int, buckets: int) -> dict | None:
-    """Per-owner live bytes, sampled at each bucket's peak row, for the stacked view."""
-    if "owner" not in mem.columns:
-        return None
-    mallocs = mem.filter((pl.col("event") == "MALLOC") & pl.col("owner").is_not_null() & (pl.col("owner") != ""))
-    if not mallocs.height:
-        return None
-    owner_of = mallocs.select("alloc_id", o=pl.col("owner"))
-    m = (mem.join(owner_of, on="alloc_id", how="left")
-         .with_columns(o=pl.col("o").fill_null("(unlabelled)"),
-                       signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size")),
-                       b=((pl.col("ts") - t0) * buckets // span).clip(0, buckets - 1)))
-    m = m.with_columns(live=pl.col("signed").cum_sum().over("o"))
-    peaks = m.group_by("o").agg(p=pl.col("live").max()).sort("p", "o", descending=[True, False])  # ties: by name, every run alike
-    names = [o for o in peaks["o"].to_list() if o != "(unlabelled)"]
-    keep = names[:MAX_OWNERS]
-    label = pl.when(pl.col("o").is_in(keep)).then(pl.col("o")).otherwise(pl.lit("(other)"))
-    m = m.with_columns(lab=label)
-    labels = keep + [x for x in ("(other)",) if m.filter(pl.col("lab") == x).height]
-    cols = []
-    m = m.with_row_index("row")
-    for lab in labels:
-        s = pl.when(pl.col("lab") == lab).then(pl.col("signed")).otherwise(0).cum_sum()
-        cols.append(s.alias(f"_o{len(cols)}"))
-    m = m.with_columns(cols)
-    idx = m.group_by("b").agg(row=pl.col("row").get(pl.col("used").arg_max())).sort("b")
-    at = m.join(idx, on="row", how="semi").sort("b")
-    return {"names": labels, "values": [at[f"_o{i}"].to_list() for i in range(len(labels))]}
-
-
 def _table(columns, rows, title, note=None, fmt=None):
     return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows][:MAX_ROWS],
             "more": max(0, len(rows) - MAX_ROWS), "note": note, "fmt": fmt or {}}
@@ -106,10 +43,10 @@ def _table(columns, rows, title, note=None, fmt=None):
 
 def _json_tables(path: str, title: str) -> list[dict]:
     """Tables from an analysis JSON whatever its exact shape: lists of objects become tables."""
+    from ..io.validate import load_json_object
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
+        data = load_json_object(path)
+    except Exception as e:  # shown as a problem row, never a crash
         return [_table(["problem"], [[f"cannot read {os.path.basename(path)}: {e}"]], title)]
     out = []
 
@@ -183,9 +120,12 @@ def build(path: str, buckets: int = BUCKETS, prog=None) -> dict:
 def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets: int = BUCKETS,
                 stage=lambda s: None) -> dict:
     """``build`` on a frame already read (``read_dump`` columns)."""
+    from . import views
     path = folder or dumps[0]
     stage("memory series")
-    df = with_op(df)
+    marks_df = df.filter(pl.col("event") == "MSTX")
+    # the text columns no view reads: dropped before the frame is copied by the steps below
+    df = with_op(df.drop([c for c in ("attr", "c_stack", "ptr") if c in df.columns]))
     ts = df["ts"].drop_nulls()
     # the axis starts at the first recorded activity, not at START_TRACE or at
     # a mark made before it (the program's imports would otherwise take most of
@@ -194,26 +134,72 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     t0 = int(active.min()) if active.len() else int(ts.min())
     t1 = int(ts.max())
     span = max(1, t1 - t0 + 1)
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("used").is_not_null())
+
+    def us(t):
+        return None if t is None else int((t - t0) // 1000)
+
+    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_not_null())
+    # a pool whose rows carry no ``used`` (the original's HAL, driver segments): its bytes in use
+    # are the running sum of its blocks
+    counted = mem.group_by("device", "event_type").agg(k=pl.col("used").is_not_null().any())
+    mem = (mem.join(counted, on=["device", "event_type"], how="left")
+           .with_columns(used=pl.when(pl.col("k")).then(pl.col("used")).otherwise(
+               pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
+               .cum_sum().over("device", "event_type")))
+           .filter(pl.col("used").is_not_null()).drop("k"))
+    step_rows_df = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).select("id", "step", "ts")
+    steps = [{"step": int(st), "t": us(t)} for _, st, t in step_rows_df.iter_rows()]
+    owners = views.final_owners(df)
+    parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
+                   key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+    total_events = max(1, mem.height)
     series = []
-    for (dev, pool), part in sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
-                                    key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        s = _series(part, t0, span, buckets)
-        s["device"], s["pool"] = str(dev), str(pool)
-        s["owners"] = _owners(part, t0, span, buckets)
+    for (dev, pool), part in parts:
+        m, names, by = views.layer_frame(part, owners)
+        budget = max(4 * views.BASE_BUCKETS, int(views.POINT_BUDGET * part.height / total_events))
+        s = views.timeline(m, names, t0, span, budget)
+        peak_i = int(m["used"].arg_max())
+        pk = m.row(peak_i, named=True)
+        tot = m["total"].drop_nulls()
+        s.update({"device": str(dev), "pool": str(pool), "layers": names, "by": by,
+                  "peak": int(pk["used"]), "peak_t": us(pk["ts"]), "peak_step": pk["step"],
+                  "peak_op": pk["op"], "peak_reserved": int(tot.max()) if tot.len() else None,
+                  "events": part.height, "first_t": us(m["ts"].min()), "last_t": us(m["ts"].max())})
+        s["peak_layers"] = [v[0] for v in views._layer_values(m, pl.Series([peak_i]), len(names), names)]
+        # the step ends as rows of this series: the last MALLOC/FREE row at or before each STEP row
+        ids = m["id"].to_numpy()
+        import numpy as np
+        step_rows = [(int(st), int(np.searchsorted(ids, rid, side="right")) - 1)
+                     for rid, st, _ in step_rows_df.iter_rows()]
+        stage("live blocks")
+        s["live"] = views.live(m, names, by, t0, peak_i, step_rows)
+        s["peak_line"] = _peak_line(m, peak_i)
         series.append(s)
-    steps = [{"step": int(st), "t": round((t - t0) / 1e6, 6)} for st, t in
-             df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
-             .select("step", "ts").iter_rows()]
-    marks_df = df.filter(pl.col("event") == "MSTX")
-    marks = [{"t": round((t - t0) / 1e6, 6), "kind": k, "name": n}
-             for t, k, n in marks_df.select("ts", "event_type", "name").head(MAX_MARKS).iter_rows()]
+    # the main series: the one with the largest peak (the live view opens on it)
+    # (an allocator's pool before the driver segments it sits in: the original's HAL rows)
+    main_i = max(range(len(series)), key=lambda i: (series[i]["pool"] not in ("HAL",), series[i]["peak"])) \
+        if series else None
+
+    marks, ranges, open_r = [], [], {}
+    for t, k, n, attr in marks_df.select("ts", "event_type", "name", "attr").iter_rows():
+        if k == "Mark":
+            if len(marks) < MAX_MARKS:
+                marks.append({"t": us(t), "name": n})
+        else:
+            try:
+                rid = json.loads(attr).get("range_id") if attr else None
+            except (ValueError, AttributeError):
+                rid = None
+            if k == "Range_start":
+                open_r[rid] = (t, n)
+            elif k == "Range_end" and rid in open_r and len(ranges) < MAX_MARKS:
+                ts0, nm = open_r.pop(rid)
+                ranges.append({"t0": us(ts0), "t1": us(t), "name": nm})
 
     stage("tables")
     tables = []
     mallocs = df.filter(pl.col("event") == "MALLOC")
     frees = df.filter(pl.col("event") == "FREE")
-    # per-step summary
     per = (mem.group_by("step", "device", "event_type")
            .agg(peak=pl.col("used").max(),
                 allocs=(pl.col("event") == "MALLOC").sum(), frees=(pl.col("event") == "FREE").sum(),
@@ -229,33 +215,74 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                                                       "alloc_bytes", "free_bytes", "ops").iter_rows()],
                          "Per-step summary", fmt={"3": "bytes", "6": "bytes", "7": "bytes"},
                          note="a SYSTEM/STEP row ends its step; rows before the first are step 1"))
-    # top ops by bytes allocated
     if mallocs.height:
         top = (mallocs.group_by("op").agg(bytes=pl.col("size").sum(), count=pl.len(), largest=pl.col("size").max())
                .sort("bytes", descending=True))
         tables.append(_table(["op", "bytes allocated", "allocations", "largest block"],
-                             [[o or "(outside any op)", b, c, m] for o, b, c, m in top.head(50).iter_rows()],
+                             [[o or "(outside any op)", b, c, m_] for o, b, c, m_ in top.head(50).iter_rows()],
                              "Top ops by bytes allocated", fmt={"1": "bytes", "3": "bytes"}))
-    # analyses' results, when present
+    compare_tables = []
     if folder:
-        for name, title in (("leaks", "Leaks"), ("inefficient", "Inefficient blocks")):
+        for name, title in (("leaks", "Leaks"), ("inefficient", "Inefficient blocks"), ("oom", "Out of memory")):
             p = os.path.join(folder, "analysis", f"{name}.json")
             if os.path.isfile(p):
                 tables.extend(_json_tables(p, title))
-        tables.extend(_compare_tables(folder))
+        compare_tables = _compare_tables(folder)
+
+    stage("findings")
+    step_t = {int(x["step"]): x["t"] for x in steps}
+    ctx = {"step_t": step_t, "fragmentation": []}
+    if main_i is not None:
+        s = series[main_i]
+        made = ", ".join(f"{n} {human_bytes(v)}" for n, v in sorted(zip(s["layers"], s["peak_layers"]),
+                                                                     key=lambda kv: -kv[1]) if v > 0)[:400]
+        ctx["peak"] = {"kind": "peak", "severity": 2, "at": s["peak_t"], "line": s["peak_line"],
+                       "text": f"Peak: {human_bytes(s['peak'])} allocated on {s['device']} {s['pool']} at "
+                               f"{views.human_time(s['peak_t'])} (step {s['peak_step']})"
+                               + (f", in {s['peak_op']}" if s["peak_op"] else "")
+                               + (f" at {views.pretty_line(s['peak_line'])}" if s["peak_line"] else "")
+                               + (f"; made of {made}" if made else "") + ".",
+                       "raw": {"device": s["device"], "pool": s["pool"], "peak_bytes": s["peak"],
+                               "layers": dict(zip(s["layers"], s["peak_layers"]))}}
+    for s in series:
+        if s["peak_reserved"] and s["peak_reserved"] > s["peak"] * 1.2 and s["peak_reserved"] - s["peak"] > (1 << 20):
+            gap = s["peak_reserved"] - s["peak"]
+            ctx["fragmentation"].append({
+                "kind": "fragmentation", "severity": 1, "at": s["peak_t"],
+                "text": f"Reserved but not allocated: {s['device']} {s['pool']} reserved up to "
+                        f"{human_bytes(s['peak_reserved'])} for an allocated peak of {human_bytes(s['peak'])}: "
+                        f"{human_bytes(gap)} ({100.0 * gap / s['peak_reserved']:.0f}%) held by the allocator's cache "
+                        f"or lost to fragmentation.",
+                "raw": {"peak_reserved": s["peak_reserved"], "peak_allocated": s["peak"]}})
+    ids = mallocs.select("id", "ts")
+    ctx["row_t"] = {}
+    if folder and os.path.isfile(os.path.join(folder, "analysis", "inefficient.json")):
+        ctx["row_t"] = {int(i): us(t) for i, t in ids.iter_rows()} if ids.height <= 2_000_000 else {}
+    found = views.findings(folder, ctx)
+
     freed = set(frees["alloc_id"].drop_nulls().to_list())
     live = mallocs.filter(~pl.col("alloc_id").is_in(list(freed)))
     summary = {
         "events": df.height, "steps": len(steps), "mallocs": mallocs.height, "frees": frees.height,
         "ops": int(df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")).height),
         "marks": marks_df.height, "live_at_end": live.height, "live_bytes_at_end": int(live["size"].sum() or 0),
-        "duration_ms": round((t1 - t0) / 1e6, 3),
+        "duration_ms": round((t1 - t0) / 1e6, 3), "duration_us": int((t1 - t0) // 1000),
     }
+    stage("compare")
     return {"title": f"msmemscope report — {os.path.basename(os.path.normpath(folder or path))}",
             "source": [os.path.abspath(d) for d in dumps], "folder": folder,
             "generated": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
-            "summary": summary, "series": series, "steps": steps, "marks": marks, "tables": tables,
-            "buckets": buckets}
+            "summary": summary, "series": series, "main": main_i, "steps": steps[:views.MAX_STEP_SAMPLES * 50],
+            "marks": marks, "ranges": ranges, "tables": tables, "findings": found,
+            "compare": views.compare_steps(df), "compare_tables": compare_tables, "ranks": None}
+
+
+def _peak_line(m: pl.DataFrame, i: int):
+    """The user's line of the block allocated at (or last before) the peak row."""
+    if "py_stack" not in m.columns:
+        return None
+    part = m.head(i + 1).filter((pl.col("event") == "MALLOC") & pl.col("py_stack").is_not_null()).tail(1)
+    return user_line(part["py_stack"][0]) if part.height else None
 
 
 # ---------------------------------------------------------------- page
@@ -264,13 +291,24 @@ def _asset(name: str) -> str:
         return f.read()
 
 
-def render(data: dict) -> str:
-    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
-    return (_asset("report.html")
-            .replace("/*CSS*/", _asset("report.css"))
-            .replace("%TITLE%", html.escape(data["title"]))
-            .replace("/*DATA*/", payload)
-            .replace("/*JS*/", _asset("report.js")))
+_SLOT = re.compile(r"/\*(CSS|LIB|DATA|JS)\*/|%TITLE%")
+# characters that could end the script element or confuse an HTML parser, and the two
+# line separators older JavaScript parsers reject: escaped inside the JSON text
+_JSON_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def embed_json(data) -> str:
+    """JSON text that can sit inside ``<script type="application/json">`` whatever its strings hold."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=str)
+    return re.sub("[<>&\u2028\u2029]", lambda m: _JSON_ESCAPES[m.group(0)], text)
+
+
+def render(data: dict, template: str = "report.html", script: str = "report.js") -> str:
+    """The page: the template's slots filled in one pass, so nothing in the data (a name
+    holding ``/*JS*/`` or ``%TITLE%``) is ever taken for a slot."""
+    fill = {"/*CSS*/": _asset("report.css"), "/*LIB*/": _asset("echarts.min.js").replace("</script", "<\\/script"),
+            "/*DATA*/": embed_json(data), "/*JS*/": _asset(script), "%TITLE%": html.escape(data["title"])}
+    return _SLOT.sub(lambda m: fill[m.group(0)], _asset(template))
 
 
 def default_output(path: str, folder: str | None) -> str:
@@ -278,19 +316,109 @@ def default_output(path: str, folder: str | None) -> str:
     return os.path.join(base, "msmemscope_report.html")
 
 
+def _write(target: str, text: str) -> str:
+    from ..io.files import create_new
+    try:
+        with create_new(target) as f:
+            f.write(text)
+    except OSError as e:
+        raise ReportError(f"cannot write {target}: {e.strerror or e}") from None
+    return target
+
+
+def rank_runs(path: str):
+    """The rank dumps under ``path`` when it is the root of several run folders, else None."""
+    if not os.path.isdir(path):
+        return None
+    from ..io.ranks import find_rank_dumps
+    from ..io.reader import DumpError
+    try:
+        rds = find_rank_dumps(path)
+    except DumpError:
+        return None
+    if len({r.folder for r in rds}) < 2:
+        return None
+    return rds
+
+
 def write_report(path: str, output: str | None = None, buckets: int = BUCKETS) -> str:
-    with progress("report", total=4) as p:
+    rds = rank_runs(path)
+    if rds is not None:
+        return write_rank_report(path, rds, output)
+    with progress("report", total=8) as p:
         data = build(path, buckets, prog=p)
         p.stage("writing html")
         target = check_output(output or default_output(path, data["folder"]))
-        text = render(data)
-        from ..io.files import create_new
+        return _write(target, render(data))
+
+
+def _step_progress(t_delta: list[int], steps: list[dict]) -> list[float]:
+    """Each point's place in the run counted in steps (2.5 = half-way through step 3): ranks that
+    started at different times (a slow rendezvous) line up step for step."""
+    import numpy as np
+    t = np.cumsum(np.asarray(t_delta, dtype=np.int64))
+    ends = [x["t"] for x in steps if x.get("t") is not None]
+    if not len(t) or not ends:
+        return []
+    last = max(int(t[-1]), ends[-1] + 1)
+    xp = np.asarray([0] + ends + [last], dtype=np.float64)
+    fp = np.arange(len(xp), dtype=np.float64)
+    keep = np.concatenate([[True], np.diff(xp) > 0])  # interp needs increasing points
+    return np.round(np.interp(t, xp[keep], fp[keep]), 4).tolist()
+
+
+def write_rank_report(root: str, rds, output: str | None = None) -> str:
+    """One page per rank (in its run folder) and the root page: the cross-rank summary,
+    each rank's peak and memory over time, the outlier, links to the rank pages."""
+    from . import summary as cross
+    target = check_output(output or os.path.join(os.path.abspath(root), "msmemscope_report.html"))
+    base = os.path.dirname(os.path.abspath(target))
+    ranks = []
+    with progress("report", total=len(rds) + 2) as p:
+        for rd in rds:
+            p.stage(f"{rd.label}")
+            try:
+                data = build_frame(read_all([rd.path]), [rd.path], rd.folder)
+            except ReportError as e:  # one unreadable rank: said in its row, the others are shown
+                ranks.append({"label": rd.label, "rank": rd.rank, "host": rd.host, "dump": os.path.abspath(rd.path),
+                              "href": None, "error": str(e), "peak": 0, "events": 0, "steps": 0, "t": [], "hi": [],
+                              "findings": [f"error: {e}"], "layers": {}})
+                continue
+            page = _write(check_output(os.path.join(rd.folder, "msmemscope_report.html")), render(data))
+            main = data["series"][data["main"]] if data["main"] is not None else None
+            lvl = main["levels"][0] if main else None
+            ranks.append({"label": rd.label, "rank": rd.rank, "host": rd.host, "dump": os.path.abspath(rd.path),
+                          "href": os.path.relpath(page, base),
+                          "peak": main["peak"] if main else 0, "peak_step": main["peak_step"] if main else None,
+                          "peak_t": main["peak_t"] if main else None,
+                          "device": main["device"] if main else None, "pool": main["pool"] if main else None,
+                          "peak_reserved": main["peak_reserved"] if main else None,
+                          "layers": dict(zip(main["layers"], main["peak_layers"])) if main else {},
+                          "events": data["summary"]["events"], "steps": data["summary"]["steps"],
+                          "t": lvl["t"] if lvl else [], "hi": lvl["hi"] if lvl else [],
+                          "progress": _step_progress(lvl["t"], data["steps"]) if lvl else [],
+                          "findings": [f["text"] for f in data["findings"] if f.get("kind") in ("leak", "oom")][:5]})
+        p.stage("cross-rank summary")
         try:
-            with create_new(target) as f:
-                f.write(text)
-        except OSError as e:
-            raise ReportError(f"cannot write {target}: {e.strerror or e}") from None
-    return target
+            s = cross.build(root, show_progress=False)
+            lines = cross.verdict_lines(s)
+            imb = s.get("imbalance")
+        except Exception as e:  # the per-rank pages stand on their own
+            lines, imb = [f"cross-rank summary not available: {e}"], None
+        ok = [r for r in ranks if r["peak"]]
+        outlier = None
+        if len(ok) >= 2:
+            import statistics
+            med = statistics.median(r["peak"] for r in ok)
+            far = max(ok, key=lambda r: (abs(r["peak"] - med), r["peak"]))  # a tie: the larger one (as summary)
+            pct = 100.0 * (far["peak"] - med) / med if med else 0.0
+            outlier = {"label": far["label"], "peak": far["peak"], "median": med, "pct": pct,
+                       "flagged": abs(pct) >= cross.IMBALANCE_PCT}
+        data = {"title": f"msmemscope report — {len(ranks)} ranks under {os.path.basename(os.path.normpath(root))}",
+                "root": os.path.abspath(root), "generated": datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+                "ranks": ranks, "outlier": outlier, "imbalance": imb, "verdict": lines}
+        p.stage("writing html")
+        return _write(target, render(data, "ranks.html", "ranks.js"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -300,7 +428,7 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv) -> int:
     p = _Parser(prog="msmemscope report", description="Write a self-contained HTML report of a dump.")
-    p.add_argument("path", help="an msmemscope output folder or a dump file")
+    p.add_argument("path", help="an msmemscope output folder, a dump file, or the root of a job's rank folders")
     p.add_argument("-o", "--output", help="the HTML file to write (default <folder>/msmemscope_report.html; "
                                           "an existing file is never overwritten)")
     try:

@@ -1,20 +1,24 @@
-"""``msmemscope summary <root> [--json out.json]``: one table across the ranks of a job.
+"""``msmemscope summary <root> [--json out.json] [--engine pool|ray] [--from-dumps]``: one table
+across the ranks of a job.
 
 Per rank (one dump each, found by ``io.ranks``): peak allocated (max ``used``)
 and peak reserved (max ``total``) per device and pool, leaked blocks, inefficient
 bytes and the decomposition by owner category; then the imbalance (the rank
 whose peak allocated is furthest from the median) and the ranks that leak.
 
-Where an online analysis already wrote its result (``<run>/analysis/leaks.json``,
-``inefficient.json``, ``decompose.json``) that result is used; otherwise the
-number is computed from the dump (leaks: the step rule of SPEC 4.1, with the
-leaks module's offline function where it exists; decomposition:
-``analysis.decompose.summarize``; inefficient memory: only from a saved result
-or when the dump has ACCESS rows). Peaks always come from the dump itself.
+A rank whose online run left its results (``<run>/analysis/peaks.json`` and ``leaks.json``,
+written at each step end and at exit; plus ``inefficient.json`` / ``decompose.json`` where the
+run recorded ACCESS rows / owner labels) is summarised from those few small files: no dump is
+read, so the cost grows with the number of ranks, not of events. Otherwise the rank's dump is
+read (leaks: the step rule of SPEC 4.1, with the leaks module's offline function where it
+exists; decomposition: ``analysis.decompose.summarize``; inefficient memory: only from a saved
+result or when the dump has ACCESS rows). ``--from-dumps`` reads every dump anyway.
 
-The dumps are analysed in parallel, one process per dump
-(``ProcessPoolExecutor`` sized to the CPUs), each reading only the columns it
-needs with a lazy polars scan.
+Engines: ``pool`` (default) reads the saved results in this process and the dumps in parallel,
+one process per dump (``ProcessPoolExecutor`` sized to the CPUs), each reading only the columns
+it needs with a lazy polars scan. ``ray`` runs each rank's analysis as a Ray task pinned (hard
+``NodeAffinitySchedulingStrategy``) to the node whose host name is the rank's ``config.json``
+``host``, so that each node reads only the folders on its own disk; the results are merged here.
 
 Which ranks leak: a rank whose leaks fall in two or more steps (memory that
 keeps growing), or whose leaks are not all shared by every other rank. A block
@@ -84,10 +88,12 @@ def _offline_leaks(df) -> tuple[list[dict], str]:
 
 
 def _read_json(path):
+    """A JSON object file beside a dump, or None (unreadable, not an object, nested too deep)."""
+    from ..io.reader import DumpError
+    from ..io.validate import load_json_object
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return load_json_object(path)
+    except DumpError:
         return None
 
 
@@ -98,6 +104,20 @@ def _leak_summary(leaks: list[dict], source: str) -> dict:
     return {"count": len(leaks), "bytes": int(sum(int(lk.get("size") or 0) for lk in leaks)),
             "steps": steps, "signatures": [list(s) for s in sig[:10000]], "source": source,
             "largest": sorted(leaks, key=lambda lk: -int(lk.get("size") or 0))[:3]}
+
+
+def _saved_leaks(res: dict) -> dict:
+    """The step rule's blocks from a saved leaks.json: the leaks of growing sites and the blocks
+    retained elsewhere (both are what the rule finds on the dump); the lists keep a bounded number
+    of blocks per site, so count and bytes come from the per-site totals where the file has them."""
+    blocks = list(res.get("leaks") or []) + [x for x in (res.get("retained") or []) if isinstance(x, dict)]
+    blocks.sort(key=lambda lk: (lk.get("id") is None, lk.get("id") or 0))
+    out = _leak_summary(blocks, "analysis/leaks.json")
+    totals = [x for x in (res.get("summary") or []) + (res.get("retained_sites") or []) if isinstance(x, dict)]
+    if "retained_sites" in res and totals:
+        out["count"] = max(out["count"], int(sum(int(x.get("count") or 0) for x in totals)))
+        out["bytes"] = max(out["bytes"], int(sum(int(x.get("bytes") or 0) for x in totals)))
+    return out
 
 
 def _inefficient(folder, dump, counts, df):
@@ -126,6 +146,8 @@ def _decomposition(folder, df, device):
     res = _read_json(os.path.join(folder, "analysis", "decompose.json"))
     src = "analysis/decompose.json"
     if not (isinstance(res, dict) and res.get("devices")):
+        if df is None:  # from the saved results: no owner labels were recorded
+            return None
         import polars as pl
         owners = df.filter(pl.col("event") == "MALLOC")["owner"]
         labelled = owners.is_not_null() & ~owners.is_in(["", "null", "N/A"])
@@ -144,35 +166,79 @@ def _decomposition(folder, df, device):
             "source": src}
 
 
+def saved_results(folder: str):
+    """The rank's online results (``analysis/peaks.json``, ``leaks.json``, and ``inefficient.json``
+    / ``decompose.json`` where the run could have produced them), when they hold everything the
+    summary says about the rank; else None (the dump is read)."""
+    a = os.path.join(folder, "analysis")
+    peaks = _read_json(os.path.join(a, "peaks.json"))
+    leaks = _read_json(os.path.join(a, "leaks.json"))
+    if not (isinstance(peaks, dict) and isinstance(peaks.get("peaks"), list)
+            and isinstance(leaks, dict) and isinstance(leaks.get("leaks"), list)):
+        return None
+    if peaks.get("access_rows") and not os.path.isfile(os.path.join(a, "inefficient.json")):
+        return None  # ACCESS rows recorded but not judged online: the dump can tell
+    if peaks.get("owner_labels") and not os.path.isfile(os.path.join(a, "decompose.json")):
+        return None
+    return peaks, leaks
+
+
+def _main_device(out, peaks, config):
+    want = str(config.get("device")) if config.get("device") is not None else None
+    devs = {p["device"] for p in peaks}
+    if want not in devs:
+        want = max(peaks, key=lambda p: p["peak_allocated"])["device"] if peaks else None
+    out["device"] = want
+    mine = [p for p in peaks if p["device"] == want]
+    out["peak_allocated"] = max((p["peak_allocated"] for p in mine), default=0)
+    out["peak_reserved"] = max((p["peak_reserved"] for p in mine), default=0)
+    return want
+
+
 def analyse_rank(job: dict) -> dict:
-    """Everything the summary says about one rank (a worker process runs this)."""
+    """Everything the summary says about one rank (a worker process or a Ray task runs this):
+    from its online results where they suffice (cost: a few small JSON files), else its dump."""
     t0, c0 = time.perf_counter(), time.process_time()
     out = {"label": job["label"], "rank": job["config"].get("rank"), "local_rank": job["config"].get("local_rank"),
            "world_size": job["config"].get("world_size"), "host": job["config"].get("host"),
            "pid": job["config"].get("pid"), "role": job["config"].get("role", "rank"),
            "folder": job["folder"], "dump": job["path"]}
     try:
-        df, counts = load_columns(job["path"])
-        out["events"] = int(sum(counts.values()))
-        out["counts"] = counts
-        out["steps"] = int(df.filter((df["event"] == "SYSTEM") & (df["event_type"] == "STEP")).height)
-        peaks = peaks_of(df)
-        out["peaks"] = peaks
-        want = str(job["config"].get("device")) if job["config"].get("device") is not None else None
-        devs = {p["device"] for p in peaks}
-        if want not in devs:
-            want = max(peaks, key=lambda p: p["peak_allocated"])["device"] if peaks else None
-        out["device"] = want
-        mine = [p for p in peaks if p["device"] == want]
-        out["peak_allocated"] = max((p["peak_allocated"] for p in mine), default=0)
-        out["peak_reserved"] = max((p["peak_reserved"] for p in mine), default=0)
-        saved = _read_json(os.path.join(job["folder"], "analysis", "leaks.json"))
-        if isinstance(saved, dict) and isinstance(saved.get("leaks"), list):
-            out["leaks"] = _leak_summary(saved["leaks"], "analysis/leaks.json")
+        saved = saved_results(job["folder"]) if job.get("use_saved", True) else None
+        if saved is None and job.get("saved_only"):
+            return None
+        if saved is not None:
+            peaks_res, leaks_res = saved
+            out["source"] = "analysis"
+            out["events"] = int(peaks_res.get("events") or 0)
+            out["counts"] = None
+            out["steps"] = int(peaks_res.get("steps") or 0)
+            peaks = [{"device": str(p.get("device")), "pool": p.get("pool"),
+                      "peak_allocated": int(p.get("peak_allocated") or 0),
+                      "peak_reserved": int(p.get("peak_reserved") or p.get("peak_allocated") or 0)}
+                     for p in peaks_res["peaks"]]
+            out["peaks"] = peaks
+            want = _main_device(out, peaks, job["config"])
+            out["leaks"] = _saved_leaks(leaks_res)
+            out["inefficient"] = _inefficient(job["folder"], job["path"], {})
+            out["decompose"] = _decomposition(job["folder"], None, want)
         else:
-            out["leaks"] = _leak_summary(*_offline_leaks(df))
-        out["inefficient"] = _inefficient(job["folder"], job["path"], counts, df)
-        out["decompose"] = _decomposition(job["folder"], df, want)
+            out["source"] = "dump"
+            df, counts = load_columns(job["path"])
+            out["events"] = int(sum(counts.values()))
+            out["counts"] = counts
+            out["steps"] = int(df.filter((df["event"] == "SYSTEM") & (df["event_type"] == "STEP")).height)
+            peaks = peaks_of(df)
+            out["peaks"] = peaks
+            want = _main_device(out, peaks, job["config"])
+            leaks_res = _read_json(os.path.join(job["folder"], "analysis", "leaks.json")) if job.get(
+                "use_saved", True) else None
+            if isinstance(leaks_res, dict) and isinstance(leaks_res.get("leaks"), list):
+                out["leaks"] = _saved_leaks(leaks_res)
+            else:
+                out["leaks"] = _leak_summary(*_offline_leaks(df))
+            out["inefficient"] = _inefficient(job["folder"], job["path"], counts, df)
+            out["decompose"] = _decomposition(job["folder"], df, want)
     except Exception as e:  # one bad dump must not hide the others
         from ..io.reader import DumpError
         out["error"] = str(e) if isinstance(e, DumpError) else f"{type(e).__name__}: {e}"
@@ -199,8 +265,20 @@ def analyse_all(jobs: list[dict], workers: int | None = None, show_progress: boo
     me0 = resource.getrusage(resource.RUSAGE_SELF)
     results = [None] * len(jobs)
     with progress(f"summary of {len(jobs)} dumps", total=len(jobs)) if show_progress else _Null() as bar:
-        if workers == 1:
-            for i, j in enumerate(jobs):
+        # ranks whose online results suffice: read here (a few small files each; a worker process
+        # would cost more to start than they cost to read)
+        todo = []
+        for i, j in enumerate(jobs):
+            r = analyse_rank({**j, "saved_only": True}) if j.get("use_saved", True) else None
+            if r is None:
+                todo.append(i)
+            else:
+                results[i] = r
+                bar.advance()
+        workers = max(1, min(workers, len(todo))) if todo else 0
+        jobs_left = [(i, jobs[i]) for i in todo]
+        if workers <= 1:
+            for i, j in jobs_left:
                 results[i] = analyse_rank(j)
                 bar.advance()
         else:
@@ -211,7 +289,7 @@ def analyse_all(jobs: list[dict], workers: int | None = None, show_progress: boo
             os.environ.update(env)  # spawned workers inherit it (polars reads it at import)
             try:
                 with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-                    futs = {ex.submit(analyse_rank, j): i for i, j in enumerate(jobs)}
+                    futs = {ex.submit(analyse_rank, j): i for i, j in jobs_left}
                     for fut in cf.as_completed(futs):
                         results[futs[fut]] = fut.result()
                         bar.advance()
@@ -224,13 +302,147 @@ def analyse_all(jobs: list[dict], workers: int | None = None, show_progress: boo
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     me1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime)
-    if workers == 1:
-        cpu = me1.ru_utime - me0.ru_utime + me1.ru_stime - me0.ru_stime
+    cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+           + me1.ru_utime - me0.ru_utime + me1.ru_stime - me0.ru_stime)
     timing = {"wall_s": round(wall, 3), "workers": workers, "cpus": cpus, "cpu_s": round(cpu, 3),
               "busy_cores": round(cpu / wall, 2) if wall > 0 else None,
               "task_cpu_s": round(sum(r.get("cpu_seconds", 0) for r in results), 3)}
     return results, timing
+
+
+RAY_IDLE_S = 600.0  # no Ray task of the summary finished for this long: the rest are reported as errors
+
+
+def ray_nodes() -> dict:
+    """host name -> node id of the live nodes of the connected Ray cluster."""
+    return {h: n for h, (n, _) in _ray_node_cpus().items()}
+
+
+def _ray_node_cpus() -> dict:
+    import ray
+    out = {}
+    for n in ray.nodes():
+        if n.get("Alive") or n.get("alive"):
+            out.setdefault(n.get("NodeManagerHostname"),
+                           (n.get("NodeID"), int((n.get("Resources") or {}).get("CPU", 1) or 1)))
+    return out
+
+
+RAY_TASKS_PER_CPU = 4   # ranks of a node are grouped into about this many tasks per CPU of the node
+RAY_MAX_RANKS_PER_TASK = 64
+
+
+def _ray_task(jobs):
+    """The analyses of some ranks held by one node, as one Ray task: their results and the node."""
+    import ray
+    return [analyse_rank(j) for j in jobs], ray.get_runtime_context().get_node_id()
+
+
+def _chunks(idx: list, cpus: int) -> list:
+    """Ranks of one node in groups: a Ray task costs milliseconds, a rank with saved results less."""
+    if not idx:
+        return []
+    per = max(1, min(RAY_MAX_RANKS_PER_TASK, -(-len(idx) // max(1, RAY_TASKS_PER_CPU * cpus))))
+    return [idx[i:i + per] for i in range(0, len(idx), per)]
+
+
+def analyse_on_ray(jobs: list[dict], address: str | None = None, show_progress: bool = True):
+    """Run ``analyse_rank`` as one Ray task per rank on the node whose ``config.json`` host
+    holds that rank's folder (a hard node affinity); results come back to this process, which
+    merges them. Connects to ``address`` (or ``RAY_ADDRESS``, or the cluster this process already
+    joined); with none, starts a local Ray instance for the run and stops it after."""
+    try:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    except ImportError:
+        raise SummaryError("--engine=ray needs Ray: pip install 'msmemscope[ray]'") from None
+    from .progress import progress
+    t0 = time.perf_counter()
+    started = False
+    if not ray.is_initialized():
+        addr = address or os.environ.get("RAY_ADDRESS") or None
+        # a local instance: Ray gives its raylet 30 s to come up, which a loaded machine may miss once
+        for attempt in (1, 2) if addr is None else (2,):
+            try:
+                ray.init(address=addr, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                         configure_logging=False)
+                break
+            except Exception as e:
+                ray.shutdown()
+                if attempt == 2:
+                    raise SummaryError(f"--engine=ray: cannot start or join a Ray cluster"
+                                       f"{f' at {addr}' if addr else ''}: "
+                                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        started = True
+    ray_start = time.perf_counter() - t0
+    try:
+        node_cpus = _ray_node_cpus()
+        nodes = {h: n for h, (n, _) in node_cpus.items()}
+        cpus_of = {n: c for n, c in node_cpus.values()}
+        here = ray.get_runtime_context().get_node_id()
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
+        results: list = [None] * len(jobs)
+        by_node: dict = {}
+        for i, j in enumerate(jobs):
+            host = j["config"].get("host")
+            node = nodes.get(host)
+            if node is None and len(nodes) == 1:
+                node = next(iter(nodes.values()))  # one node: it holds every folder it can read
+            if node is None:
+                results[i] = _failed(j, f"no live node of the Ray cluster has host {host!r} "
+                                        f"(nodes: {', '.join(sorted(str(h) for h in nodes))})")
+                continue
+            by_node.setdefault(node, []).append(i)
+        refs = {}
+        placed: dict = {}  # node id -> ranks analysed there
+        for node, idx in by_node.items():
+            strat = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            for chunk in _chunks(idx, cpus_of.get(node, 1)):
+                refs[task.options(scheduling_strategy=strat).remote([jobs[i] for i in chunk])] = chunk
+        with progress(f"summary of {len(jobs)} dumps on Ray", total=len(jobs)) if show_progress else _Null() as bar:
+            bar.advance(len(jobs) - sum(len(c) for c in refs.values()))
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=RAY_IDLE_S, fetch_local=True)
+                if not done:
+                    for ref in pending:
+                        ray.cancel(ref, force=True)
+                        for i in refs[ref]:
+                            results[i] = _failed(jobs[i], f"its Ray task did not finish in {RAY_IDLE_S:g} s")
+                    break
+                for ref in done:
+                    try:
+                        res, node = ray.get(ref)
+                    except Exception as e:  # the task's worker died (out of memory, node lost)
+                        for i in refs[ref]:
+                            results[i] = _failed(jobs[i], f"its Ray task failed: "
+                                                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                        continue
+                    for i, r in zip(refs[ref], res):
+                        results[i] = r
+                    placed[node] = placed.get(node, 0) + len(res)
+                    bar.advance(len(res))
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        used_nodes = sorted({r.get("host") for r in results if r and "error" not in r}, key=str)
+    finally:
+        if started:
+            ray.shutdown()
+    wall = time.perf_counter() - t0
+    task_cpu = sum(r.get("cpu_seconds", 0) for r in results)
+    timing = {"engine": "ray", "wall_s": round(wall, 3), "workers": cpus, "cpus": cpus, "nodes": len(nodes),
+              "hosts": used_nodes, "local_node": here, "ranks_per_node": placed, "tasks": len(refs), "cpu_s": round(task_cpu, 3),
+              "busy_cores": round(task_cpu / wall, 2) if wall > 0 else None, "task_cpu_s": round(task_cpu, 3),
+              "started_ray": started, "ray_start_s": round(ray_start, 3)}
+    return results, timing
+
+
+class SummaryError(Exception):
+    pass
+
+
+def _failed(job, why) -> dict:
+    return {"label": job["label"], "rank": job["config"].get("rank"), "host": job["config"].get("host"),
+            "role": job["config"].get("role", "rank"), "folder": job["folder"], "dump": job["path"], "error": why}
 
 
 class _Null:
@@ -281,11 +493,22 @@ def leaking(ranks: list[dict]) -> list[str]:
     return out
 
 
-def build(root: str, workers: int | None = None, show_progress: bool = True) -> dict:
+def build(root: str, workers: int | None = None, show_progress: bool = True, engine: str = "pool",
+          from_dumps: bool = False, ray_address: str | None = None) -> dict:
+    """The summary of the job under ``root``. ``engine``: ``pool`` (processes on this machine) or
+    ``ray`` (one Ray task per rank on the node that holds it); ``from_dumps``: re-read every dump
+    even where the run's online results would do."""
     from ..io.ranks import find_rank_dumps
     rds = find_rank_dumps(root)
-    jobs = [{"path": r.path, "folder": r.folder, "config": r.config, "label": r.label} for r in rds]
-    ranks, timing = analyse_all(jobs, workers, show_progress)
+    jobs = [{"path": r.path, "folder": r.folder, "config": r.config, "label": r.label, "use_saved": not from_dumps}
+            for r in rds]
+    if engine == "ray":
+        ranks, timing = analyse_on_ray(jobs, ray_address, show_progress)
+    else:
+        ranks, timing = analyse_all(jobs, workers, show_progress)
+    timing.setdefault("engine", "pool")
+    timing["from_analysis"] = sum(1 for r in ranks if r.get("source") == "analysis")
+    timing["from_dump"] = sum(1 for r in ranks if r.get("source") == "dump")
     return {"root": os.path.abspath(root), "ranks": ranks, "imbalance": imbalance(ranks),
             "leaking": leaking(ranks), "timing": timing}
 
@@ -377,8 +600,13 @@ def verdict_lines(s: dict) -> list[str]:
     for r in bad:
         lines.append(f"error: {r['label']}: {r['error']}")
     tm = s["timing"]
-    lines.append(f"analysed {len(s['ranks'])} dump(s) in {tm['wall_s']:.2f} s with {tm['workers']} worker "
-                 f"process(es) on {tm['cpus']} CPU(s) (CPU time {tm['cpu_s']:.2f} s)")
+    how = (f"as Ray tasks on {tm.get('nodes')} node(s), {tm['cpus']} CPU(s)" if tm.get("engine") == "ray"
+           else f"with {tm['workers']} worker process(es) on {tm['cpus']} CPU(s)")
+    src = ""
+    if tm.get("from_analysis") is not None:
+        src = f"; {tm['from_analysis']} from the run's online results, {tm['from_dump']} from the dump"
+    lines.append(f"analysed {len(s['ranks'])} dump(s) in {tm['wall_s']:.2f} s {how} "
+                 f"(CPU time {tm['cpu_s']:.2f} s{src})")
     return lines
 
 
@@ -395,7 +623,7 @@ def print_summary(s: dict, out=None):
 
 
 def main(argv) -> int:
-    """``msmemscope summary <root> [--json out.json] [--workers N]``"""
+    """``msmemscope summary <root> [--json out.json] [--workers N] [--engine pool|ray] [--from-dumps]``"""
     from ..cli import UsageError, _Parser, error_exit
     from ..io.reader import DumpError
     p = _Parser(prog="msmemscope summary", allow_abbrev=False,
@@ -406,8 +634,19 @@ def main(argv) -> int:
     p.add_argument("--json", dest="json_out", help="also write the summary as JSON to this file "
                                                    "(never overwritten: a free name is chosen)")
     p.add_argument("--workers", help="worker processes (default: the number of CPUs)")
+    p.add_argument("--engine", default="pool", help="pool (default: processes on this machine) or ray "
+                   "(one Ray task per rank, on the node that holds its folder; pip install 'msmemscope[ray]')")
+    p.add_argument("--ray-address", help="with --engine=ray: the cluster to join (default: RAY_ADDRESS, "
+                                         "else a local Ray instance started for the summary)")
+    p.add_argument("--from-dumps", action="store_true",
+                   help="re-read every dump (peaks, steps, leaks from the events) even where the run's "
+                        "online results (analysis/*.json) would do")
     try:
         ns = p.parse_args(argv)
+        if ns.engine not in ("pool", "ray"):
+            raise UsageError(f"--engine: '{ns.engine}' is not one of pool, ray")
+        if ns.ray_address and ns.engine != "ray":
+            raise UsageError("--ray-address needs --engine=ray")
         workers = None
         if ns.workers is not None:
             if not ns.workers.isdigit() or int(ns.workers) < 1:
@@ -416,8 +655,8 @@ def main(argv) -> int:
     except UsageError as e:
         return error_exit(str(e))
     try:
-        s = build(ns.root, workers)
-    except DumpError as e:
+        s = build(ns.root, workers, engine=ns.engine, from_dumps=ns.from_dumps, ray_address=ns.ray_address)
+    except (DumpError, SummaryError) as e:
         return error_exit(str(e))
     if len(s["ranks"]) == 1 and "error" in s["ranks"][0]:
         # one dump that cannot be read: the same one error line as every other command

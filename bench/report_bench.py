@@ -1,0 +1,250 @@
+"""The HTML report on a long dump: time to write it (``msmemscope report``, reading the CSV
+included), its size, and the time headless Chromium takes to draw it.
+
+    python bench/report_bench.py --events 10000000 [--keep DIR]
+
+The dump is synthetic but shaped like training: weights and optimizer state made once,
+gradients and activations made and freed every step, temporaries inside ops, a STEP row
+every ``events / 200`` rows, owners on every block, 24 distinct Python stacks, 40 ops.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import polars as pl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr,"
+          "Call Stack(Python),Call Stack(C)\n")
+
+
+def synth(path: str, n_events: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    n_alloc = n_events // 2
+    steps = 200
+    per_step = max(1, n_alloc // steps)
+    cats = np.array(["PTA@weight", "PTA@gradient", "PTA@optimizer_state", "PTA@activation", "PTA@ops",
+                     "PTA@ops@loader"])
+    ops = np.array([f"torch._ops.aten.op{i}.default" for i in range(40)])
+    stacks = np.array([f"/work/train.py:{10 + i}(step_fn);/work/train.py:{200 + i % 5}(main);/work/train.py:300(<module>)"
+                       for i in range(24)])
+    i = np.arange(n_alloc)
+    step = np.minimum(i // per_step, steps - 1)
+    cat = rng.choice(len(cats), n_alloc, p=[0.002, 0.05, 0.004, 0.3, 0.6, 0.044])
+    size = (rng.integers(1, 256, n_alloc) * 512).astype(np.int64)
+    t_alloc = i * 2 + rng.random(n_alloc)
+    # lifetimes: weights and optimizer state forever, gradients to the step end, activations
+    # to mid-step backward, temporaries a few events
+    life = np.where(cat == 4, rng.integers(1, 20, n_alloc) * 2.0,
+                    np.where(cat == 3, rng.integers(min(100, per_step - 1), per_step, n_alloc) * 1.0,
+                             np.where(cat == 1, (per_step - i % per_step) * 2.0, 1e18)))
+    t_free = t_alloc + life
+    keep = t_free < n_alloc * 2
+    ev_t = np.concatenate([t_alloc, t_free[keep]])
+    ev_kind = np.concatenate([np.zeros(n_alloc, np.int8), np.ones(int(keep.sum()), np.int8)])
+    ev_a = np.concatenate([i, i[keep]])
+    order = np.argsort(ev_t, kind="stable")
+    ev_t, ev_kind, ev_a = ev_t[order], ev_kind[order], ev_a[order]
+    signed = np.where(ev_kind == 0, size[ev_a], -size[ev_a])
+    used = np.cumsum(signed)
+    n = len(ev_t)
+    ts = (1_700_000_000_000_000_000 + (ev_t * 1000).astype(np.int64))
+    ev_step = step[ev_a]
+    df = pl.DataFrame({
+        "kind": ev_kind, "a": ev_a, "size": size[ev_a], "used": used, "ts": ts,
+        "owner": cats[cat[ev_a]], "op": ops[ev_a % 40], "stack": stacks[ev_a % 24], "step": ev_step})
+    attr = pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}{}}}',
+                     pl.col("a") + 1, pl.col("a") * 4096 + 1_000_000_000,
+                     "size", "used", "used",
+                     pl.when(pl.col("kind") == 0).then(pl.format(',"owner":"{}"', "owner")).otherwise(pl.lit("")))
+    out = df.select(
+        ID=pl.int_range(1, n + 1), Event=pl.when(pl.col("kind") == 0).then(pl.lit("MALLOC")).otherwise(pl.lit("FREE")),
+        EventType=pl.lit("PTA"), Name=pl.when(pl.col("kind") == 0).then(pl.col("op")).otherwise(pl.lit("N/A")),
+        ts="ts", pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"), Attr=attr,
+        py=pl.when(pl.col("kind") == 0).then(pl.col("stack")).otherwise(pl.lit("")), c=pl.lit(""),
+        step="step")
+    # a STEP row after the last event of each step
+    bounds = out.group_by("step").agg(pl.col("ID").max(), pl.col("ts").max()).sort("step")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(HEADER)
+    rows = out.drop("step")
+    step_rows = bounds.select(ID=pl.col("ID"), Event=pl.lit("SYSTEM"), EventType=pl.lit("STEP"), Name=pl.lit("N/A"),
+                              ts=pl.col("ts"), pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"),
+                              Attr=pl.format('{{"step":{}}}', pl.col("step") + 1), py=pl.lit(""), c=pl.lit(""))
+    # renumber: STEP rows take the id after their step's last row
+    allr = pl.concat([rows.with_columns(o=pl.col("ID") * 2), step_rows.with_columns(o=pl.col("ID") * 2 + 1)])
+    allr = allr.sort("o").with_columns(ID=pl.int_range(1, allr.height + 1)).drop("o")
+    with open(path, "a", encoding="utf-8") as f:
+        allr.write_csv(f, include_header=False, quote_style="necessary")
+
+
+def reader_frame(n_events: int) -> pl.DataFrame:
+    """The same synthetic run as ``synth``, as the columns ``read_dump`` returns (no CSV)."""
+    import tempfile as _t
+    d = _t.mkdtemp(prefix="msmemscope-bench-frame-")
+    small = os.path.join(d, "memscope_dump_probe.csv")
+    synth(small, 20000)  # the CSV layout read back once, for the exact column types
+    sys.path.insert(0, ROOT)
+    from msmemscope.io.reader import read_dump
+    probe = read_dump(small)
+    shutil.rmtree(d, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    n_alloc = n_events // 2
+    steps = 200
+    per_step = max(1, n_alloc // steps)
+    cats = np.array(["PTA@weight", "PTA@gradient", "PTA@optimizer_state", "PTA@activation", "PTA@ops",
+                     "PTA@ops@loader"])
+    ops = np.array([f"torch._ops.aten.op{i}.default" for i in range(40)])
+    stacks = np.array([f"/work/train.py:{10 + i}(step_fn);/work/train.py:{200 + i % 5}(main);/work/train.py:300(<module>)"
+                       for i in range(24)])
+    i = np.arange(n_alloc)
+    cat = rng.choice(len(cats), n_alloc, p=[0.002, 0.05, 0.004, 0.3, 0.6, 0.044])
+    size = (rng.integers(1, 256, n_alloc) * 512).astype(np.int64)
+    t_alloc = i * 2 + rng.random(n_alloc)
+    life = np.where(cat == 4, rng.integers(1, 20, n_alloc) * 2.0,
+                    np.where(cat == 3, rng.integers(min(100, per_step - 1), per_step, n_alloc) * 1.0,
+                             np.where(cat == 1, (per_step - i % per_step) * 2.0, 1e18)))
+    t_free = t_alloc + life
+    keep = t_free < n_alloc * 2
+    ev_t = np.concatenate([t_alloc, t_free[keep]])
+    ev_kind = np.concatenate([np.zeros(n_alloc, np.int8), np.ones(int(keep.sum()), np.int8)])
+    ev_a = np.concatenate([i, i[keep]])
+    order = np.argsort(ev_t, kind="stable")
+    ev_t, ev_kind, ev_a = ev_t[order], ev_kind[order], ev_a[order]
+    signed = np.where(ev_kind == 0, size[ev_a], -size[ev_a])
+    used = np.cumsum(signed)
+    n = len(ev_t)
+    step = np.minimum(np.arange(n) // max(1, n // steps), steps - 1) + 1
+    is_m = ev_kind == 0
+    df = pl.DataFrame({
+        "id": np.arange(1, n + 1), "event": np.where(is_m, "MALLOC", "FREE"), "event_type": "PTA",
+        "name": np.where(is_m, ops[ev_a % 40], "N/A"),
+        "ts": 1_700_000_000_000_000_000 + (ev_t * 1000).astype(np.int64), "pid": 4242, "tid": 4242,
+        "device": "cpu", "ptr": "N/A", "attr": "", "py_stack": np.where(is_m, stacks[ev_a % 24], None),
+        "c_stack": None, "alloc_id": ev_a + 1, "addr": ev_a * 4096, "size": size[ev_a], "used": used,
+        "total": used, "owner": np.where(is_m, cats[cat[ev_a]], None), "step": step})
+    # STEP rows at each step's end
+    ends = df.group_by("step").agg(pl.col("id").max(), pl.col("ts").max()).sort("step")
+    srows = ends.select(id=pl.col("id"), event=pl.lit("SYSTEM"), event_type=pl.lit("STEP"), name=pl.lit("N/A"),
+                        ts="ts", pid=pl.lit(4242), tid=pl.lit(4242), device=pl.lit("cpu"), ptr=pl.lit("N/A"),
+                        attr=pl.format('{{"step":{}}}', "step"), step="step")
+    df = pl.concat([df.with_columns(o=pl.col("id") * 2), srows.with_columns(o=pl.col("id") * 2 + 1)],
+                   how="diagonal_relaxed").sort("o").drop("o").with_columns(id=pl.int_range(1, n + ends.height + 1))
+    return df.select([pl.col(c).cast(t) for c, t in probe.schema.items()])
+
+
+def browser_time(page: str) -> float:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_report import DevTools, find_chromium
+    exe = find_chromium()
+    if exe is None:
+        return float("nan")
+    prof = tempfile.mkdtemp(prefix="msmemscope-bench-")
+    dt = DevTools(exe, prof)
+    try:
+        target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        sid = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        dt.send("Page.enable", session=sid)
+        dt.send("Runtime.enable", session=sid)
+        t = time.perf_counter()
+        dt.send("Page.navigate", {"url": "file://" + page}, session=sid)
+        dt.wait_event("Page.loadEventFired", wait=120)
+        while True:
+            r = dt.send("Runtime.evaluate", {"expression": "document.body.getAttribute('data-ready')",
+                                             "returnByValue": True}, session=sid)
+            if r["result"].get("value") == "1":
+                break
+            time.sleep(0.05)
+        took = time.perf_counter() - t
+        errors = [e for e in dt.events if e["method"] == "Runtime.exceptionThrown"]
+        assert not errors, errors
+        shot = dt.send("Page.captureScreenshot", {"format": "png"}, session=sid)["data"]
+        with open(page + ".png", "wb") as f:
+            f.write(base64.b64decode(shot))
+        return took
+    finally:
+        dt.close()
+        shutil.rmtree(prof, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=10_000_000)
+    ap.add_argument("--keep", help="keep the dump and the page in this folder")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="build the page from a frame of the reader's columns (no CSV: the reader's own "
+                         "time and memory are left out)")
+    ns = ap.parse_args()
+    d = ns.keep or tempfile.mkdtemp(prefix="msmemscope-report-bench-")
+    os.makedirs(d, exist_ok=True)
+    dump = os.path.join(d, "memscope_dump_bench.csv")
+    page = os.path.join(d, "report.html")
+    for p in (page, page + ".png"):
+        if os.path.exists(p):
+            os.remove(p)
+    if ns.in_memory:
+        import resource
+        t = time.perf_counter()
+        df = reader_frame(ns.events)
+        t_synth = time.perf_counter() - t
+        from msmemscope.report.html import build_frame, render
+        stages = {}
+        last = [time.perf_counter()]
+
+        def stage(name):
+            now = time.perf_counter()
+            stages[name] = round(now - last[0], 2)
+            last[0] = now
+        t = time.perf_counter()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        data = build_frame(df, ["synthetic"], None, stage=stage)
+        text = render(data)
+        t_report = time.perf_counter() - t
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[0]
+        with open(page, "w", encoding="utf-8") as f:
+            f.write(text)
+        t_browser = browser_time(page)
+        print(json.dumps({"rows": df.height, "synth_s": round(t_synth, 1), "build_and_render_s": round(t_report, 2), "build_cpu_s": round(cpu, 1), "loadavg_after": load,
+                          "stages_s (time before each named stage)": stages,
+                          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          "page_bytes": len(text.encode()), "browser_ready_s": round(t_browser, 2), "folder": d},
+                         indent=1))
+        if not ns.keep:
+            shutil.rmtree(d, ignore_errors=True)
+        return
+    t = time.perf_counter()
+    if not os.path.exists(dump):
+        synth(dump, ns.events)
+    t_synth = time.perf_counter() - t
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "report", dump, "-o", page], env=env,
+                       capture_output=True, text=True)
+    t_report = time.perf_counter() - t
+    import resource
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert r.returncode == 0, r.stderr
+    size = os.path.getsize(page)
+    t_browser = browser_time(page)
+    rows = sum(1 for _ in open(dump, "rb")) - 1
+    print(json.dumps({"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1),
+                      "report_s": round(t_report, 2), "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
+                      "folder": d}, indent=1))
+    if not ns.keep:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

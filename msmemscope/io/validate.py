@@ -1,0 +1,245 @@
+"""The readers' one validation layer: what parses but cannot be true, and what would not fit.
+
+``io/reader.py`` calls it at two points, so every offline command gets the same answer:
+
+- ``after_scan`` — after the cheap streaming pass over a CSV dump (``check_csv``) or the row
+  count of a database: a dump with no rows after its header is refused (one behaviour in every
+  command), and so is a dump whose reading would need more memory than the machine has (said up
+  front, in one line, with the figures), before polars is asked to hold it.
+- ``check_rows`` — on the parsed columns: negative sizes, a FREE before its MALLOC (or, where the
+  run recorded every allocation, without one), IDs or allocation ids used twice, NUL characters
+  in a text field, numbers too large for 64 bits (which would otherwise be read as null). In our
+  own dumps the first such row is an error naming it; the original tool's dumps (its unquoted
+  ``Attr`` keys) are read as they are, with one warning counting the rows.
+
+JSON that the commands read beside a dump (``config.json``, ``analysis/*.json``, an ``Attr``
+value) goes through ``load_json_object``: a bounded nesting depth, and an object where an object
+is expected, or a ``DumpError`` naming the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import polars as pl
+
+# Peak memory of reading a dump into the analysis columns, measured with read_dump on dumps of
+# short and of long rows (~400 B a row whatever its length, plus about the text itself).
+BYTES_PER_ROW = 450
+BYTES_PER_BYTE = 1.5
+MAX_JSON_DEPTH = 64  # our files nest 4 levels deep
+
+
+class ImplausibleRowsWarning(UserWarning):
+    """Rows of the original tool's dump that cannot be true, read as they are."""
+
+
+def _error(msg: str):
+    from .reader import DumpError
+    return DumpError(msg)
+
+
+# ---------------------------------------------------------------------- before parsing
+def memory_budget() -> int:
+    """Bytes an offline command may use to hold a dump: MSMEMSCOPE_MEMORY_LIMIT if set, else
+    what the machine has available (MemAvailable, the cgroup's limit, RLIMIT_AS: the least)."""
+    v = os.environ.get("MSMEMSCOPE_MEMORY_LIMIT", "").strip()
+    if v.isdigit():
+        return int(v)
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            top = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            cur = int(f.read().strip())
+        if top.isdigit():
+            limits.append(max(0, int(top) - cur))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(limits) if limits else 1 << 62
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def after_scan(path: str, complete: int, size: int, rows: int) -> None:
+    """Called once the size and the row count of a dump are known, before it is parsed."""
+    if rows == 0:
+        raise _error(f"{path}: no rows after the header (nothing was recorded)")
+    need = rows * BYTES_PER_ROW + complete * BYTES_PER_BYTE
+    budget = memory_budget()
+    if need > budget:
+        raise _error(f"{path}: reading it would need about {_gib(need)} of memory ({rows} rows, {size} bytes) "
+                     f"and {_gib(budget)} is available (MSMEMSCOPE_MEMORY_LIMIT sets the budget); "
+                     "read a smaller part of the run (--steps) or on a larger machine")
+
+
+# ---------------------------------------------------------------------- after parsing
+def _first(df: pl.DataFrame, mask: pl.Series):
+    i = int(mask.arg_max())
+    return df.row(i, named=True)
+
+
+def _attr_number_too_big(attr: pl.Series) -> pl.Series:
+    return attr.str.contains(r"\d{19,}").fill_null(False) & attr.str.contains(r"[:,]\s*-?\d{19,}").fill_null(False)
+
+
+def check_rows(df: pl.DataFrame, path: str) -> None:
+    """Rows that parse but cannot be true: an error naming the first one in our dumps, one counted
+    warning in the original's (see the module's text). ``df`` has the reader's columns."""
+    if df.height == 0:
+        raise _error(f"{path}: no rows after the header (nothing was recorded)")
+    mem_mask = pl.col("event").is_in(["MALLOC", "FREE"])
+    mem = df.filter(mem_mask)
+    original = bool(mem.height) and bool(mem["attr"].head(1000).str.contains(r"^\{\s*allocation_id\s*:").any())
+    problems = []  # (row id, what)
+
+    def found(mask: pl.Series, frame: pl.DataFrame, what):
+        if mask.any():
+            r = _first(frame, mask)
+            problems.append((int(mask.sum()), r["id"], what(r) if callable(what) else what))
+
+    found(~df["id"].is_first_distinct(), df, lambda r: f"ID {r['id']} appears more than once")
+    for c in ("event", "event_type", "name", "device", "ptr"):
+        if c in df.columns:
+            found(df[c].str.contains("\x00", literal=True).fill_null(False), df,
+                  lambda r, c=c: f"row ID {r['id']} has a NUL character in its {c.replace('_', ' ')}")
+    if mem.height:
+        found(mem["size"] < 0, mem, lambda r: f"{r['event']} row ID {r['id']} has a negative size ({r['size']})")
+        found(_attr_number_too_big(mem["attr"]), mem,
+              lambda r: f"{r['event']} row ID {r['id']} has a number too large for 64 bits in Attr")
+        mallocs = mem.filter(pl.col("event") == "MALLOC").select("id", "alloc_id").drop_nulls()
+        frees = mem.filter(pl.col("event") == "FREE").select("id", "alloc_id").drop_nulls()
+        found(~mallocs["alloc_id"].is_first_distinct(), mallocs,
+              lambda r: f"MALLOC row ID {r['id']} reuses allocation_id {r['alloc_id']}")
+        found(~frees["alloc_id"].is_first_distinct(), frees,
+              lambda r: f"FREE row ID {r['id']} frees allocation_id {r['alloc_id']} a second time")
+        j = frees.join(mallocs, on="alloc_id", how="left", suffix="_malloc")
+        found((j["id_malloc"] > j["id"]).fill_null(False), j,
+              lambda r: f"FREE row ID {r['id']} comes before the MALLOC of allocation_id {r['alloc_id']} "
+                        f"(ID {r['id_malloc']})")
+        if original or _records_every_allocation(path):
+            found(j["id_malloc"].is_null(), j,
+                  lambda r: f"FREE row ID {r['id']} frees allocation_id {r['alloc_id']}, which no MALLOC row made")
+    if not problems:
+        return
+    problems.sort(key=lambda p: p[1])
+    count, rid, what = problems[0]
+    if not original:
+        raise _error(f"{path}: {what}; this row cannot be true (the dump was altered or is not ours)")
+    total = sum(p[0] for p in problems)
+    warnings.warn(f"{path}: {total} rows cannot be true (first: {what}); read as they are",
+                  ImplausibleRowsWarning, stacklevel=3)
+
+
+def check_raw(raw: pl.DataFrame, path: str) -> None:
+    """``check_rows`` on the text columns of a lean read (summary's, check-inefficient's fast
+    paths), so that they accept exactly what the reader accepts."""
+    mem = pl.col("event").is_in(["MALLOC", "FREE"])
+
+    def num(key):
+        return pl.when(mem).then(pl.col("attr").str.extract(r'(?:^|[{,\s])"?' + key + r'"?\s*:\s*"?([^",}]*)', 1)
+                                 .cast(pl.Int64, strict=False))
+    check_rows(raw.select(*(c for c in ("event", "event_type", "name", "device", "ptr", "attr") if c in raw.columns),
+                          id=pl.col("id").cast(pl.Int64, strict=False), alloc_id=num("allocation_id"),
+                          size=num("size")), path)
+
+
+def _records_every_allocation(dump: str) -> bool:
+    """The run that wrote this dump recorded every allocation it saw free (all steps, alloc and
+    free events): its config.json says so. Unknown (no config.json): False."""
+    folder = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dump))))
+    try:
+        cfg = load_json_object(os.path.join(folder, "config.json"))
+    except Exception:
+        return False
+    opts = cfg.get("options")
+    if not isinstance(opts, dict):
+        return False
+    events = opts.get("events")
+    events = events if isinstance(events, (list, str)) else ""
+    return (not opts.get("steps") and "alloc" in events and "free" in events and not cfg.get("tool_failure")
+            and cfg.get("rows_lost_after") is None)
+
+
+# ---------------------------------------------------------------------- JSON beside a dump
+def _depth(text: str) -> int:
+    """Deepest nesting of [ and { outside strings (cheap; no recursion)."""
+    depth = top = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > top:
+                top = depth
+                if top > MAX_JSON_DEPTH:
+                    return top
+        elif ch in "]}":
+            depth -= 1
+    return top
+
+
+def parse_json_object(text: str, what: str):
+    """``text`` as a JSON object (dict), or a DumpError naming ``what``."""
+    if _depth(text) > MAX_JSON_DEPTH:
+        raise _error(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _error(f"{what}: not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise _error(f"{what}: a JSON {type(obj).__name__} where an object was expected")
+    return obj
+
+
+def load_json_object(path: str, max_bytes: int = 64 << 20):
+    """A JSON file that must hold an object (config.json, analysis/*.json)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise _error(f"{path}: cannot be read ({e.strerror})") from None
+    if len(data) > max_bytes:
+        raise _error(f"{path}: over {max_bytes} bytes; not one of our files")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _error(f"{path}: not UTF-8 text") from None
+    return parse_json_object(text, path)
+
+
+def attr_object(text):
+    """An Attr value as a dict for the readers of single rows (export, load): {} when it is not
+    a JSON object or nests too deep; never an exception."""
+    if not isinstance(text, str) or not text or _depth(text) > MAX_JSON_DEPTH:
+        return {}
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
