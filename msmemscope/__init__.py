@@ -79,6 +79,28 @@ def step():
 from .capture.marks import RecordFunction, mark, range_end, range_start  # noqa: E402
 
 
+def _wire_session(session):
+    """At a session's first start(): the online analyses as its sinks, and the framework hooks
+    (SPEC 4.8: automatic under decompose, or set up before start()). Registered with the capture
+    hook point so that capture imports neither."""
+    import logging
+    import sys
+    from .analysis import online_sinks
+    for sink in online_sinks(session):
+        session.add_sink(sink)
+    if "decompose" in session.opts.analysis or "msmemscope.integrations" in sys.modules:
+        try:
+            from .integrations import on_session_start
+            on_session_start(session)
+        except Exception as e:
+            logging.getLogger("msmemscope").warning("framework hooks: %s", e)
+
+
+from . import capture as _capture  # noqa: E402
+
+_capture.on_start.append(_wire_session)
+
+
 def __getattr__(name):
     # Analyses and helpers load on first use so that ``import msmemscope`` in a
     # traced process stays cheap.

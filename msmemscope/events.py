@@ -1,6 +1,6 @@
 """The one event record of msmemscope and its enums (SPEC §1-2).
 
-Every source appends rows shaped like ``Row``; every writer formats them and
+Every source appends rows shaped like ``RawRow``; every writer formats them and
 every reader gives them back as the same columns.
 """
 from __future__ import annotations
@@ -12,6 +12,10 @@ HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id
           "Ptr,Attr,Call Stack(Python),Call Stack(C)")
 COLUMNS = tuple(HEADER.split(","))
 NA = "N/A"
+#: Attr key of a FREE row for a block freed while tracing was stopped (or in a step outside
+#: ``--steps``): the block's MALLOC is in the dump, so its FREE is too, flagged, and ``used``
+#: stays the running sum of the sizes.
+UNTRACED = "untraced"
 
 
 class Event:
@@ -68,19 +72,36 @@ class Oom:
 EVENT_CHOICES = ("alloc", "free", "launch", "access", "traceback")
 
 
-class Row(NamedTuple):
-    """One dump row before it gets its ID. ``attr`` is a dict (or None)."""
+class RawRow(NamedTuple):
+    """One dump row before it gets its ID and pid: what every source appends to the session's
+    buffer and what every sink receives. The hot paths build plain tuples in this field order
+    (a NamedTuple costs more to make); read them with the indices below, never with bare numbers.
+
+    ``attr``: a tuple for MALLOC/FREE/ACCESS (field order: ``MALLOC_ATTR``, ``FREE_ATTR``,
+    ``ACCESS_ATTR``), else a dict or None; ``attr_dict(event, attr)`` gives a dict.
+    ``c_stack``: a raw C traceback until the writer symbolizes it."""
     event: str
     event_type: str
     name: str
     ts: int
-    pid: int
     tid: int
     device: str
     ptr: int | None
-    attr: dict | None
+    attr: object
     py_stack: str | None = None
-    c_stack: object = None  # a raw C traceback until the writer symbolizes it
+    c_stack: object = None
+
+
+#: indices of the raw row fields (``row[ATTR]``)
+EVENT, EVENT_TYPE, NAME, TS, TID, DEVICE, PTR, ATTR, PY_STACK, C_STACK = range(10)
+#: indices into a MALLOC/FREE attr tuple, and into an ACCESS attr tuple
+A_ALLOC_ID, A_ADDR, A_SIZE, A_USED, A_TOTAL, A_OWNER = range(6)
+ACCESS_DTYPE, ACCESS_SHAPE, ACCESS_SIZE, ACCESS_ALLOC_ID = range(4)
+
+#: The dump format's version: config.json "format_version", and the db's ``PRAGMA user_version``.
+#: Dumps written before it existed have neither; readers take those as version 1 too.
+#: 1: the SPEC §1 dump, FREE rows of blocks freed outside the traced window flagged ``untraced``.
+FORMAT_VERSION = 1
 
 
 def format_ptr(ptr: int | None) -> str:
@@ -101,11 +122,11 @@ def format_attr(event: str, attr) -> str:
     if not attr:
         return ""
     if type(attr) is tuple:
-        if event == "MALLOC":
-            return _MALLOC_T % (attr[:5] + (json.dumps(attr[5]),))
-        if event == "FREE":
+        if event == Event.MALLOC:
+            return _MALLOC_T % (attr[:A_OWNER] + (json.dumps(attr[A_OWNER]),))
+        if event == Event.FREE:
             return _FREE_T % attr
-        if event == "ACCESS":
+        if event == Event.ACCESS:
             return _ACCESS_T % (attr[0], ",".join(map(str, attr[1])), attr[2], attr[3])
     if type(attr.get("addr")) is int:  # addresses are hex text in every Attr (the readers parse them so)
         attr = {**attr, "addr": "0x%016x" % attr["addr"]}
@@ -117,6 +138,6 @@ def attr_dict(event: str, attr) -> dict:
     if not attr:
         return {}
     if type(attr) is tuple:
-        keys = {"MALLOC": MALLOC_ATTR, "FREE": FREE_ATTR, "ACCESS": ACCESS_ATTR}[event]
+        keys = {Event.MALLOC: MALLOC_ATTR, Event.FREE: FREE_ATTR, Event.ACCESS: ACCESS_ATTR}[event]
         return dict(zip(keys, attr))
     return dict(attr)

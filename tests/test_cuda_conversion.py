@@ -436,6 +436,11 @@ class FakeSession:
         self.active = True
         self.emit_alloc = self.emit_free = True
 
+    def new_alloc_id(self):
+        with self.lock:
+            self._next_alloc += 1
+            return self._next_alloc
+
 
 @pytest.fixture
 def fakedev(monkeypatch):

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from ..events import Event, System
+from ..events import A_ALLOC_ID, A_OWNER, A_SIZE, ATTR, DEVICE, EVENT, EVENT_TYPE, Event, System
 
 OWNER_ROW = "OWNER"
 UNLABELLED = "unlabelled"
@@ -112,18 +112,18 @@ class Decomposition:
     def feed_raw(self, rows):
         """Raw session rows (online)."""
         for r in rows:
-            ev = r[0]
+            ev = r[EVENT]
             if ev == Event.MALLOC:
-                a = r[7]
+                a = r[ATTR]
                 if type(a) is tuple:
-                    self.malloc(r[5], a[0], a[2], a[5])
+                    self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER])
                 elif a:
-                    self.malloc(r[5], a.get("allocation_id"), a.get("size"), a.get("owner"))
+                    self.malloc(r[DEVICE], a.get("allocation_id"), a.get("size"), a.get("owner"))
             elif ev == Event.FREE:
-                a = r[7]
-                self.free(a[0] if type(a) is tuple else (a or {}).get("allocation_id"))
-            elif ev == Event.SYSTEM and r[1] == OWNER_ROW and r[7]:
-                self.relabel(r[7].get("allocation_id"), r[7].get("owner"))
+                a = r[ATTR]
+                self.free(a[A_ALLOC_ID] if type(a) is tuple else (a or {}).get("allocation_id"))
+            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+                self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
 
 
 def summarize(df) -> dict:

@@ -44,6 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from ..events import (A_ALLOC_ID, A_SIZE, ACCESS_ALLOC_ID, ATTR, EVENT, EVENT_TYPE, NAME, PY_STACK,
+                      Event)
+
 TYPES = ("early_allocation", "late_deallocation", "temporary_idleness")
 _BIT = {t: 1 << i for i, t in enumerate(TYPES)}
 DEFAULT_IDLE_THRESHOLD = 3000
@@ -288,34 +291,34 @@ def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
     """Chunk columns from a session's raw row tuples (the online path)."""
     idx, kinds, names, aids, sizes, before, stacks = [], [], [], [], [], [], []
     for i, r in enumerate(rows):
-        ev = r[0]
-        if ev == "OP_LAUNCH":
-            k = _KIND.get((ev, r[1]))
+        ev = r[EVENT]
+        if ev == Event.OP_LAUNCH:
+            k = _KIND.get((ev, r[EVENT_TYPE]))
             if k is None:
                 continue
             a = None
             sz = None
-        elif ev == "ACCESS":
+        elif ev == Event.ACCESS:
             k = K_ACCESS
-            a = r[7]
-            a = a[3] if type(a) is tuple else a.get("allocation_id")
+            a = r[ATTR]
+            a = a[ACCESS_ALLOC_ID] if type(a) is tuple else a.get("allocation_id")
             sz = None
-        elif ev == "MALLOC" or ev == "FREE":
-            if r[1] in SKIP_POOLS:
+        elif ev == Event.MALLOC or ev == Event.FREE:
+            if r[EVENT_TYPE] in SKIP_POOLS:
                 continue
-            k = K_MALLOC if ev == "MALLOC" else K_FREE
-            at = r[7]
+            k = K_MALLOC if ev == Event.MALLOC else K_FREE
+            at = r[ATTR]
             if type(at) is tuple:
-                a, sz, bf = at[0], at[2], False
+                a, sz, bf = at[A_ALLOC_ID], at[A_SIZE], False
             else:
                 a, sz, bf = at.get("allocation_id"), at.get("size"), at.get("origin") == "before_op"
             if k == K_MALLOC:
-                idx.append(i); kinds.append(k); names.append(r[2]); aids.append(a); sizes.append(sz)
-                before.append(bf); stacks.append(r[8])
+                idx.append(i); kinds.append(k); names.append(r[NAME]); aids.append(a); sizes.append(sz)
+                before.append(bf); stacks.append(r[PY_STACK])
                 continue
         else:
             continue
-        idx.append(i); kinds.append(k); names.append(r[2] if k == K_START else None); aids.append(a)
+        idx.append(i); kinds.append(k); names.append(r[NAME] if k == K_START else None); aids.append(a)
         sizes.append(sz); before.append(None); stacks.append(None)
     return pl.DataFrame({"pos": np.asarray(idx, dtype=np.int64) + first_id, "kind": kinds, "name": names,
                          "alloc_id": aids, "size": sizes, "before": before, "stack": stacks},

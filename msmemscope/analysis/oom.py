@@ -35,18 +35,7 @@ _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1 << 10, "
 _BYTES_RE = re.compile(r"allocate (\d+) bytes")
 _TRIED_RE = re.compile(r"[Tt]ried to allocate ([\d.]+) ?([KMGTP]?i?B)")
 _DEV_RE = re.compile(r"\b(?:GPU|NPU|device) (\d+)")
-_OOM_TEXT = ("can't allocate memory", "out of memory", "failed to allocate", "cannot allocate memory")
-
-
-def is_allocation_failure(exc) -> bool:
-    """An allocator's failure: torch.OutOfMemoryError (CUDA, NPU) or the CPU allocator's RuntimeError."""
-    oom_type = getattr(__import__("torch"), "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if isinstance(exc, (RuntimeError, MemoryError)):
-        text = str(exc).lower()
-        return isinstance(exc, MemoryError) or any(t in text for t in _OOM_TEXT)
-    return False
+from ..capture.failures import is_allocation_failure  # noqa: E402,F401  (one rule, kept in capture)
 
 
 def requested_bytes(message: str):

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 _session = None
 
+#: Hook point: callables ``fn(session)`` run once, at the session's first start(), in order.
+#: Capture imports nothing from analysis/, integrations/ or report/: what wants a session (the
+#: online analyses, framework hooks) registers here from outside (msmemscope/__init__.py).
+on_start: list = []
+
 
 def current():
     """The process's session, or None when nothing is being traced."""

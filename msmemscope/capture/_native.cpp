@@ -27,7 +27,9 @@
 
 namespace {
 
-enum Kind : int32_t { OP_START = 0, OP_END = 1, MALLOC = 2, FREE = 3, ALLOC_FAILED = 4 };
+// FREE_UNTRACED: a counted block freed while the session does not record (stopped, or a step
+// outside --steps): its FREE row is still written, flagged, so that `used` stays the running sum.
+enum Kind : int32_t { OP_START = 0, OP_END = 1, MALLOC = 2, FREE = 3, ALLOC_FAILED = 4, FREE_UNTRACED = 5 };
 
 struct Rec {
   int64_t ts;
@@ -61,8 +63,14 @@ std::unordered_map<std::string, int32_t>& op_index_by_text = *new std::unordered
 std::vector<std::string>& op_names = *new std::vector<std::string>();  // "torch._ops.aten.add.Tensor"
 std::vector<PyObject*>& op_strs = *new std::vector<PyObject*>();  // Python names made so far
 
-std::atomic<bool> recording{false};   // allocations are counted and ops tracked
-bool emit_alloc = false, emit_free = false, emit_launch = false;
+std::atomic<bool> recording{false};   // ops tracked, allocation failures noted
+// count: new blocks are counted (their MALLOC row is in the dump when emit_alloc); emit_free: a
+// counted block's free is recorded as traced; free_untraced: otherwise it is recorded flagged.
+bool count_new = false, emit_alloc = false, emit_free = false, free_untraced = false, emit_launch = false;
+// top-level ops whose OP_START was recorded and whose OP_END is not yet: thread -> op. Closed (an
+// OP_END recorded now) when the source stops or hands over, so a dump never has an op left open.
+std::unordered_map<uint64_t, int32_t>& in_flight = *new std::unordered_map<uint64_t, int32_t>();
+bool draining = false;                // one drain() at a time (building tuples may run Python)
 // The session went over to the dispatch-mode source (watch, owner labels): this source only
 // records the frees of the blocks it counted, and keeps the one bytes-in-use counter.
 bool handed_over = false;
@@ -146,7 +154,11 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   if (op < 0) return nullptr;
   top_nest = nest;
   top_op = op;
-  if (emit_launch) recs.push_back({now_ns(), tid(), 0, 0, 0, 0, OP_START, op});
+  if (emit_launch) {
+    uint64_t t = tid();
+    recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_START, op});
+    in_flight[t] = op;
+  }
   return nullptr;
 }
 
@@ -158,7 +170,15 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   bool ask = false;
   {
     std::lock_guard<std::mutex> g(mu);
-    if (emit_launch) recs.push_back({now_ns(), tid(), 0, 0, 0, 0, OP_END, op});
+    // the OP_END of an op whose OP_START is recorded, whatever the flags are now (a step
+    // boundary on another thread); none when stop()/handover() closed it already
+    if (!in_flight.empty()) {
+      auto it = in_flight.find(tid());
+      if (it != in_flight.end()) {
+        recs.push_back({now_ns(), it->first, 0, 0, 0, 0, OP_END, op});
+        in_flight.erase(it);
+      }
+    }
     ask = recs.size() >= drain_at;
   }
   if (ask) maybe_ask_drain();
@@ -174,8 +194,10 @@ void traced_delete(void* data) {
     live.erase(it);
     if (b.counted) {
       used_bytes -= b.size;
-      if (emit_free && (recording.load(std::memory_order_relaxed) || handed_over))
+      if (emit_free)
         recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE, top_op});
+      else if (free_untraced)
+        recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE_UNTRACED, -1});
     }
   }
   b.deleter(b.ctx);
@@ -202,7 +224,7 @@ struct TracingAllocator final : c10::Allocator {
     d.release_context();
     {
       std::lock_guard<std::mutex> g(mu);
-      if (recording.load(std::memory_order_relaxed)) {
+      if (count_new) {
         b.counted = true;
         b.aid = ++next_aid;
         used_bytes += b.size;
@@ -237,42 +259,37 @@ PyObject* op_str(int32_t i) {
   return op_strs[i];
 }
 
+// fork: the forking thread takes the lock first, so no other thread holds it (mid-update) in
+// the child's copy; both sides release it after. The child records nothing (it is not traced).
+void before_fork() { mu.lock(); }
+void after_fork_parent() { mu.unlock(); }
 void after_fork_child() {
-  // another thread may have held the lock at fork: the child gets a fresh one
-  new (&mu) std::mutex();
   recording = false;
+  count_new = emit_alloc = emit_free = free_untraced = emit_launch = false;
   recs.clear();
+  in_flight.clear();
+  mu.unlock();
 }
 
-}  // namespace
-
-void install(int64_t drain_rows, py::object full_callback) {
-  drain_at = (size_t)drain_rows;
-  Py_XDECREF(on_full);
-  on_full = full_callback.is_none() ? nullptr : full_callback.release().ptr();
-  if (tracing_allocator.inner == nullptr) {
-    tracing_allocator.inner = c10::GetCPUAllocator();
-    pthread_atfork(nullptr, nullptr, &after_fork_child);
-  }
-  if (c10::GetCPUAllocator() != &tracing_allocator)
-    c10::SetCPUAllocator(&tracing_allocator, ++alloc_priority);
-  if (handle == 0)
-    handle = at::addGlobalCallback(
-        at::RecordFunctionCallback(on_enter, on_exit).needsInputs(false).needsOutputs(false)
-            .needsIds(false).scopes({at::RecordScope::FUNCTION}));
+// Under the lock: an OP_END now for every top-level op whose OP_START was recorded.
+void close_in_flight_locked() {
+  int64_t t = now_ns();
+  for (auto& kv : in_flight) recs.push_back({t, kv.first, 0, 0, 0, 0, OP_END, kv.second});
+  in_flight.clear();
 }
 
-void set_flags(bool rec, bool alloc, bool free_, bool launch) {
-  std::lock_guard<std::mutex> g(mu);
-  recording = rec && !handed_over;
-  emit_alloc = alloc;
-  emit_free = free_;
-  emit_launch = launch;
+// Under the lock: nothing new is recorded (ops, blocks); frees of counted blocks still are,
+// flagged per the flags the session gives.
+void stop_recording_locked() {
+  recording = false;
+  count_new = false;
+  emit_alloc = false;
+  emit_launch = false;
+  close_in_flight_locked();
 }
 
-void uninstall() {
+void detach() {
   // blocks allocated through the wrapper keep its deleter: the wrapper and the side table stay
-  set_flags(false, false, false, false);
   Py_XDECREF(on_full);  // called with the GIL (from Python)
   on_full = nullptr;
   if (handle != 0) {
@@ -283,19 +300,66 @@ void uninstall() {
     c10::SetCPUAllocator(tracing_allocator.inner, ++alloc_priority);
 }
 
+}  // namespace
+
+void install(int64_t drain_rows, py::object full_callback) {
+  drain_at = (size_t)drain_rows;
+  Py_XDECREF(on_full);
+  on_full = full_callback.is_none() ? nullptr : full_callback.release().ptr();
+  if (tracing_allocator.inner == nullptr) {
+    tracing_allocator.inner = c10::GetCPUAllocator();
+    pthread_atfork(&before_fork, &after_fork_parent, &after_fork_child);
+  }
+  if (c10::GetCPUAllocator() != &tracing_allocator)
+    c10::SetCPUAllocator(&tracing_allocator, ++alloc_priority);
+  if (handle == 0)
+    handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(on_enter, on_exit).needsInputs(false).needsOutputs(false)
+            .needsIds(false).scopes({at::RecordScope::FUNCTION}));
+}
+
+// rec: ops tracked; count: new blocks counted; alloc: their MALLOC recorded; free_: frees recorded
+// as traced; free_later: frees of counted blocks recorded flagged when not as traced; launch: ops.
+void set_flags(bool rec, bool count, bool alloc, bool free_, bool free_later, bool launch) {
+  std::lock_guard<std::mutex> g(mu);
+  bool on = !handed_over;
+  recording = rec && on;
+  count_new = count && on;
+  emit_alloc = alloc && on;
+  emit_free = free_;
+  free_untraced = free_later;
+  emit_launch = launch && on;
+}
+
+// stop(): one critical section ends recording (closing the ops in flight), then the hooks go.
+void uninstall() {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    stop_recording_locked();
+  }
+  detach();
+}
+
 // Returns (rows appended, failed-allocation markers among them).
 // Append the recorded rows to `out` as the Python source's row tuples:
 // (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
 // `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
 // allocation).
 py::tuple drain(py::list out, py::tuple names) {
+  // The records are copied out, made into tuples, and only then removed: a tuple that cannot be
+  // made (no memory) raises with every record still here for the next drain. Records added
+  // while the tuples are built (frees on other threads) stay after the copied ones.
   int64_t failed = 0;
   std::vector<Rec> batch;
   {
     std::lock_guard<std::mutex> g(mu);
-    batch.swap(recs);  // frees during the tuple building below record into the fresh vector
-    recs.reserve(std::min<size_t>(batch.capacity(), drain_at + 1024));
+    if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0);
+    draining = true;
+    batch.assign(recs.begin(), recs.end());
   }
+  struct Done {  // the drain flag is cleared on every way out
+    ~Done() { std::lock_guard<std::mutex> g(mu); draining = false; }
+  } done;
   PyObject* ev_launch = names[0].ptr();
   PyObject* ev_start = names[1].ptr();
   PyObject* ev_end = names[2].ptr();
@@ -305,13 +369,13 @@ py::tuple drain(py::list out, py::tuple names) {
   PyObject* device = names[6].ptr();
   PyObject* na = names[7].ptr();
   PyObject* ev_failed = names[8].ptr();
-  PyObject* empty = PyUnicode_FromString("");
-  PyObject* lst = out.ptr();
+  PyObject* untraced_key = names[9].ptr();
+  py::list made;  // the tuples, appended to `out` once all are made
+  PyObject* lst = made.ptr();
+  py::str empty("");
   for (const Rec& r : batch) {
-    PyObject* t = PyTuple_New(10);
-    if (t == nullptr) throw py::error_already_set();
     PyObject* name = r.op >= 0 ? op_str(r.op) : na;
-    Py_INCREF(name);
+    if (name == nullptr) throw py::error_already_set();
     PyObject* ev;
     PyObject* type;
     PyObject* ptr;
@@ -331,58 +395,78 @@ py::tuple drain(py::list out, py::tuple names) {
       ptr = Py_None;
       Py_INCREF(ptr);
       attr = Py_BuildValue("(LLL)", (long long)r.size, (long long)r.used, (long long)r.aid);
+    } else if (r.kind == FREE_UNTRACED) {
+      // FREE of a counted block freed while not recording: Attr is a dict with the flag
+      ev = ev_free;
+      type = pool;
+      ptr = PyLong_FromUnsignedLongLong(r.ptr);
+      attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,O:O}", "allocation_id", (long long)r.aid, "addr",
+                           (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
+                           "total", (long long)r.used, untraced_key, Py_True);
     } else {
       ev = r.kind == MALLOC ? ev_malloc : ev_free;
       type = pool;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       // MALLOC: (alloc_id, addr, size, used, total, owner); FREE: the same without the owner.
       // The CPU allocator reserves nothing beyond what it hands out: total == used.
-      attr = PyTuple_New(r.kind == MALLOC ? 6 : 5);
-      PyTuple_SET_ITEM(attr, 0, PyLong_FromLongLong(r.aid));
-      PyTuple_SET_ITEM(attr, 1, PyLong_FromUnsignedLongLong(r.ptr));
-      PyTuple_SET_ITEM(attr, 2, PyLong_FromLongLong(r.size));
-      PyTuple_SET_ITEM(attr, 3, PyLong_FromLongLong(r.used));
-      PyTuple_SET_ITEM(attr, 4, PyLong_FromLongLong(r.used));
-      if (r.kind == MALLOC) {
-        Py_INCREF(empty);
-        PyTuple_SET_ITEM(attr, 5, empty);
-      }
+      if (r.kind == MALLOC)
+        attr = Py_BuildValue("(LKLLLO)", (long long)r.aid, (unsigned long long)r.ptr, (long long)r.size,
+                             (long long)r.used, (long long)r.used, empty.ptr());
+      else
+        attr = Py_BuildValue("(LKLLL)", (long long)r.aid, (unsigned long long)r.ptr, (long long)r.size,
+                             (long long)r.used, (long long)r.used);
     }
-    Py_INCREF(ev);
-    Py_INCREF(type);
-    Py_INCREF(device);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(t, 0, ev);
-    PyTuple_SET_ITEM(t, 1, type);
-    PyTuple_SET_ITEM(t, 2, name);
-    PyTuple_SET_ITEM(t, 3, PyLong_FromLongLong(r.ts));
-    PyTuple_SET_ITEM(t, 4, PyLong_FromUnsignedLongLong(r.tid));
-    PyTuple_SET_ITEM(t, 5, device);
-    PyTuple_SET_ITEM(t, 6, ptr);
-    PyTuple_SET_ITEM(t, 7, attr);
-    PyTuple_SET_ITEM(t, 8, Py_None);
-    PyTuple_SET_ITEM(t, 9, Py_None);
+    PyObject* t = (ptr == nullptr || attr == nullptr) ? nullptr
+        : Py_BuildValue("(OOOLKOOOOO)", ev, type, name, (long long)r.ts, (unsigned long long)r.tid, device,
+                        ptr, attr, Py_None, Py_None);
+    Py_XDECREF(ptr);
+    Py_XDECREF(attr);
+    if (t == nullptr) throw py::error_already_set();
     int rc = PyList_Append(lst, t);
     Py_DECREF(t);
-    if (rc != 0) {
-      Py_DECREF(empty);
-      throw py::error_already_set();
-    }
+    if (rc != 0) throw py::error_already_set();
   }
-  Py_DECREF(empty);
+  {
+    // every tuple made: the records go (those appended meanwhile stay)
+    std::lock_guard<std::mutex> g(mu);
+    recs.erase(recs.begin(), recs.begin() + batch.size());
+  }
+  // appending cannot fail half-way on memory: the list is grown once by the slice assignment
+  Py_ssize_t n = PyList_GET_SIZE(out.ptr());
+  if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
   return py::make_tuple((int64_t)batch.size(), failed);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
 // here; the frees of the blocks counted so far still are. Returns the last allocation id.
+// One critical section: from it on no op or new block is recorded here and every free of a
+// counted block is (so none lowers the counter without a row), and the ops in flight get OP_END.
 int64_t handover() {
-  bool free_ = emit_free;
-  uninstall();  // the blocks counted so far keep this wrapper's deleter
-  std::lock_guard<std::mutex> g(mu);
-  handed_over = true;
-  emit_free = free_;
-  return next_aid;
+  int64_t last;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    handed_over = true;
+    stop_recording_locked();
+    last = next_aid;
+  }
+  detach();  // the blocks counted so far keep this wrapper's deleter
+  return last;
+}
+
+// A new session starts from a clean recorder: nothing recorded, nothing counted (blocks of an
+// earlier session in this process are no longer reported), no handover.
+void reset() {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    stop_recording_locked();
+    handed_over = false;
+    emit_free = free_untraced = false;
+    recs.clear();
+    used_bytes = peak_bytes = 0;
+    next_aid = 0;
+    for (auto& kv : live) kv.second.counted = false;
+  }
+  detach();
 }
 
 // After the handover the dispatch-mode source's blocks share the bytes-in-use counter:
@@ -438,4 +522,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("handover", &handover);
   m.def("account", &account);
   m.def("counted_block", &counted_block);
+  m.def("reset", &reset);
 }

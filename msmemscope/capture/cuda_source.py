@@ -28,6 +28,7 @@ from time import time_ns
 
 from ..events import Event
 from .cuda_allocator import AllocatorConverter, TraceCursor
+from .source import Source
 
 log = logging.getLogger("msmemscope")
 INITIAL_ENTRIES = 1 << 16   # a few MB of C++ entries without stacks
@@ -67,10 +68,12 @@ def unsupported_by(opts) -> str | None:
     return None
 
 
-class AllocatorSource:
-    """The session's handle on the allocator trace of one device kind."""
+class AllocatorSource(Source):
+    """The session's handle on the allocator trace of one device kind (the session's
+    ``device_source``: beside the op source, it reports the blocks of its device)."""
 
     name = "allocator_trace"
+    sees = frozenset({"alloc", "free", "accelerators"})
 
     def __init__(self, session, kind: str, mem):
         self.s = session
@@ -226,10 +229,7 @@ class AllocatorSource:
         return c
 
     def _next_id(self) -> int:
-        s = self.s
-        with s.lock:
-            s._next_alloc += 1
-            return s._next_alloc
+        return self.s.new_alloc_id()
 
     def _attributor(self, buf, flushing):
         """Top-level op intervals from the op rows in ``buf`` and the ops still open when the last

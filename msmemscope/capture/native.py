@@ -23,13 +23,14 @@ import sys
 
 import torch
 
-from ..events import NA, Event, Op, Pool
+from ..events import NA, TS, UNTRACED, Event, Op, Pool
+from .source import ALLOC_FAILED, Source
 
 log = logging.getLogger("msmemscope")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "_native.cpp")
-ALLOC_FAILED = "ALLOC_FAILED"  # a marker row from the C++ side, never written: an OOM snapshot replaces it
-_NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED)
+_NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED,
+          UNTRACED)
 
 
 def _key() -> str:
@@ -225,68 +226,57 @@ def unsupported_by(opts, kind: str) -> str | None:
 
 
 def _ts(row):
-    return row[3]
+    return row[TS]
 
 
-class NativeSource:
-    """The session's handle on the C++ recorder."""
+class NativeSource(Source):
+    """The C++ recorder (``_native.cpp``). It owns its state there: the records not yet drained,
+    the side table of the blocks it counted, the CPU pool's bytes in use and peak (the session
+    reads them through ``counters()`` and moves them through ``account()``)."""
+    name = "native"
+    sees = frozenset({"alloc", "free", "launch"})
+    pool = Pool.PTA
 
-    def __init__(self, session, mod):
-        self.s = session
+    def __init__(self, mod, flush_rows, on_full):
         self.m = mod
+        self.flush_rows = flush_rows
+        self.on_full = on_full     # called from the op exit (with the GIL) when the records pass flush_rows
         self.installed = False
         self.handed_over = False
+        mod.reset()  # the recorder is the process's: a new session starts it clean
 
     def start(self):
-        self.m.install(self.s.flush_rows, self._full)
+        self.m.install(self.flush_rows, self.on_full)
         self.installed = True
 
     def stop(self):
         if self.installed:
-            self.m.uninstall()
+            self.m.uninstall()  # ops in flight get their OP_END now
             self.installed = False
 
-    def set_flags(self, active, alloc, free, launch):
-        self.m.set_flags(active, alloc, free, launch)
+    def set_flags(self, f):
+        self.m.set_flags(f.recording, f.count, f.alloc, f.free, f.free_untraced, f.launch)
 
-    def _full(self):
-        # from the C++ op exit when the record buffer is past its bound
-        s = self.s
-        if s.active and not s.closed:
-            s.flush()
-
-    def drain_into(self, buf: list):
+    def drain(self, buf: list) -> int:
+        """Append the records as raw rows; returns how many failed-allocation markers
+        (``ALLOC_FAILED`` rows: the session makes OOM snapshots of them) are among them."""
         if self.handed_over:
-            # only FREE rows of the blocks counted here: merged by time with the dispatch-mode
-            # source's rows (account() gave those their times from the same clock and lock)
+            # only FREE rows of the blocks counted here (and OP_END of ops closed at the
+            # handover): merged by time with the dispatch-mode source's rows (account() gave those
+            # their times from the same clock and lock)
             rows: list = []
             _, failed = self.m.drain(rows, _NAMES)
             if rows:
                 buf[:] = heapq.merge(buf, rows, key=_ts)
-        else:
-            start = len(buf)
-            _, failed = self.m.drain(buf, _NAMES)
-            if failed:
-                self._oom_snapshots(buf, start)
-        used, peak = self.m.counters()
-        s = self.s
-        s.used[("cpu", Pool.PTA)] = used
-        if peak > s.peak.get(("cpu", Pool.PTA), 0):
-            s.peak[("cpu", Pool.PTA)] = peak
+            return failed
+        _, failed = self.m.drain(buf, _NAMES)
+        return failed
 
-    def _oom_snapshots(self, buf, start):
-        """A failed allocation becomes the OOM snapshot the dispatch-mode source takes at an
-        allocation failure: the memory counters at the failure, with its time."""
-        from .snapshot import snapshot_counters
-        for i in range(start, len(buf)):
-            r = buf[i]
-            if r[0] is ALLOC_FAILED:
-                _size, used, peak = r[7]
-                attr = snapshot_counters(self.s, "cpu", None)
-                attr.update(allocated=used, max_allocated=peak, reserved=used, max_reserved=peak)
-                buf[i] = (Event.SNAPSHOT, Event.SNAPSHOT, "OOM_Snapshot", r[3], r[4], "cpu", None, attr, None, None)
+    def counters(self):
+        """(bytes in use, peak) of the CPU pool."""
+        return self.m.counters()
 
-    def handover(self) -> int:
+    def hand_over(self) -> int:
         self.handed_over = True
         self.installed = False
         return self.m.handover()
@@ -299,6 +289,13 @@ class NativeSource:
 
     def live_alloc_ids(self) -> set:
         return self.m.live_alloc_ids()
+
+    def alloc_id_of(self, st):
+        try:
+            hit = self.m.counted_block(st.data_ptr())
+        except Exception:
+            hit = None
+        return hit[0] if hit is not None else None
 
 
 def main(argv=None) -> int:

@@ -56,9 +56,10 @@ class OpTracer(TorchDispatchMode):
         # object instead (_keep_dynamo_out).
         return False
 
-    def __init__(self, session):
+    def __init__(self, session, source):
         super().__init__()
-        self.s = session
+        self.s = session      # flags, buffer, the op observer (watch)
+        self.src = source     # the DispatchSource: the block registry
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         s = self.s
@@ -78,8 +79,9 @@ class OpTracer(TorchDispatchMode):
         if launch:
             buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None, stack, None))
         access = s.emit_access and not is_view
-        block_of = s.block_of
-        live = s.live
+        src = self.src
+        block_of = src.block_of
+        live = src.live
         touched = [] if access else None
         # inputs: blocks first seen here existed before the op (made outside dispatch or before tracing)
         if not access:
@@ -120,7 +122,7 @@ class OpTracer(TorchDispatchMode):
                         if b is not None:
                             touched.append((b, a, WRITE if k in kw_writes else READ))
         if s.watch_active:
-            s.watch_before(func, name, args, kwargs)
+            s.op_observer.before(func, name, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
@@ -130,7 +132,7 @@ class OpTracer(TorchDispatchMode):
             tls.op = prev
             tls.stack = None
             raise
-        new_block = s.new_block
+        new_block = src.new_block
         if outs_seen and not s.watch_active:
             outs = ()
         elif type(out) is Tensor or isinstance(out, Tensor):
@@ -149,7 +151,7 @@ class OpTracer(TorchDispatchMode):
                 if b is None:
                     b = new_block(st, name, False)
                     if b is None and type(o) is not Tensor:  # DTensor: its local tensor
-                        b = s.inner_block(o, name, False)
+                        b = src.inner_block(o, name, False)
                     if access and b is not None:
                         touched.append((b, o, WRITE))
             elif type(o) in (list, tuple):  # ops returning Tensor[] (split, unbind, foreach)
@@ -163,13 +165,13 @@ class OpTracer(TorchDispatchMode):
                         if b is None:
                             b = new_block(st, name, False)
                             if b is None and type(x) is not Tensor:
-                                b = s.inner_block(x, name, False)
+                                b = src.inner_block(x, name, False)
                             if access and b is not None:
                                 touched.append((b, x, WRITE))
         if touched:
-            s.emit_accesses(name, tid, touched)
+            src.emit_accesses(name, tid, touched)
         if s.watch_active:
-            s.watch_after(func, name, args, kwargs, out, touched)
+            s.op_observer.after(func, name, args, kwargs, out, touched)
         if launch:
             buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
         tls.op = prev

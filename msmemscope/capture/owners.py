@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from ..events import Event
+from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event
 
 WEIGHT, GRADIENT, OPT_STATE, ACTIVATION, OPS = "weight", "gradient", "optimizer_state", "activation", "ops"
 OWNER_ROW = "OWNER"  # SYSTEM event type of an owner update row
@@ -209,7 +209,7 @@ class Labeler:
     def _fwd_pre(self, module, args):
         if self.depth == 0:
             self.roots.add(module)
-            self.fwd_first_aid = self.s._next_alloc + 1
+            self.fwd_first_aid = self.s.dispatch.next_alloc + 1
         self.depth += 1
 
     def _fwd_post(self, module, args, out):
@@ -373,7 +373,7 @@ class Labeler:
         s = self.s
         with s.lock:
             pending, self.pending = self.pending, []
-            self.flushed_upto = s._next_alloc
+            self.flushed_upto = s.dispatch.next_alloc
         try:
             cats, changed = self.resolve()
         except Exception:
@@ -390,21 +390,21 @@ class Labeler:
         buf = s.buf
         for i in range(len(buf)):
             r = buf[i]
-            if r[0] != Event.MALLOC:
+            if r[EVENT] != Event.MALLOC:
                 continue
-            a = r[7]
+            a = r[ATTR]
             if type(a) is tuple:
-                b = by_aid.get(a[0])
+                b = by_aid.get(a[A_ALLOC_ID])
                 if b is not None:
-                    in_buf.add(a[0])
-                    if a[5] != b.owner:
-                        buf[i] = r[:7] + (a[:5] + (b.owner,),) + r[8:]
+                    in_buf.add(a[A_ALLOC_ID])
+                    if a[A_OWNER] != b.owner:
+                        buf[i] = r[:ATTR] + (a[:A_OWNER] + (b.owner,),) + r[ATTR + 1:]
             elif isinstance(a, dict):
                 b = by_aid.get(a.get("allocation_id"))
                 if b is not None:
                     in_buf.add(b.alloc_id)
                     if a.get("owner") != b.owner:
-                        buf[i] = r[:7] + ({**a, "owner": b.owner},) + r[8:]
+                        buf[i] = r[:ATTR] + ({**a, "owner": b.owner},) + r[ATTR + 1:]
         if s.emit_alloc:
             for b in changed:
                 if b.alloc_id not in in_buf and b.owner:
@@ -451,39 +451,3 @@ class Labeler:
 
 def _unpack(t):
     return t
-
-
-# ---------------------------------------------------------------- storage resize (FSDP2 frees with resize_(0))
-_resize_orig = None
-
-
-def install_resize_patch():
-    """``UntypedStorage.resize_`` changes a block's memory without a new storage object:
-    record it as a FREE of the old block and a MALLOC of the new size."""
-    global _resize_orig
-    if _resize_orig is not None:
-        return
-    _resize_orig = orig = torch.UntypedStorage.resize_
-
-    @functools.wraps(orig)
-    def resize_(self, size):
-        from . import current
-        s = current()
-        if s is None or not s.active:
-            return orig(self, size)
-        key = id(self)
-        b = s.live.get(key)
-        out = orig(self, size)
-        try:
-            if b is not None and b.size == self.nbytes():
-                return out
-            op = getattr(s.tls, "op", None) or "UntypedStorage.resize_"
-            if b is not None:
-                s._freed(key)
-            if self.nbytes():
-                s.new_block(self, op, False)
-        except Exception:
-            pass
-        return out
-
-    torch.UntypedStorage.resize_ = resize_

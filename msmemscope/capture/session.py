@@ -1,12 +1,18 @@
-"""The session: owns start, stop, steps and the sinks.
+"""The session: coordinates the sources (capture/source.py) and owns what they share.
 
-Sources (the dispatch-mode op tracer, storage life-cycle callbacks, marks,
-optimizer hooks) append raw row tuples to ``buf``; at every step boundary, when
-the buffer is full, and at exit, ``flush`` numbers them, hands them to the
-online analyses and to the dump writer. The buffer is the only per-run
-memory that grows, and it is emptied at each flush.
+It owns the ids (rows numbered at each flush), the one count of bytes in use per
+(device, pool) (``account``), the recording flags, steps, flush, the writer, the sinks and
+exit handling. The sources own their own state: the native source (native.py) its C++
+records and counters, the dispatch-mode source (dispatch.py) its block registry. Rows from
+the sources and from the API (marks, steps, snapshots) go to ``buf``; at every step boundary,
+when the buffer is full, and at exit, ``flush`` numbers them and hands them to the writer and
+to the sinks. The buffer is the only per-run memory that grows, and it is emptied at each flush.
 
-Raw row tuple: (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack)
+Capture is a leaf: the online analyses, framework hooks and anything else that wants to know
+about a session register through the hook points in ``capture/__init__.py`` (``on_start``),
+``Session.add_sink``, ``Session.set_op_observer`` and ``Session.on_stop``.
+
+Raw row tuple: ``events.RawRow`` (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack)
 """
 from __future__ import annotations
 
@@ -20,17 +26,19 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from time import time_ns
 
 import torch
 
 from .. import __version__
-from ..events import Event, Mstx, Pool, System, attr_dict, NA
+from ..events import C_STACK, FORMAT_VERSION, Event, Mstx, System, NA
 from ..io.files import create_new, make_dirs, unique_path
+from ..io.spool import SpoolWriter
 from ..io.writers import open_writer
 from ..options import Options
 from . import backends, stacks
+from .dispatch import DispatchSource
+from .source import Flags
 
 log = logging.getLogger("msmemscope")
 
@@ -56,42 +64,6 @@ class _LogFile(logging.StreamHandler):
 
 
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
-
-
-_DTYPES: dict = {}
-
-
-def _dtype_name(dt) -> str:
-    n = _DTYPES.get(dt)
-    if n is None:
-        n = _DTYPES[dt] = str(dt).replace("torch.", "")
-    return n
-
-
-_KIND: dict = {}  # torch.device -> its type: a dict hit costs half of ``device.type``
-
-
-def _kind_of(dev) -> str:
-    k = _KIND[dev] = dev.type
-    return k
-
-
-class Block(weakref.ref):
-    """A live memory block (one tensor storage). The block is itself the weak reference to the
-    storage whose callback reports the free: one object per block on the hot path, not three."""
-    __slots__ = ("key", "alloc_id", "addr", "size", "device", "pool", "step", "op", "ts", "owner", "stack",
-                 "native")
-
-    def __new__(cls, storage, on_free, *_):
-        return weakref.ref.__new__(cls, storage, on_free)
-
-    def __init__(self, storage, on_free, key, alloc_id, addr, size, device, pool, step, op, ts):
-        super().__init__(storage, on_free)
-        self.key, self.alloc_id, self.addr, self.size, self.device, self.pool = key, alloc_id, addr, size, device, pool
-        self.step, self.op, self.ts = step, op, ts
-        self.owner = None
-        self.stack = None
-        self.native = False  # counted by the native source, whose FREE row reports it
 
 
 def _why(exc) -> str:
@@ -135,6 +107,8 @@ def _new_folder(root: str, name: str) -> str:
 
 
 class Session:
+    timestamp = staticmethod(_timestamp)
+
     def __init__(self, opts: Options, launched: bool = False):
         self.opts = opts
         self.launched = launched
@@ -156,10 +130,8 @@ class Session:
         self._deferred: list = []            # signals that arrived during close()
         self.failure = None                  # why tracing stopped on a failure of the tool's own
         self.tls = threading.local()
-        self.live: dict[int, Block] = {}     # id(storage) -> Block; the storage object lives as long as the memory
         self.used: dict = {}                 # (device, pool) -> allocated bytes
         self.peak: dict = {}
-        self._next_alloc = 0
         self._next_range = 0
         self.ranges: dict = {}
         self.step_no = 1
@@ -169,19 +141,31 @@ class Session:
         self.closed = False
         self.next_id = 0
         self.sinks: list = []
-        self.watch_active = False
+        self.watch_active = False            # the op observer is called around every dispatch-mode op
+        self.op_observer = None              # its before/after (the watch engine): set_op_observer
         self.watch_engine = None             # capture.watch.WatchEngine once --watch or watcher.watch() is used
-        self._modes: dict = {}
+        self._stop_hooks: list = []          # called at each stop(): on_stop
         self._hooks: list = []
         self._lock_owner = None
         self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
-        self.native = self._choose_source()  # NativeSource, or None: the dispatch-mode source (ops.py)
+        self.flags = Flags()
+        # the sources: the dispatch-mode one always exists (the fallback, and the successor of a
+        # handover); the native one where the run allows it and it is built
+        self.dispatch = DispatchSource(self)
+        self.native = self._choose_source()  # NativeSource, or None
         self.native_ops = self.native is not None  # the native source records ops and new blocks
+        self.source = self.native if self.native_ops else self.dispatch  # the one following ops now
+        # the dispatch source's registry, read by owner labels, watch and the OOM analysis
+        self.live = self.dispatch.live
+        self.block_of = self.dispatch.block_of
+        self.new_block = self.dispatch.new_block
+        self.inner_block = self.dispatch.inner_block
+        self.storage_at = self.dispatch.storage_at
+        self._freed = self.dispatch.freed
         self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
-        self._gone = self._gone  # one bound method for every block's free callback
         self._open_output()
 
     def _choose_source(self):
@@ -203,7 +187,7 @@ class Session:
                 from .._console import say
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
-        return native.NativeSource(self, mod)
+        return native.NativeSource(mod, self.flush_rows, self._source_full)
 
     def _choose_device_source(self):
         """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
@@ -239,7 +223,8 @@ class Session:
         dev_dir = "device_cpu" if self.op_device == "cpu" else f"device_{self.op_device}"
         self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
         dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
-        self.writer = open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"), spool=True)
+        # the rows are written by a process of its own (io/spool.py; MSMEMSCOPE_WRITER=inline keeps them here)
+        self.writer = SpoolWriter(open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}")))
         self.dump_path = self.writer.path
         log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
         self.log_path = unique_path(os.path.join(log_dir, f"msmemscope_{ts}.log"))
@@ -252,6 +237,7 @@ class Session:
             "argv": list(sys.argv), "torch": torch.__version__, "backend": self.kind,
             "device": self.op_device, "dump": os.path.relpath(self.dump_path, self.folder),
             "start_time": ts, "options": json.loads(self.opts.to_json()),
+            "format_version": FORMAT_VERSION,
             "source": "native" if self.native is not None else "dispatch",
             "source_note": self.source_note,   # why not native, when it is not
             "native_missing": self.native_missing,
@@ -279,30 +265,96 @@ class Session:
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ flags
-    def _update_flags(self):
+    def _update_flags(self, pause: bool = False):
         steps = self.opts.steps
-        self.emit = self.active and (not steps or self.step_no in steps)
+        self.emit = self.active and not pause and (not steps or self.step_no in steps)
         self.emit_launch = self.emit and self.want_launch
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
         self.emit_free = self.emit and self.want_free
+        # a block whose MALLOC is in the dump gets its FREE there even when freed outside the
+        # traced window (flagged ``untraced``): ``used`` stays the running sum of the sizes
+        self.free_untraced = self.want_free and not self.closed
+        on = not self.closed
+        f = self.flags = Flags(self.active and on, self.emit and on, self.emit_alloc and on, self.emit_free and on,
+                               self.free_untraced, self.emit_launch and on, self.emit_access and on)
         if self.native is not None:
-            self.native.set_flags(self.active and not self.closed, self.emit_alloc, self.emit_free, self.emit_launch)
+            self.native.set_flags(f)
+
+    # ------------------------------------------------------------------ accounting
+    def account(self, device, pool, delta):
+        """The one count of bytes in use per (device, pool): apply ``delta``, return (bytes in use
+        after it, its time). Called under ``self.lock``. The CPU pool's count lives in the native
+        source when there is one (its frees happen in C++, without the GIL)."""
+        pk = (device, pool)
+        if self.native is not None and device == "cpu":
+            used, ts = self.native.account(delta)
+        else:
+            used, ts = self.used.get(pk, 0) + delta, time_ns()
+        self.used[pk] = used
+        if used > self.peak.get(pk, 0):
+            self.peak[pk] = used
+        return used, ts
 
     def sync_sources(self):
-        """Move the native source's records into ``buf``: called before a Python-side row is
-        appended, so that rows keep the order in which things happened."""
-        if self.native is not None:
-            self.native.drain_into(self.buf)
+        """Move the native source's records into ``buf`` and take its counters: called before a
+        Python-side row is appended, so that rows keep the order in which things happened."""
+        nat = self.native
+        if nat is not None:
+            failed = nat.drain(self.buf)
+            if failed:
+                from .snapshot import oom_snapshots
+                oom_snapshots(self, self.buf, failed)
+            used, peak = nat.counters()
+            pk = ("cpu", nat.pool)
+            self.used[pk] = used
+            if peak > self.peak.get(pk, 0):
+                self.peak[pk] = peak
+
+    def new_alloc_id(self) -> int:
+        """The next allocation id: one sequence for every source of the run."""
+        with self.lock:
+            self.dispatch.next_alloc += 1
+            return self.dispatch.next_alloc
+
+    def _source_full(self):
+        # a source's records passed FLUSH_ROWS (from the native op exit)
+        if self.active and not self.closed:
+            self.flush()
 
     def live_alloc_ids(self) -> set:
         """Allocation ids of the blocks allocated while tracing and not yet freed."""
-        ids = {b.alloc_id for b in list(self.live.values())}
+        ids = self.dispatch.live_alloc_ids()
         if self.native is not None:
             ids |= self.native.live_alloc_ids()
         if self.device_source is not None:
             ids |= self.device_source.live_alloc_ids()
         return ids
+
+    def alloc_id_of(self, st):
+        """The allocation id of a live storage's block, or None when tracing never saw it."""
+        aid = self.dispatch.alloc_id_of(st)
+        if aid is None and self.native is not None:
+            aid = self.native.alloc_id_of(st)
+        return aid
+
+    # ------------------------------------------------------------------ hook points
+    def add_sink(self, sink):
+        """A sink (online analysis, watch engine): consume(rows, first_id) at each flush,
+        step_end(session, step), close(session), optionally op_failed(session, name, exc)."""
+        if sink not in self.sinks:
+            self.sinks.append(sink)
+
+    def set_op_observer(self, observer):
+        """An object called around every op of the dispatch-mode source while ``watch_active``:
+        ``before(func, name, args, kwargs)``, ``after(func, name, args, kwargs, out, touched)``.
+        Ops are only seen there, so the session hands over to it (from the native source)."""
+        self.op_observer = observer
+        self.use_dispatch_source("watch")
+
+    def on_stop(self, fn):
+        """``fn()`` is called at each stop(), before the STOP_TRACE row."""
+        self._stop_hooks.append(fn)
 
     def use_dispatch_source(self, why: str):
         """Go over from the native source to the dispatch-mode source for the rest of the run:
@@ -312,9 +364,10 @@ class Session:
         if not self.native_ops:
             return
         with self.lock:
-            self.native.drain_into(self.buf)
-            self._next_alloc = self.native.handover()
+            self.sync_sources()
+            self.dispatch.take_over(self.native, self.native.hand_over())
             self.native_ops = False
+            self.source = self.dispatch
         self.config["source"] = "native, then dispatch"
         try:
             self._write_config()
@@ -322,193 +375,21 @@ class Session:
             pass
         log.info("using the dispatch-mode source from now on: %s", why)
         if self.active:
-            self._install_threads()
-            self._push_mode()
+            self.dispatch.start()
 
     def py_stack(self):
         return stacks.python_stack(self.py_depth)
 
     # ------------------------------------------------------------------ blocks
-    def block_of(self, t, op_name):
-        """The live block behind a tensor, registering it if this is the first sight of it."""
-        try:
-            st = t.untyped_storage()
-        except Exception:  # wrapper subclasses, sparse tensors: no plain storage
-            return None
-        b = self.live.get(id(st))
-        if b is None:
-            b = self.new_block(st, op_name, True)
-            if b is None and type(t) is not torch.Tensor:
-                b = self.inner_block(t, op_name, True)
-        return b
-
-    def storage_at(self, addr):
-        """(storage, base, size) of the live tensor storage holding ``addr``, or None."""
-        cands = [b() for b in list(self.live.values())]
-        if self.native is not None:
-            # blocks counted by the native source before the handover have no Block here yet:
-            # found through the tensors that hold them
-            import gc
-            cands += [o.untyped_storage() for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for st in cands:
-            if st is None:
-                continue
-            try:
-                base, size = st.data_ptr(), st.nbytes()
-            except Exception:
-                continue
-            if base <= addr < base + size:
-                return st, base, size
-        return None
-
-    def alloc_id_of(self, st):
-        """The allocation id of a live storage's block, or None when tracing never saw it."""
-        for b in self.live.values():
-            if b() is st:
-                return b.alloc_id
-        if self.native is not None:
-            try:
-                hit = self.native.counted_block(st.data_ptr())
-            except Exception:
-                hit = None
-            return hit[0] if hit is not None else None
-        return None
-
-    def inner_block(self, t, op_name, seen_as_input):
-        """The block behind a wrapper subclass (DTensor: its local tensor), via ``__tensor_flatten__``."""
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return None
-        try:
-            names, _ = flatten()
-        except Exception:
-            return None
-        for n in names:
-            inner = getattr(t, n, None)
-            if not isinstance(inner, torch.Tensor):
-                continue
-            try:
-                st = inner.untyped_storage()
-            except Exception:
-                continue
-            b = self.live.get(id(st))
-            if b is None:
-                b = self.new_block(st, op_name, seen_as_input)
-                if b is None and type(inner) is not torch.Tensor:
-                    b = self.inner_block(inner, op_name, seen_as_input)
-            if b is not None:
-                return b
-        return None
-
-    def new_block(self, st, op_name, seen_as_input):
-        try:
-            size = st.nbytes()
-            dev = st.device
-            kind = _KIND.get(dev) or _kind_of(dev)
-            if size == 0 or kind == "meta":
-                return None
-            if self.device_source is not None and kind == self.device_source.kind:
-                return None  # the allocator trace reports this device's blocks
-            addr = st.data_ptr()
-        except Exception:
-            return None
-        device = "cpu" if kind == "cpu" else backends.device_id(dev)
-        pool = Pool.PTA
-        key = id(st)
-        ts = time_ns()
-        stack = None
-        if self.py_depth:
-            stack = getattr(self.tls, "stack", None) or self.py_stack()
-        tail = self.native if kind == "cpu" and not self.native_ops else None
-        with self.lock:
-            if tail is not None:  # after a handover from the native source
-                hit = tail.counted_block(addr)
-                if hit is not None:
-                    # a block the native source counted (and wrote the MALLOC row of): followed
-                    # here for labels and watch, its free is reported there
-                    b = Block(st, self._gone, key, hit[0], addr, size, device, pool, self.step_no, op_name, ts)
-                    b.native = True
-                    self.live[key] = b
-                    if self.labeler is not None:
-                        self.labeler.on_new(b)
-                    return b
-            self._next_alloc += 1
-            aid = self._next_alloc
-            pk = (device, pool)
-            if tail is not None:
-                used, ts = tail.account(size)  # one counter with the native source's frees
-            else:
-                used = self.used.get(pk, 0) + size
-            self.used[pk] = used
-            if used > self.peak.get(pk, 0):
-                self.peak[pk] = used
-            total = backends.reserved_bytes(kind, dev.index) if kind != "cpu" else used
-            b = Block(st, self._gone, key, aid, addr, size, device, pool, self.step_no, op_name, ts)
-            b.stack = stack
-            self.live[key] = b
-            if self.labeler is not None:
-                self.labeler.on_new(b)
-            if self.emit_alloc:
-                attr = (aid, addr, size, used, total, b.owner or "")
-                if seen_as_input:
-                    # allocated outside any traced op (or before tracing): first seen here
-                    attr = {**attr_dict(Event.MALLOC, attr), "origin": "before_op"}
-                self.buf.append((Event.MALLOC, pool, op_name, ts, threading.get_ident(), device, addr, attr,
-                                 stack, stacks.capture_c() if self.c_depth else None))
-        return b
-
-    def _freed(self, key):
-        """The block behind the storage with this id is gone (resize_(0) keeps the storage object)."""
-        b = self.live.get(key)
-        if b is not None:
-            self._gone(b)
-
-    def _gone(self, b):
-        # the storage's weakref callback (b is the Block), or _freed
-        live = self.live
-        if live.get(b.key) is not b:  # already reported (resize_), or a newer block at that id
-            return
-        del live[b.key]
-        if self.closed or b.native:
-            return
-        with self.lock:
-            pk = (b.device, b.pool)
-            if self.native is not None and b.device == "cpu":
-                used, ts = self.native.account(-b.size)
-            else:
-                used, ts = self.used.get(pk, 0) - b.size, time_ns()
-            self.used[pk] = used
-            if self.emit_free:
-                kind = self.kind if b.device != "cpu" else "cpu"
-                total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
-                self.buf.append((Event.FREE, b.pool, getattr(self.tls, "op", None) or NA, ts,
-                                 threading.get_ident(), b.device, b.addr,
-                                 (b.alloc_id, b.addr, b.size, used, total),
-                                 None, None))
-
-    def emit_accesses(self, name, tid, touched):
-        seen = {}
-        for b, t, kind in touched:
-            prev = seen.get(b.alloc_id)
-            if prev is None or (kind == "WRITE" and prev[2] != "WRITE"):
-                seen[b.alloc_id] = (b, t, kind)
-        ts = time_ns()
-        buf = self.buf
-        for b, t, kind in seen.values():
-            buf.append((Event.ACCESS, kind, name, ts, tid, b.device, b.addr,
-                        (_dtype_name(t.dtype), tuple(t.shape), b.size, b.alloc_id), None, None))
-
     # ------------------------------------------------------------------ rows from the API
     def system(self, kind, attr=None):
-        if self.native is not None:
-            self.native.drain_into(self.buf)
+        self.sync_sources()
         self.buf.append((Event.SYSTEM, kind, NA, time_ns(), threading.get_ident(), self.op_device, None,
                          attr, None, None))
 
     def mstx(self, kind, msg, attr=None):
         if self.emit:
-            if self.native is not None:
-                self.native.drain_into(self.buf)
+            self.sync_sources()
             self.buf.append((Event.MSTX, kind, msg, time_ns(), threading.get_ident(), self.op_device, None,
                              attr, self.py_stack() if self.py_depth else None, None))
 
@@ -543,26 +424,22 @@ class Session:
         ended = self.step_no
         if self.device_source is not None:
             self.device_source.at_step_end(self.buf, ended)
+        # the STEP row is a clean cut: nothing is recorded from before it is written until the
+        # next step's flags are set, so no row of another thread lands in the wrong step
+        self._update_flags(pause=True)
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
-        self.flush(step_end=ended)
         self._update_flags()
+        self.flush(step_end=ended)
 
     def op_failed(self, name, exc):
-        from ..analysis.oom import is_allocation_failure
-        from .snapshot import take_snapshot
+        from .snapshot import is_allocation_failure, take_snapshot
         if is_allocation_failure(exc):
             take_snapshot(name="OOM_Snapshot")  # the state at the failure, whatever analyses are on
         for s in self.sinks:
             fn = getattr(s, "op_failed", None)
             if fn is not None:
                 fn(self, name, exc)
-
-    def watch_before(self, func, name, args, kwargs):
-        pass
-
-    def watch_after(self, func, name, args, kwargs, out, touched):
-        pass
 
     # ------------------------------------------------------------------ flushing
     def flush(self, step_end=None):
@@ -584,8 +461,7 @@ class Session:
             return
         if self.labeler is not None:
             self.labeler.before_flush()
-        if self.native is not None:
-            self.native.drain_into(self.buf)
+        self.sync_sources()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
@@ -637,7 +513,7 @@ class Session:
         self.failure = reason
         self.buf.clear()
         try:
-            self._pop_mode()
+            self.dispatch.stop()
             if self.native is not None:
                 self.native.stop()
             if self.device_source is not None:
@@ -667,7 +543,7 @@ class Session:
               f"{self.dump_path} keeps the rows written before (up to ID {last}).")
 
     def _symbolize(self, rows):
-        raw = [(i, r[9]) for i, r in enumerate(rows) if r[9] is not None]
+        raw = [(i, r[C_STACK]) for i, r in enumerate(rows) if r[C_STACK] is not None]
         return dict(zip((i for i, _ in raw), stacks.symbolize_c([x for _, x in raw], self.c_depth)))
 
     # ------------------------------------------------------------------ life cycle
@@ -680,16 +556,12 @@ class Session:
         self.system(System.START_TRACE)
         if not self.started_once:
             self.started_once = True
-            from .owners import install_resize_patch
-            install_resize_patch()
-            from ..analysis import online_sinks
-            self.sinks = online_sinks(self)
-            if "decompose" in self.opts.analysis or "msmemscope.integrations" in sys.modules:
-                try:  # framework hooks (SPEC 4.8): automatic under decompose, or set up before start()
-                    from ..integrations import on_session_start
-                    on_session_start(self)
+            from . import on_start
+            for fn in list(on_start):  # sinks, framework hooks: registered from outside capture/
+                try:
+                    fn(self)
                 except Exception as e:
-                    log.warning("framework hooks: %s", e)
+                    log.warning("%s: %s", getattr(fn, "__qualname__", fn), e)
             if self.opts.watch is not None or self.watch_engine is not None:
                 from .watch import attach
                 attach(self)
@@ -704,11 +576,7 @@ class Session:
             self._skip_dataloader_workers()
         if self.device_source is not None:
             self.device_source.start()
-        if self.native_ops:
-            self.native.start()  # its flags were set by _update_flags() above
-        else:
-            self._install_threads()
-            self._push_mode()
+        self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
         log.info("trace started")
@@ -716,14 +584,19 @@ class Session:
     def stop(self, sync: bool = True):
         if not self.active:
             return
-        self._pop_mode()
-        if self.native is not None:
-            self.native.stop()
+        self.dispatch.stop()
         if self.device_source is not None:
             self.device_source.stop()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for fn in self._stop_hooks:
+            fn()
+        # nothing new is recorded from here; frees of the blocks in the dump are, flagged
+        self.active = False
+        self._update_flags()
+        if self.native is not None:
+            self.native.stop()  # ops in flight get their OP_END now
         self.system(System.STOP_TRACE)
         self.flush()
         if sync and not self.closed and self.failure is None:
@@ -731,8 +604,6 @@ class Session:
                 self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
             except Exception as e:
                 self._tool_failed("cannot finish the dump", e)
-        self.active = False
-        self._update_flags()
         log.info("trace stopped")
 
     def close(self, exit_code=None):
@@ -764,6 +635,7 @@ class Session:
         finally:
             self.closed = True
             self.active = False
+            self._update_flags()  # the native source records nothing more (frees included)
             try:
                 self.writer.close()
             except Exception as e:
@@ -821,44 +693,6 @@ class Session:
                 signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    def _push_mode(self):
-        tid = threading.get_ident()
-        if tid in self._modes:
-            return
-        from .ops import OpTracer
-        m = OpTracer(self)
-        m.__enter__()
-        self._modes[tid] = m
-
-    def watch_attached(self):
-        """The watch engine was created: its op hooks are the dispatch mode's."""
-        self.use_dispatch_source("watch")
-
-    def _pop_mode(self):
-        m = self._modes.pop(threading.get_ident(), None)
-        if m is not None:
-            try:
-                m.__exit__(None, None, None)
-            except Exception:  # another mode was pushed above ours and not popped
-                log.warning("could not pop the tracing mode cleanly")
-
-    def _install_threads(self):
-        """Threads started while tracing run the op tracer too (the mode stack is per thread)."""
-        if getattr(threading.Thread, "_msmemscope_patched", False):
-            return
-        orig = threading.Thread._bootstrap_inner
-        session = self
-
-        def _bootstrap_inner(thread_self):
-            if session.active and os.getpid() == session.pid and not session.native_ops:
-                from .ops import OpTracer
-                m = OpTracer(session)
-                m.__enter__()
-            return orig(thread_self)
-
-        threading.Thread._bootstrap_inner = _bootstrap_inner
-        threading.Thread._msmemscope_patched = True
-
     def _install_exit_handlers(self):
         atexit.register(self.close)
         os.register_at_fork(after_in_child=self._after_fork_child)
@@ -913,7 +747,7 @@ class Session:
     def discard(self):
         """Stop tracing this process and remove what it wrote."""
         import shutil
-        self._pop_mode()
+        self.dispatch.stop()
         if self.native is not None:
             self.native.stop()
         self.active = False

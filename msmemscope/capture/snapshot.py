@@ -8,8 +8,9 @@ from time import time_ns
 
 import torch
 
-from ..events import Event
+from ..events import ATTR, EVENT, TID, TS, Event
 from . import backends
+from .failures import is_allocation_failure  # noqa: F401  (the session's import point)
 
 SNAPSHOT_ATTR = ("reserved", "max_reserved", "allocated", "max_allocated", "total", "free",
                  "device_rate", "reserved_rate")
@@ -80,3 +81,20 @@ class TakeSnapshot:
             with TakeSnapshot(self.name, self.mask):
                 return fn(*a, **k)
         return wrapper
+
+
+def oom_snapshots(session, buf, failed):
+    """Replace a source's failed-allocation markers in ``buf`` by the OOM snapshot the
+    dispatch-mode source takes at an allocation failure: the memory counters at the failure,
+    with its time."""
+    from .source import ALLOC_FAILED
+    for i in range(len(buf) - 1, -1, -1):
+        if failed <= 0:
+            break
+        r = buf[i]
+        if r[EVENT] is ALLOC_FAILED:
+            failed -= 1
+            _size, used, peak = r[ATTR]
+            attr = snapshot_counters(session, "cpu", None)
+            attr.update(allocated=used, max_allocated=peak, reserved=used, max_reserved=peak)
+            buf[i] = (Event.SNAPSHOT, Event.SNAPSHOT, "OOM_Snapshot", r[TS], r[TID], "cpu", None, attr, None, None)

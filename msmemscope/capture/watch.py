@@ -1,8 +1,8 @@
 """Memory-block watch (SPEC §4.6): checksum watched blocks around ops, dump
 them as the original does, and find the op that corrupts them.
 
-The op tracer (``capture/ops.py``) calls ``session.watch_before`` before and
-``session.watch_after`` after every op while ``session.watch_active`` is true;
+The op tracer (``capture/ops.py``) calls the session's op observer (this engine, set with
+``Session.set_op_observer``): ``before`` and ``after`` every op while ``session.watch_active`` is true;
 ``attach(session)`` replaces those no-ops with this engine's methods and adds
 the engine to the session's sinks (``close`` writes ``analysis/watch.json``).
 
@@ -203,18 +203,15 @@ class WatchEngine:
         self.bins = 0
         self._weights: dict = {}
         self._closed = False
-        session.watch_before = self.before
-        session.watch_after = self.after
-        orig_stop = session.stop
-
-        def stop(*args, **kwargs):
-            # ops run while not tracing are not checked: the next check starts afresh
-            with self.lock:
-                for e in self.entries:
-                    e.last = None
-            return orig_stop(*args, **kwargs)
-        session.stop = stop
+        session.on_stop(self._forget_last)
+        session.set_op_observer(self)  # before()/after() around every op (hands over from the native source)
         self._update_active()
+
+    def _forget_last(self):
+        # ops run while not tracing are not checked: the next check starts afresh
+        with self.lock:
+            for e in self.entries:
+                e.last = None
 
     # ------------------------------------------------------------------ state
     def _update_active(self):
@@ -295,10 +292,9 @@ class WatchEngine:
                 self.bins += 1
             else:
                 if self._csv is None:
-                    from .session import _timestamp
                     dev = "cpu" if self.s.op_device == "cpu" else self.s.op_device
                     self.csv_path = unique_path(os.path.join(
-                        self._dump_dir(), f"watch_dump_data_check_sum_{dev}_{_timestamp()}.csv"))
+                        self._dump_dir(), f"watch_dump_data_check_sum_{dev}_{self.s.timestamp()}.csv"))
                     self._csv = create_new(self.csv_path)
                     self._csv.write("Tensor info,Check data sum\n")
                 from ..io.writers import csv_line  # the one CSV writer: quoted, neutralised
@@ -628,7 +624,5 @@ def attach(session) -> WatchEngine:
     eng = session.watch_engine
     if eng is None:
         eng = session.watch_engine = WatchEngine(session)
-        session.watch_attached()
-    if eng not in session.sinks:
-        session.sinks.append(eng)
+    session.add_sink(eng)
     return eng

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sqlite3
 
-from ..events import COLUMNS, HEADER, format_attr, format_ptr
+from ..events import COLUMNS, FORMAT_VERSION, HEADER, format_attr, format_ptr
 from .files import FILE_MODE, create_new, fault_point
 
 SQL_TABLE = "memscope_dump"
@@ -172,6 +172,7 @@ class DbWriter:
         create_new(path, binary=True).close()  # claim the name with our permissions
         self.reattach()
         self._db.execute(f"CREATE TABLE {SQL_TABLE} ({SQL_COLUMNS})")
+        self._db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")  # the dump format (0: older dumps)
         self._db.commit()
 
     @classmethod
@@ -243,13 +244,9 @@ def last_id_in(path: str) -> int:
         return 0
 
 
-def open_writer(data_format: str, path_without_suffix: str, spool: bool = False):
-    """A writer on a new dump file; with ``spool``, one whose rows are written by a process of
-    its own (io/spool.py; MSMEMSCOPE_WRITER=inline keeps them in this process)."""
+def open_writer(data_format: str, path_without_suffix: str):
+    """A writer on a new dump file (the session wraps it in io/spool.py's SpoolWriter, whose rows
+    are written by a process of its own)."""
     cls = DbWriter if data_format == "db" else CsvWriter
     from .files import unique_path
-    w = cls(unique_path(path_without_suffix + cls.suffix))
-    if spool:
-        from .spool import SpoolWriter
-        return SpoolWriter(w)
-    return w
+    return cls(unique_path(path_without_suffix + cls.suffix))

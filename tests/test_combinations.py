@@ -1,0 +1,130 @@
+"""Features meeting in one run, on both capture sources: every dump keeps the SPEC §1 invariants.
+
+Each program mixes what broke the dump before: stop/start gaps with frees and allocations in the
+gap, threads inside ops while tracing stops, starts or hands over to the dispatch-mode source
+(watch), FSDP2's ``UntypedStorage.resize_`` storage games under the launcher, fork/spawn
+DataLoader workers, torch.compile, --steps, a signal during a flush.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from conftest import ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, run_cli, run_folders
+
+import subprocess
+
+PROGS = os.path.join(ROOT, "tests", "progs")
+SOURCES = ["native", "python"]
+
+
+def _env(source, **extra):
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    env.update(extra)
+    return env
+
+
+def _python(args, source, timeout=300, **extra):
+    r = subprocess.run([sys.executable, *args], env=_env(source, **extra), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _rows(df, event, **where):
+    import polars as pl
+    q = df.filter(pl.col("event") == event)
+    for k, v in where.items():
+        q = q.filter(pl.col(k) == v)
+    return q
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_stop_start_gaps_threads_and_watch(tmp_path, source):
+    """Frees between stop() and start() get their FREE row (flagged ``untraced``), so ``used`` stays
+    the running sum after the restart; other threads are inside ops at every stop, start and at
+    the handover that watch() makes; the blocks the dump leaves live are the ones still held."""
+    out = tmp_path / "out"
+    r = _python([os.path.join(PROGS, "combo_gaps.py"), str(out)], source)
+    (folder,) = run_folders(out)
+    cfg = config_of(folder)
+    assert cfg["source"].startswith("native" if source == "native" else "dispatch"), cfg["source"]
+    df = read(dump_of(folder))
+    live = check_invariants(df)
+    frees = _rows(df, "FREE")
+    untraced = [json.loads(a) for a in frees["attr"].to_list() if '"untraced"' in a]
+    assert all(a["untraced"] is True for a in untraced)
+    # keep[:2] in the first gap, keep[0] and `both` in the second: 4 blocks of 4000 bytes
+    assert sum(1 for a in untraced if a["size"] == 4000) >= 4, untraced
+    # every untraced FREE lies in a gap: after a STOP_TRACE, before the next START_TRACE / PROC_EXIT
+    state = None
+    for ev, et, attr in df.select("event", "event_type", "attr").iter_rows():
+        if ev == "SYSTEM":
+            state = et
+        elif ev == "FREE" and '"untraced"' in (attr or ""):
+            assert state == "STOP_TRACE", (state, attr)
+    # what the program still holds of the blocks it made while tracing is live in the dump
+    held = json.loads(r.stdout.split("HELD", 1)[1])
+    assert held == [4000]
+    sizes = sorted(live.values())
+    assert sizes.count(4000) >= 1, sizes
+
+
+def _torchrun():
+    t = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return t if os.path.exists(t) else shutil.which("torchrun")
+
+
+@pytest.mark.parametrize("prog,source,analysis", full(
+    [("fsdp2_ranks.py", "native", "leaks")],
+    [(p, s, a) for p in ("fsdp2_ranks.py", "fsdp1_ranks.py") for s in SOURCES for a in ("leaks", "leaks,decompose")]))
+def test_fsdp_under_the_launcher_keeps_the_running_sum(out_dir, prog, source, analysis):
+    """FSDP2 (and FSDP1's flat parameters) free and re-grow storages with resize_: the rank dumps
+    keep every invariant and the leak gap table has no negative number, with owner labels
+    (decompose: a handover to the dispatch-mode source) or without."""
+    torchrun = _torchrun()
+    if torchrun is None:
+        pytest.skip("torchrun not installed")
+    env = _env(source)
+    env["PATH"] = os.path.dirname(torchrun) + os.pathsep + env.get("PATH", "")
+    r = run_cli([f"--analysis={analysis}", "--output", str(out_dir), "torchrun", "--standalone",
+                 "--nproc_per_node=2", os.path.join(PROGS, prog)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    folders = run_folders(out_dir)
+    assert len(folders) == 2, folders
+    for f in folders:
+        df = read(dump_of(f))
+        check_invariants(df)
+        assert _rows(df, "MALLOC").height > 50
+    gap_lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith(("MinGap", "MaxGap"))]
+    assert len(gap_lines) == 4, gap_lines
+    for ln in gap_lines:
+        nums = [float(x) for x in ln.split()[1:3]]
+        assert all(n >= 0 for n in nums), ln
+
+
+@pytest.mark.parametrize("source", full(["native"], SOURCES))
+def test_dataloader_workers_threads_and_steps(out_dir, source):
+    """Fork and spawn DataLoader workers, a thread allocating all along, ``--steps=2,3``: the losses
+    are those of the plain run, only the parent is traced, and its dump keeps the invariants (the
+    blocks of step 2-3 freed in step 4 get their FREE, flagged untraced)."""
+    prog = os.path.join(PROGS, "combo_loader.py")
+    plain = _python([prog], source)
+    r = run_cli(["-o", str(out_dir), "--steps=2,3", prog], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [ln for ln in r.stdout.splitlines() if ln.startswith("loss")]
+    assert losses == [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")] and len(losses) == 4
+    (folder,) = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    # ops start only in the recorded steps (an op in flight at the end of step 3 ends after it)
+    starts = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START"))
+    assert set(starts["step"].unique().to_list()) == {2, 3}
+    assert df.filter(pl.col("event") == "MALLOC").height > 0
+    assert df.filter(pl.col("attr").str.contains('"untraced":true')).height > 0

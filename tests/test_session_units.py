@@ -1,0 +1,200 @@
+"""Session, the sources and the leak tracker without a subprocess: a fresh session in this process
+for each test (inline writer), torn down after it."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import check_invariants, read
+
+
+@pytest.fixture
+def session_factory(tmp_path, monkeypatch):
+    import msmemscope
+    from msmemscope import capture
+    from msmemscope.options import Options, build
+
+    monkeypatch.setenv("MSMEMSCOPE_WRITER", "inline")
+    made = []
+
+    def make(source="python", **opts):
+        assert capture.current() is None
+        os.environ["MSMEMSCOPE_SOURCE"] = source
+        if source == "native":  # framework hooks imported by an earlier test keep the native source off
+            monkeypatch.delitem(sys.modules, "msmemscope.integrations", raising=False)
+        msmemscope._config = build(Options(collect_mode="deferred"), output=str(tmp_path / f"o{len(made)}"),
+                                   **({"events": "alloc,free,launch"} | opts))
+        msmemscope.start()
+        s = capture.current()
+        made.append(s)
+        return s
+
+    prev = os.environ.get("MSMEMSCOPE_SOURCE")
+    yield make
+    for s in made:
+        s.close()
+    capture._session = None
+    msmemscope._config = None
+    if prev is None:
+        os.environ.pop("MSMEMSCOPE_SOURCE", None)
+    else:
+        os.environ["MSMEMSCOPE_SOURCE"] = prev
+
+
+def _native_or_skip():
+    from msmemscope.capture import native
+    if native.load_module() is None:
+        pytest.skip("the native source is not built")
+
+
+def _memory_rows(buf):
+    from msmemscope.events import ATTR, EVENT, Event, attr_dict
+    return [(r[EVENT], attr_dict(r[EVENT], r[ATTR])) for r in buf if r[EVENT] in (Event.MALLOC, Event.FREE)]
+
+
+@pytest.mark.parametrize("source", ["python", "native"])
+def test_sources_behind_one_interface(session_factory, source):
+    from msmemscope.capture.source import Source
+    if source == "native":
+        _native_or_skip()
+    s = session_factory(source)
+    assert isinstance(s.source, Source) and isinstance(s.dispatch, Source)
+    assert s.source.name == ("native" if source == "native" else "dispatch")
+    assert s.config["source"] == ("native" if source == "native" else "dispatch")
+    assert s.config["format_version"] >= 1
+    # what a source can see: the dispatch-mode one everything, the native one the default events
+    assert {"alloc", "free", "launch", "access", "storages", "stacks"} <= s.dispatch.sees
+    if source == "native":
+        assert s.native.sees == {"alloc", "free", "launch"}
+
+
+@pytest.mark.parametrize("source", ["python", "native"])
+def test_a_free_in_a_stop_gap_is_a_flagged_free_row(session_factory, source):
+    if source == "native":
+        _native_or_skip()
+    s = session_factory(source)
+    a = torch.ones(1000) + 1  # an op's output: seen by both sources
+    b = torch.ones(500) + 1
+    s.sync_sources()
+    rows = _memory_rows(s.buf)
+    mine = [x for e, x in rows if e == "MALLOC" and x["size"] in (4000, 2000)]
+    assert len(mine) >= 2
+    used_before = s.used[("cpu", "PTA")]
+    s.stop()
+    del a  # freed while stopped
+    c = torch.ones(250) + 1  # allocated while stopped: not in the dump, not counted
+    s.sync_sources()
+    assert s.used[("cpu", "PTA")] == used_before - 4000
+    frees = [x for e, x in _memory_rows(s.buf) if e == "FREE"]
+    assert [x["size"] for x in frees if x.get("untraced")] == [4000], frees
+    assert not any(x["size"] == 1000 for e, x in _memory_rows(s.buf) if e == "MALLOC")
+    s.start()
+    d = c + b[:250]
+    s.stop()
+    s.close()
+    df = read(s.dump_path)
+    check_invariants(df)
+    del b, c, d
+
+
+def test_account_is_the_one_count_per_device_and_pool(session_factory):
+    s = session_factory("python")
+    with s.lock:
+        assert s.account("0", "PTA", 100) [0] == 100
+        assert s.account("0", "PTA", 50)[0] == 150
+        assert s.account("1", "PTA", 7)[0] == 7
+        assert s.account("0", "PTA", -150)[0] == 0
+    assert s.used[("0", "PTA")] == 0 and s.peak[("0", "PTA")] == 150 and s.peak[("1", "PTA")] == 7
+
+
+def test_dispatch_source_registry_follows_the_window(session_factory):
+    s = session_factory("python", steps="2")
+    src = s.dispatch
+    x = torch.ones(64) + 1          # step 1: outside --steps, not in the dump, not followed
+    assert not any(b.size == 256 for b in src.live.values())
+    s.step()
+    y = x + 1                       # step 2: x is first seen as an input, y is made by the op
+    sizes = sorted(b.size for b in src.live.values() if b.size == 256)
+    assert len(sizes) == 2
+    s.step()
+    del x                           # step 3: freed outside the window, its FREE flagged
+    frees = [a for e, a in _memory_rows(s.buf) if e == "FREE"]
+    assert any(a.get("untraced") and a["size"] == 256 for a in frees), frees
+    s.close()
+    check_invariants(read(s.dump_path))
+    del y
+
+
+def test_session_hook_points_instead_of_patching(session_factory):
+    s = session_factory("python")
+    calls = []
+
+    class Obs:
+        def before(self, func, name, args, kwargs):
+            calls.append(("before", name))
+
+        def after(self, func, name, args, kwargs, out, touched):
+            calls.append(("after", name))
+    stop = type(s).stop
+    s.set_op_observer(Obs())
+    s.on_stop(lambda: calls.append("stopped"))
+    s.watch_active = True
+    torch.ones(3) + 1
+    s.watch_active = False
+    s.stop()
+    assert ("before", "torch._ops.aten.add.Tensor") in calls and ("after", "torch._ops.aten.add.Tensor") in calls
+    assert calls[-1] == "stopped"
+    assert "stop" not in vars(s) and type(s).stop is stop  # nothing replaced on the live object
+
+
+def test_native_ops_in_flight_at_stop_get_their_end(session_factory):
+    _native_or_skip()
+    s = session_factory("native")
+    go = threading.Event()
+    done = threading.Event()
+
+    def busy():
+        m = torch.randn(256, 256)
+        go.set()
+        while not done.is_set():
+            (m @ m).sum()
+    t = threading.Thread(target=busy)
+    t.start()
+    go.wait()
+    for _ in range(20):  # stop and start while the other thread is inside its ops
+        s.stop()
+        s.start()
+    done.set()
+    t.join()
+    s.close()
+    check_invariants(read(s.dump_path))
+
+
+def test_leak_tracker_takes_an_untraced_free_as_a_free():
+    from msmemscope.analysis.leaks import StepLeakTracker
+    t = StepLeakTracker()
+    t.end_step(1)
+    t.malloc(10, "cpu", "PTA", 7, 0x1000, 4096, 4096, "aten.ones")  # step 2
+    t.free("cpu", "PTA", 7, 0)  # its FREE row written at the restart-free, flagged untraced
+    assert t.end_step(2) == [] and t.end_step(3) == []
+    t.malloc(11, "cpu", "PTA", 8, 0x2000, 64, 64, "aten.ones")  # step 4, never freed
+    t.end_step(4)
+    assert [lk["alloc_id"] for lk in t.end_step(5)] == [8]
+
+
+def test_dump_format_version(tmp_path, session_factory):
+    from msmemscope.events import FORMAT_VERSION
+    s = session_factory("python", data_format="db")
+    torch.ones(8) + 1
+    s.close()
+    import sqlite3
+    with sqlite3.connect(s.dump_path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+    with open(os.path.join(s.folder, "config.json")) as f:
+        assert json.load(f)["format_version"] == FORMAT_VERSION
+    check_invariants(read(s.dump_path))
