@@ -120,14 +120,14 @@ def _saved_leaks(res: dict) -> dict:
     return out
 
 
-def _inefficient(folder, dump, counts, df):
+def _inefficient(folder, dump, counts, df=None):
     res = _read_json(os.path.join(folder, "analysis", "inefficient.json"))
     src = "analysis/inefficient.json"
     if res is None:
         stem = os.path.splitext(os.path.basename(dump))[0]
         res = _read_json(os.path.join(os.path.dirname(dump), f"inefficient_{stem}.json"))
         src = f"inefficient_{stem}.json"
-    if res is None and counts.get("ACCESS") and counts.get("OP_LAUNCH"):
+    if res is None and df is not None and counts.get("ACCESS") and counts.get("OP_LAUNCH"):
         from ..analysis import inefficient as I
         ch = I.chunk_from_frame(df)
         tr = I.Tracker(I.DEFAULT_IDLE_THRESHOLD)
