@@ -32,10 +32,16 @@ def config(**kwargs):
         base = _config
     opts = _options.build(base, **kwargs)
     s = capture.current()
+    if s is not None and s.launched and not s.closed:
+        return _merge_with_launcher(s, kwargs)
+    if s is None and _launched():
+        # under the launcher before `import torch`: merged when the launcher's trace starts there
+        _launcher_pending.update(kwargs)
+        return opts
     if s is not None:
         import logging
-        msg = ("config() called while a trace is already set up (by the msmemscope launcher or an earlier "
-               "start()); its options stay in force")
+        msg = ("config() called while a trace is already set up (by an earlier start() or snapshot); "
+               "its options stay in force")
         logging.getLogger("msmemscope").warning(msg)
         from ._console import alert_once
         alert_once("config-after-start", f"[msmemscope] {msg}")
@@ -49,15 +55,61 @@ def config(**kwargs):
     return opts
 
 
+_launcher_pending: dict = {}
+
+
+def _launched() -> bool:
+    import os
+    return bool(os.environ.get("MSMEMSCOPE_OPTIONS"))
+
+
+def _merge_with_launcher(s, kwargs):
+    """Under the ``msmemscope`` launcher, as in the original: the script's config() sets every
+    option the command line did not; the command line's own stay. Said in one stderr line."""
+    import os
+    from ._console import say
+    global _config
+    cli = {k for k in os.environ.get("MSMEMSCOPE_CLI_SET", "").split(",") if k}
+    mine = {k: v for k, v in kwargs.items() if _options.canonical(k) not in cli}
+    kept = [k for k in kwargs if k not in mine]
+    opts = _options.build(s.opts, **mine)
+    before, written = s.opts, s.next_id
+    late = s.reconfigure(opts) if mine else []
+    if s.started_once and (s.opts.analysis, s.opts.oom_k) != (before.analysis, before.oom_k):
+        if written == 0:  # nothing analysed yet: the analyses the script asked for, from the start
+            s.sinks = [x for x in s.sinks if x is s.watch_engine]
+            _wire_session(s)
+        else:
+            late.append("analysis (rows were already analysed)")
+    _config = s.opts
+    parts = []
+    if mine:
+        parts.append("applied " + ", ".join(f"{k}={v!r}" for k, v in mine.items()))
+    if kept:
+        parts.append("kept the command line's " + ", ".join(kept))
+    if late:
+        parts.append("not applied: " + "; ".join(late))
+    if parts:
+        say("[msmemscope] msmemscope.config() in the script: " + "; ".join(parts))
+    return s.opts
+
+
 def start():
     """Start (or resume) recording."""
-    from . import capture
     opts = _config or _options.Options(collect_mode="deferred")
     try:
-        capture.create(opts).start()
+        _session_for_api().start()
     except OSError as e:  # the output cannot be written: the tool's failure, not the program's
         from ._console import alert_once
         alert_once("start", f"[msmemscope] tracing not started: cannot write to {opts.output}: {e.strerror or e}")
+
+
+def _session_for_api():
+    """The process's session, made from the current config() if there is none yet (not started:
+    ``take_snapshot()`` and ``tracer.start()`` work without ``start()``, as in the original)."""
+    from . import capture
+    opts = _config or _options.Options(collect_mode="deferred")
+    return capture.create(opts)
 
 
 def stop():
@@ -121,6 +173,8 @@ def __getattr__(name):
         "watcher": ("msmemscope.watcher", None),
         "describe": ("msmemscope.describe", None),
         "mstx": ("msmemscope.mstx", None),
+        "tracer": ("msmemscope.tracer", None),
+        "analyzer": ("msmemscope.analyzer", None),
     }
     if name in lazy:
         mod, attr = lazy[name]

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from . import __version__
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("-h", "--help", action="store_true", help="show this help and exit")
     a("-V", "--version", action="store_true", help="print the version and exit")
+    a("--load-api-env", "--unload-api-env", dest="api_env", action="store_true",
+      help="the original's environment setup for its API: not needed here (says so and exits)")
     a("--events", help="alloc,free,launch,access,traceback (default alloc,free,launch)")
     a("--level", help="op (default), kernel; both allowed")
     a("--call-stack", help="python[:N],c[:N] (N in 0-1000, default 50)")
@@ -62,14 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", help="cpu, cuda[:i], npu[:i] (default: what the program uses)")
     a("--watch", help="[start[:outid]],end[,full-content]")
     a("--compare", action="store_true", help="compare two dumps or two steps (with --input)")
-    a("--input", help="for --compare: <a>,<b>; a dump, an output folder, or dump.csv:step=N")
+    a("-i", "--input-path", "--input", dest="input",
+      help="for --compare: <a>,<b>; a dump, an output folder, or dump.csv:step=N")
     a("-o", "--output-path", "--output", dest="output", help="output root (default ./memscopeDumpResults)")
     a("--data-format", "--format", dest="data_format", help="csv (default) or db")
-    a("--log-level", help="debug, info, warning, error")
-    a("-v", "--verbose", action="store_true", help="more messages (log level debug)")
+    a("--log-level", help="debug, info, warning (warn), error")
+    a("-v", "--verbose", "--debug", dest="verbose", action="store_true", help="more messages (log level debug)")
     a("-q", "--quiet", action="store_true", help="no console summary from the tool")
     a("program", nargs=argparse.REMAINDER, help="the program to trace and its arguments")
     return p
+
+
+# options with a value that are taken even after the program, as the original's parser does (``--name=value``)
+LATE_OPTIONS = ("events", "level", "call-stack", "analysis", "steps", "collect-mode", "device", "watch",
+                "output-path", "output", "data-format", "format", "log-level")
+
+
+def split_late_options(program: list[str]) -> tuple[list[str], list[str]]:
+    """(our options, the program's argv) from what follows the program's name.
+
+    ``msmemscope train.py --steps=3`` traces train.py with --steps=3, as the original does. The
+    scan stops at a ``--`` (removed); ``msmemscope [options] -- <program> [args]`` hands every
+    argument to the program untouched."""
+    taken, rest = [], [program[0]]
+    for i, arg in enumerate(program[1:], 1):
+        if arg == "--":
+            rest.extend(program[i + 1:])
+            break
+        name, eq, _ = arg.partition("=")
+        if eq and name.startswith("--") and name[2:] in LATE_OPTIONS:
+            taken.append(arg)
+        else:
+            rest.append(arg)
+    return taken, rest
 
 
 def parse_options(ns) -> O.Options:
@@ -104,7 +132,7 @@ def _paths_print_as_they_are():
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _paths_print_as_they_are()
-    if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith("--input") for a in argv)):
+    if argv and (argv[0] in SUBCOMMANDS or "--compare" in argv or any(a.startswith(("--input", "-i")) for a in argv)):
         _one_line_warnings()
     if argv and argv[0] in SUBCOMMANDS:
         import importlib
@@ -117,6 +145,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)
+        late = []
+        if ns.program and ns.program[0] != "--":
+            late, rest = split_late_options(ns.program)
+            if late or rest != ns.program:
+                ns = parser.parse_args(argv[:len(argv) - len(ns.program)] + late + ["--"] + rest)
         opts = parse_options(ns)
     except UsageError as e:
         return error_exit(str(e))
@@ -127,6 +160,10 @@ def main(argv=None) -> int:
         return 0
     if ns.version:
         print(f"{PROG} {__version__}")
+        return 0
+    if ns.api_env:
+        print(f"[{PROG}] --load-api-env/--unload-api-env: nothing to set; the Python API (import msmemscope) "
+              f"needs no LD_PRELOAD or LD_LIBRARY_PATH here", file=sys.stderr)
         return 0
     program = ns.program
     if program and program[0] == "--":
@@ -143,7 +180,45 @@ def main(argv=None) -> int:
         return compare.main_from_cli(ns.input, opts)
     if not program:
         return error_exit("no program given (usage: msmemscope [options] [--] <program> [args...])")
-    return launch(program, opts, quiet=ns.quiet)
+    if late:
+        print(f"[{PROG}] taken as msmemscope options (they came after the program): {' '.join(late)}; "
+              f"to give them to the program instead: msmemscope [options] -- <program> [args]", file=sys.stderr)
+    err = device_unavailable(opts.device)
+    if err:
+        return error_exit(err)
+    return launch(program, opts, quiet=ns.quiet, cli_set=cli_given(ns))
+
+
+def cli_given(ns) -> list[str]:
+    """The option keys the command line set: a script's msmemscope.config() sets the others."""
+    keys = [k for k in ("events", "level", "call_stack", "analysis", "steps", "collect_mode", "device", "watch",
+                        "output", "data_format", "log_level") if getattr(ns, k) is not None]
+    if ns.verbose and "log_level" not in keys:
+        keys.append("log_level")
+    return keys
+
+
+def device_unavailable(device):
+    """A --device this machine does not have: one line, before anything runs."""
+    if not device or device == "cpu":
+        return None
+    kind, _, idx = device.partition(":")
+    if kind == "npu":
+        import importlib.util
+        if importlib.util.find_spec("torch_npu") is None:
+            return f"--device={device}: no Ascend NPU here (torch_npu is not installed)"
+        return None
+    if kind == "cuda":
+        try:
+            import torch
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception as e:
+            return f"--device={device}: cannot check for CUDA devices ({e})"
+        if n == 0:
+            return f"--device={device}: no CUDA device is available"
+        if idx and int(idx) >= n:
+            return f"--device={device}: this machine has {n} CUDA device(s) (0-{n - 1})"
+    return None
 
 
 def resolve_command(program: list[str]) -> list[str]:
@@ -165,11 +240,12 @@ def resolve_command(program: list[str]) -> list[str]:
     return program
 
 
-def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
+def launch(program: list[str], opts: O.Options, quiet: bool = False, cli_set=()) -> int:
     try:
         cmd = resolve_command(program)
     except UsageError as e:
         return error_exit(str(e))
+    created_root = not os.path.exists(opts.output)
     try:
         from .io.files import make_dirs
         make_dirs(opts.output)
@@ -181,6 +257,10 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
     boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
     env = dict(os.environ)
     env["MSMEMSCOPE_OPTIONS"] = opts.to_json()
+    env["MSMEMSCOPE_CLI_SET"] = ",".join(cli_set)
+    runs_fd, runs_file = tempfile.mkstemp(prefix="msmemscope_runs_")
+    os.close(runs_fd)
+    env["MSMEMSCOPE_RUNS"] = runs_file  # each traced process appends its run folder (wherever config() put it)
     env["MSMEMSCOPE_PKG_ROOT"] = pkg_root
     if quiet:
         env["MSMEMSCOPE_QUIET"] = "1"
@@ -215,10 +295,38 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False) -> int:
     code = rc if rc >= 0 else 128 - rc
     new = sorted(d for d in set(os.listdir(opts.output)) - before if d.startswith("msmemscope_"))
     mine = [f for f in (os.path.join(opts.output, d) for d in new) if _launched_by(f, launch_id)]
+    mine = _listed_runs(runs_file, mine)
+    if not os.listdir(opts.output) and not before and created_root:
+        try:
+            os.rmdir(opts.output)  # the script's config() chose another output folder
+        except OSError:
+            pass
     _wait_for_writers(mine)
     if not quiet:
         _print_results(opts, mine, time.time() - started)
     return code
+
+
+def _listed_runs(runs_file, found):
+    """Run folders the traced processes reported (``MSMEMSCOPE_RUNS``) plus those found under the
+    output root; only those that still exist (a run folder moved by config() is listed twice)."""
+    listed = []
+    try:
+        with open(runs_file) as f:
+            listed = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        pass
+    finally:
+        try:
+            os.unlink(runs_file)
+        except OSError:
+            pass
+    out = []
+    for d in found + listed:
+        d = os.path.abspath(d)
+        if d not in out and os.path.isdir(d):
+            out.append(d)
+    return sorted(out)
 
 
 def _same_group(pid: int) -> bool:

@@ -16,7 +16,8 @@ Three forms, as in the original tool::
     describe.describer(t, owner="test4")      # the block behind a tensor
 
 Labels are per thread; nested labels chain outermost first
-(``PTA@activation@outer@inner``). A process may use at most 3 distinct labels;
+(``PTA@activation@outer@inner``). A process may use at most 3 distinct labels in
+the decorator and ``with`` forms (a tensor's label is not counted);
 a label is at most 128 characters and does not start with ``@``. A violation
 raises ``ValueError`` with a one-line message.
 """
@@ -43,7 +44,8 @@ class describer:  # noqa: N801 - the original's name
             tensor, owner = None, tensor
         if owner is None:
             raise ValueError("msmemscope.describe: describer() needs owner=\"label\"")
-        self.owner = owners.check_label(owner)
+        # the 3-label cap counts the decorator and ``with`` forms only (as the original's docs say)
+        self.owner = owners.check_label(owner, count=tensor is None)
         self.tensor = None
         if tensor is not None:
             if not isinstance(tensor, torch.Tensor):

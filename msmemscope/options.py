@@ -17,6 +17,8 @@ LEVELS = ("op", "kernel")
 COLLECT_MODES = ("immediate", "deferred")
 DATA_FORMATS = ("csv", "db")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LEVEL_NUMBERS = {"0": "op", "1": "kernel"}      # the original's older values
+LOG_LEVEL_ALIASES = {"warn": "warning"}
 DEFAULT_OUTPUT = "memscopeDumpResults"
 DEFAULT_STACK_DEPTH = 50
 DEFAULT_OOM_K = 10
@@ -110,12 +112,25 @@ def _choices(option, value, allowed, many=True):
     return items
 
 
+def _warn(text):
+    """A warning about an option value, as the original prints it (stderr, not silenced)."""
+    import sys
+    print(f"[msmemscope] warning: {text}", file=sys.stderr)
+
+
 def parse_events(value):
-    return set(_choices("--events", value, EVENT_CHOICES))
+    items = _choices("--events", value, EVENT_CHOICES + ("none",))
+    if "none" in items:
+        if len(items) > 1:
+            _warn(f"--events={','.join(items)}: 'none' is given with other events; 'none' wins "
+                  "(no event is recorded beyond what the analyses need)")
+        return set()
+    return set(items)
 
 
 def parse_level(value):
-    items = _choices("--level", value, LEVELS)
+    items = [LEVEL_NUMBERS.get(i, i) for i in split_list(value)]
+    items = _choices("--level", items, LEVELS)
     return tuple(dict.fromkeys(items))
 
 
@@ -166,7 +181,7 @@ def parse_analysis(value):
         raise OptionError("--analysis", f"empty value (allowed: {allowed})")
     if "none" in names:
         if len(names) > 1:
-            raise OptionError("--analysis", "'none' cannot be combined with other analyses")
+            _warn(f"--analysis={','.join(names)}: 'none' is given with other analyses; 'none' wins (no analysis)")
         return (), k
     return tuple(dict.fromkeys(names)), k
 
@@ -241,6 +256,15 @@ def check_output(path):
     return os.path.abspath(os.path.expanduser(p))
 
 
+_ALIASES = {"output_path": "output", "format": "data_format"}
+
+
+def canonical(key: str) -> str:
+    """The option a config() keyword sets (``output_path`` -> ``output``, ``format`` -> ``data_format``)."""
+    k = str(key).replace("-", "_").lower()
+    return _ALIASES.get(k, k)
+
+
 # config() keyword -> (field, parser); aliases as in the original
 def _apply(opts: Options, key: str, value):
     k = key.replace("-", "_").lower()
@@ -265,7 +289,8 @@ def _apply(opts: Options, key: str, value):
     elif k in ("data_format", "format"):
         opts.data_format = parse_choice("--data-format", value, DATA_FORMATS)
     elif k == "log_level":
-        opts.log_level = parse_choice("--log-level", str(value).lower(), LOG_LEVELS)
+        v = str(value).strip().lower()
+        opts.log_level = parse_choice("--log-level", LOG_LEVEL_ALIASES.get(v, v), LOG_LEVELS)
     else:
         allowed = ("events, level, call_stack, analysis, steps, collect_mode, device, watch, "
                    "output (output_path), data_format (format), log_level")

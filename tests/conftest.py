@@ -12,6 +12,8 @@ import polars as pl
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the original's examples (test_*.py by their own names) are programs test_compat.py runs, not tests
+collect_ignore = ["orig_examples"]
 EXAMPLES = os.path.join(ROOT, "examples")
 # `make test` runs every test in its short form; MSMEMSCOPE_TEST_FULL=1 (make test-full) runs the
 # long forms (more steps, more hypothesis examples, more repetitions). Scale with `full(short, long)`.

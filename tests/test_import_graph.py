@@ -85,21 +85,9 @@ def _cycles(graph):
     return found
 
 
-# Cycles that landed from other work before this test did (lazy imports, both ways), to be broken
-# where those modules are next touched: io.validate imports io.reader's DumpError while the reader
-# imports validate; integrations.ray and _bootstrap.hook call each other. Any other cycle fails,
-# and so does an entry here once it is gone (keep the list true).
-KNOWN = {
-    ("msmemscope.io.reader", "msmemscope.io.validate"),
-    ("msmemscope._bootstrap.hook", "msmemscope.integrations.ray"),
-}
-
-
 def test_no_import_cycle():
     found = {tuple(sorted(set(c))) for c in _cycles(import_graph())}
-    new = found - KNOWN
-    assert not new, "\n".join(" -> ".join(c) for c in sorted(new))
-    assert KNOWN <= found, f"no longer a cycle, remove from KNOWN: {sorted(KNOWN - found)}"
+    assert not found, "\n".join(" -> ".join(c) for c in sorted(found))
 
 
 def test_capture_is_a_leaf():

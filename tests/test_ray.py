@@ -245,7 +245,7 @@ def test_ray_runtime_env_merges_and_refuses():
                                      runtime_env={"env_vars": {"A": "1"}, "pip": ["x"],
                                                   "worker_process_setup_hook": "mypkg.setup"})
     assert env["pip"] == ["x"] and env["env_vars"]["A"] == "1"
-    assert env["worker_process_setup_hook"] == "msmemscope.integrations.ray.worker_setup"
+    assert env["worker_process_setup_hook"] == "msmemscope._bootstrap.ray_setup.worker_setup"
     assert env["env_vars"]["MSMEMSCOPE_RAY_CHAINED_HOOK"] == "mypkg.setup"
     opts = json.loads(env["env_vars"]["MSMEMSCOPE_OPTIONS"])
     assert opts["output"] == "/tmp/x" and list(opts["analysis"]) == ["leaks", "decompose"]

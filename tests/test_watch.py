@@ -265,11 +265,18 @@ def test_full_content_bins_hold_the_block_bytes(tmp_path, out_dir):
     assert one("_aten.mul.Tensor_1-aten.mul.Tensor_0_after") == torch.full((4,), 3.0).numpy().tobytes()
     assert one("_aten.add_.Tensor_2-aten.mul.Tensor_0_after") == b_final
     assert one("_aten.sum.default_1-aten.mul.Tensor_0_after") == b_final
-    # nothing outside the window [mul.Tensor#1, sum#1]
-    assert not [k for k in got if "aten.mul_.Tensor" in k]
-    # w and mid: before+after for mul, add_, clone, add_, sum; the start output: after mul, then 4 ops
-    assert len([k for k in got if "-w_0_" in k]) == 10
-    assert len([k for k in got if "-mid_0_" in k]) == 10
+    # the start op's output only inside the window [mul.Tensor#1, sum#1]; the blocks given to
+    # watcher.watch() around every op until remove() (or the end), the window's or not (issue #18)
+    outside = sorted(k for k in got if "aten.mul_.Tensor" in k)
+    assert [k.split("-", 1)[1] for k in outside] == ["mid_0_after", "mid_0_before", "w_0_after", "w_0_before"]
+    doubled = (torch.frombuffer(bytearray(w_after_add), dtype=torch.float32) * 2).numpy().tobytes()
+    assert one("_aten.mul_.Tensor_1-w_0_after") == doubled
+    # w and mid: before+after each op from watch() on; the start output: after mul, then 4 ops
+    ops = ["aten.mul.Tensor_1", "aten.add_.Tensor_1", "aten.clone.default_1", "aten.add_.Tensor_2",
+           "aten.sum.default_1", "aten.mul_.Tensor_1", "aten.detach.default_1", "aten.detach.default_2"]
+    for name in ("w", "mid"):
+        assert sorted(k.split("_", 2)[2] for k in got if f"-{name}_0_" in k) == \
+            sorted(f"{op}-{name}_0_{ph}" for op in ops for ph in ("before", "after"))
     assert len([k for k in got if "-aten.mul.Tensor_0_" in k]) == 9
     rep = watch_json(folder)
     assert rep["bin_files"] == len(got) and rep["stomps"] == []

@@ -31,7 +31,11 @@ def start_from_env():
         from ..integrations.ray import prepare_worker_env
         prepare_worker_env()
     s = capture.create(opts, launched=True)
-    if opts.collect_mode == "immediate":
+    api = sys.modules.get("msmemscope")
+    if getattr(api, "_launcher_pending", None):  # msmemscope.config() ran before `import torch`
+        api._merge_with_launcher(s, dict(api._launcher_pending))
+        api._launcher_pending.clear()
+    if s.opts.collect_mode == "immediate":
         s.start()
     if ray_worker or "ray" in sys.modules:
         # after start(): importing msmemscope.integrations before it would turn on its framework hooks

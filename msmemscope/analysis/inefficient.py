@@ -375,7 +375,7 @@ def format_summary(s: dict, where: str | None = None) -> str:
         lines.append("  largest flagged blocks:")
         for w in s["worst"]:
             op = (w["op"] or "N/A").replace("torch._ops.", "")
-            line = w["python_line"] or "N/A (record with --call-stack=python for the line)"
+            line = w["python_line"] or "N/A (for the line: --call-stack=python, or msmemscope.config(call_stack=\"python\"))"
             lines.append(f"    {w['size']} B  {'+'.join(w['types'])}  op {op}  at {line}  "
                          f"(allocation_id {w['allocation_id']}, row {w['row_id']})")
     return "\n".join(lines)

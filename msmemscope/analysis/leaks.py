@@ -102,10 +102,15 @@ def gap_report(fluct: dict) -> list[str]:
         ratio = lambda r: r[1] / r[2]  # noqa: E731
         lo = min(rows, key=ratio)
         hi = max(rows, key=ratio)
-        lines.append(f"======= {pool_title(pool)} Gap Analysis of Device {dev} =======")
+        title = "Pytorch CPU allocator" if str(dev) == "cpu" and pool == "PTA" else pool_title(pool)
+        lines.append(f"======= {title} Gap Analysis of Device {dev} =======")
         lines.append(f"        {'MinAlloc/MaxAlloc(%)':<25}{'MinAllocMem(MB)':<25}StepId")
         for label, r in (("MinGap", lo), ("MaxGap", hi)):
             lines.append(f"{label:<8}{ratio(r) * 100:<25.4f}{r[1] / MB:<25.4f}{r[0]}")
+    if lines:
+        lines.append("(per step: the least memory in use as a % of the most; MinGap is the step where memory "
+                     "swings most, MaxGap where it stays most; a MinAllocMem that grows step after step "
+                     "is memory that is never given back)")
     return lines
 
 
@@ -497,8 +502,9 @@ def _leak_json(lk):
 
 
 def _say(lines):
+    from .._console import say
     for ln in lines:
-        print(ln, file=sys.stderr)
+        say(ln)  # silenced by the launcher's -q; the log keeps it
         log.info("%s", ln)
     if lines:
         sys.stderr.flush()

@@ -51,6 +51,10 @@ def requested_bytes(message: str):
     return None
 
 
+# the allocation function that failed, in the original's terms (halMemAlloc on an NPU)
+_ALLOC_FUNC = {"cpu": "c10::alloc_cpu", "cuda": "cudaMalloc", "npu": "halMemAlloc"}
+
+
 def _short(name):
     if not name:
         return "an unknown op"
@@ -165,11 +169,14 @@ class OomSink:
         from ..capture.stacks import python_stack
         live = [b for b in list(s.live.values()) if str(b.device) == str(device)]
         k = self.k
-        recent = heapq.nlargest(k, live, key=lambda b: b.alloc_id)
+        recent = heapq.nlargest(k, live, key=lambda b: (b.ts, b.alloc_id))  # newest first
         top = heapq.nlargest(k, live, key=lambda b: (b.size, -b.alloc_id))
         first_line = message.strip().splitlines()[0][:500] if message.strip() else ""
         used = sum(v for (d, _p), v in s.used.items() if str(d) == str(device))
-        trig = {"size": size, "exception": exc_type, "message": first_line, "device": str(device),
+        # the original's keys first (func, req_size, flag: its OOMDumpVerifier checks them), then ours
+        trig = {"func": _ALLOC_FUNC.get(s.kind if str(device) != "cpu" else "cpu", "alloc"),
+                "req_size": size, "flag": 0,
+                "size": size, "exception": exc_type, "message": first_line, "device": str(device),
                 "step": s.step_no, "used": used, "live_blocks": len(live),
                 "live_bytes": sum(b.size for b in live), "k": k, **extra}
         tid = threading.get_ident()
@@ -179,7 +186,8 @@ class OomSink:
         listed = {"trigger": {"op": name, **trig}, "recent": [], "top": []}
         for kind, blocks, key in ((Oom.RECENT, recent, "recent"), (Oom.TOP, top, "top")):
             for rank, b in enumerate(blocks, 1):
-                a = {"rank": rank, "allocation_id": b.alloc_id, "addr": "0x%016x" % b.addr, "size": b.size,
+                a = {"pool": b.pool, "ptr": "0x%016x" % b.addr, "size": b.size, "timestamp": b.ts,
+                     "rank": rank, "allocation_id": b.alloc_id, "addr": "0x%016x" % b.addr,
                      "step": b.step, "op": b.op, "owner": b.owner, "python": _user_line(b.stack)}
                 rows.append((Event.OOM_DETAIL, kind, b.op or "N/A", ts, tid, b.device, b.addr, a, b.stack, None))
                 listed[key].append(a)

@@ -29,13 +29,15 @@ def _text(msg, api: str):
     return None
 
 
-def mark(msg: str) -> None:
+def mark(msg: str, stream=None) -> None:
+    """``stream``: the original's device stream argument (``mstx.mark(msg, stream)``), accepted and
+    not used (a mark is a point on the host timeline)."""
     s = _session()
     if s is not None and _text(msg, "mark") is not None:
         s.mark(msg)
 
 
-def range_start(msg: str) -> int:
+def range_start(msg: str, stream=None) -> int:
     s = _session()
     if s is None or _text(msg, "range_start") is None:
         return 0

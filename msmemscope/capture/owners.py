@@ -49,8 +49,9 @@ _labels_seen: list = []          # distinct user labels used by this process, in
 _labels_lock = threading.Lock()
 
 
-def check_label(owner) -> str:
-    """Validate a user label; the 4th distinct label of a process is refused."""
+def check_label(owner, count: bool = True) -> str:
+    """Validate a user label; the 4th distinct label of a process is refused. The cap is the
+    original's for the decorator and ``with`` forms: a tensor's label (``count=False``) is not counted."""
     if not isinstance(owner, str):
         raise ValueError(f"msmemscope.describe: owner must be a string, not {type(owner).__name__}")
     if not owner:
@@ -64,6 +65,8 @@ def check_label(owner) -> str:
     if bad:
         raise ValueError(f"msmemscope.describe: owner {owner!r} contains {', '.join(map(repr, bad))} "
                          "(not allowed in an owner label)")
+    if not count:
+        return owner
     with _labels_lock:
         if owner not in _labels_seen:
             if len(_labels_seen) >= MAX_LABELS:

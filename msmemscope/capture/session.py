@@ -112,13 +112,7 @@ class Session:
     def __init__(self, opts: Options, launched: bool = False):
         self.opts = opts
         self.launched = launched
-        ev = opts.effective_events()
-        self.want_alloc = "alloc" in ev
-        self.want_free = "free" in ev
-        self.want_launch = "launch" in ev and "op" in opts.level
-        self.want_access = "access" in ev
-        self.py_depth = opts.python_stack if ("traceback" in ev or opts.python_stack) else 0
-        self.c_depth = opts.c_stack
+        self._set_wants()
         self.pid = os.getpid()
         self.buf: list = []
         self.flush_rows = FLUSH_ROWS
@@ -136,6 +130,10 @@ class Session:
         self.ranges: dict = {}
         self.step_no = 1
         self.explicit_steps = False
+        self._held_step = None               # the first optimizer step's boundary, until the program shows whether it numbers steps itself
+        self._optimizer_steps = False        # settled: the optimizer steps are the steps
+        self._flushes = 0
+        self._exit_installed = False
         self.active = False
         self.started_once = False
         self.closed = False
@@ -167,6 +165,74 @@ class Session:
         self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
         self._open_output()
+
+    def _set_wants(self):
+        opts = self.opts
+        ev = opts.effective_events()
+        self.want_alloc = "alloc" in ev
+        self.want_free = "free" in ev
+        self.want_launch = "launch" in ev and "op" in opts.level
+        self.want_access = "access" in ev
+        self.py_depth = opts.python_stack if ("traceback" in ev or opts.python_stack) else 0
+        self.c_depth = opts.c_stack
+
+    def reconfigure(self, opts) -> list:
+        """A script's ``msmemscope.config()`` under the launcher, merged with the command line's
+        options (cli wins where it set one): in force from now on. The output folder and format
+        move only while nothing has been written; returns what could not be applied. (The online
+        analyses are rebuilt by the caller, outside capture: ``msmemscope._merge_with_launcher``.)"""
+        import dataclasses
+        old, late = self.opts, []
+        moved = (opts.output, opts.data_format) != (old.output, old.data_format)
+        if moved and (self.next_id > 0 or self.closed):
+            late.append(f"output_path/format (the dump had already begun in {self.folder})")
+            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format)
+            moved = False
+        self.opts = opts
+        self._set_wants()
+        if moved:
+            import shutil
+            from . import pytrace
+            self.writer.abort()
+            log.removeHandler(self._log_handler)
+            self._log_handler.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self._open_output()
+            t = pytrace.current()
+            if t is not None:
+                t.move(os.path.dirname(self.dump_path))
+        if self.active and ("traceback" in opts.events) != ("traceback" in old.events):
+            from . import pytrace
+            if "traceback" in opts.events:
+                pytrace.tracer_for(os.path.dirname(self.dump_path)).start()
+            elif pytrace.current() is not None:
+                pytrace.current().stop()
+        if self.started_once and opts.watch is not None and self.watch_engine is None:
+            from .watch import attach
+            attach(self)
+        if self.native_ops:
+            from . import native
+            why = native.unsupported_by(opts, self.kind)
+            if why:
+                self.use_dispatch_source(why)
+        if getattr(self, "device_source", None) is not None:
+            from . import cuda_source
+            why = cuda_source.unsupported_by(opts)
+            if why:  # the allocator trace was chosen when tracing began; it cannot hand over
+                late.append(f"{self.kind} memory stays with the allocator trace ({why}: give those options "
+                            f"on the command line)")
+        self.config["options"] = json.loads(opts.to_json())
+        try:
+            self._write_config()
+        except OSError:
+            pass
+        self._update_flags()
+        if opts.collect_mode != old.collect_mode:
+            if opts.collect_mode == "deferred" and self.active:
+                self.stop()   # recording waits for the script's msmemscope.start()
+            elif opts.collect_mode == "immediate" and not self.active:
+                self.start()
+        return late
 
     def _choose_source(self):
         """The native source (default events recorded in C++) where the run allows it and it is
@@ -248,6 +314,13 @@ class Session:
             "device_source_note": self.device_source_note,
         }
         self._write_config()
+        runs = os.environ.get("MSMEMSCOPE_RUNS")
+        if runs and self.launched:
+            try:  # tells the launcher where this run is, wherever config() put it
+                with open(runs, "a") as f:
+                    f.write(self.folder + "\n")
+            except OSError:
+                pass
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],
                  f"; not native: {self.source_note}" if self.source_note else "")
         if self.kind != "cpu":
@@ -267,7 +340,8 @@ class Session:
     # ------------------------------------------------------------------ flags
     def _update_flags(self, pause: bool = False):
         steps = self.opts.steps
-        self.emit = self.active and not pause and (not steps or self.step_no in steps)
+        held = self._held_step is not None  # the rows may belong to step 2 (as numbered now) or still to 1
+        self.emit = self.active and not pause and (not steps or self.step_no in steps or (held and 1 in steps))
         self.emit_launch = self.emit and self.want_launch
         self.emit_access = self.emit and self.want_access
         self.emit_alloc = self.emit and self.want_alloc
@@ -413,12 +487,31 @@ class Session:
             self.step("range")
 
     def step(self, source="api"):
-        """End the current step. Explicit steps (API, 'step start' ranges) switch off the optimizer hook."""
+        """End the current step. Explicit steps (API, 'step start' ranges) switch off the optimizer hook.
+
+        A program that numbers its steps (``msmemscope.step()``, 'step start' ranges) owns the
+        numbering from its first iteration: the first optimizer step's boundary is held until the
+        program shows which it does: a ``msmemscope.step()`` drops it, a second optimizer step
+        (or stop) puts it in the dump where it happened."""
         if source == "optimizer":
-            if self.explicit_steps:
+            if self.explicit_steps or not self.active:
                 return
+            if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
+                self.sync_sources()
+                if self.labeler is not None:
+                    self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
+                self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
+                self._update_flags()
+                return
+            self._release_held_step()
+            self._optimizer_steps = True
         else:
             self.explicit_steps = True
+            if self._held_step is not None:  # the program numbers its steps: still step 1
+                self._held_step = None
+                self.step_no = 1
+                self._update_flags()
         if not self.active:
             return
         ended = self.step_no
@@ -432,6 +525,32 @@ class Session:
         self._update_flags()
         self.flush(step_end=ended)
 
+    def _release_held_step(self):
+        """The program's steps are its optimizer steps: step 1 ended at the first one."""
+        held, self._held_step = self._held_step, None
+        if held is None:
+            return
+        self._optimizer_steps = True
+        idx, flushes, ts, tid = held
+        self.sync_sources()
+        row = (Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None)
+        if flushes == self._flushes and idx <= len(self.buf):
+            # step 1's rows and its boundary are flushed alone, so that the analyses see the end of
+            # step 1 where it was; the rows since then go back at the head of the buffer. (With
+            # --steps=1 those rows stay in the dump, labelled step 2: dropping them could leave a
+            # later FREE without its MALLOC.)
+            if self.labeler is not None:
+                self.labeler.before_flush()  # label the rows of both parts while they are in the buffer
+            rest = self.buf[idx:]
+            del self.buf[idx:]
+            self.buf.append(row)
+            self.flush(step_end=1, drain=False)
+            self.buf[:0] = rest
+        else:  # a flush came between: the boundary is written now
+            self.buf.append(row)
+            self.flush(step_end=1)
+        self._update_flags()
+
     def op_failed(self, name, exc):
         from .snapshot import is_allocation_failure, take_snapshot
         if is_allocation_failure(exc):
@@ -442,31 +561,33 @@ class Session:
                 fn(self, name, exc)
 
     # ------------------------------------------------------------------ flushing
-    def flush(self, step_end=None):
+    def flush(self, step_end=None, drain=True):
         with self.flush_lock:
             if self._flushing == threading.get_ident():  # a signal handler inside this thread's flush
                 return
             self._flushing = threading.get_ident()
             try:
-                self._flush(step_end)
+                self._flush(step_end, drain)
             finally:
                 self._flushing = None
             if self._pending_signal is not None:
                 signum, self._pending_signal = self._pending_signal, None
                 self._on_sigterm(signum, None)
 
-    def _flush(self, step_end=None):
+    def _flush(self, step_end=None, drain=True):
         if self.closed or self.failure is not None:
             self.buf.clear()
             return
         if self.labeler is not None:
             self.labeler.before_flush()
-        self.sync_sources()
+        if drain:
+            self.sync_sources()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
+        self._flushes += 1
         first = self.next_id + 1
         self.next_id += n
         if rows:
@@ -579,11 +700,20 @@ class Session:
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
+        if "traceback" in self.opts.events:  # the original's Python trace (capture/pytrace.py)
+            from . import pytrace
+            pytrace.tracer_for(os.path.dirname(self.dump_path)).start()
         log.info("trace started")
 
     def stop(self, sync: bool = True):
         if not self.active:
             return
+        self._release_held_step()
+        if "traceback" in self.opts.events:
+            from . import pytrace
+            t = pytrace.current()
+            if t is not None:
+                t.stop()
         self.dispatch.stop()
         if self.device_source is not None:
             self.device_source.stop()
@@ -694,6 +824,9 @@ class Session:
             os.kill(os.getpid(), signum)
 
     def _install_exit_handlers(self):
+        if self._exit_installed:
+            return
+        self._exit_installed = True
         atexit.register(self.close)
         os.register_at_fork(after_in_child=self._after_fork_child)
         try:

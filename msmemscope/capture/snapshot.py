@@ -45,7 +45,13 @@ def take_snapshot(device_mask=None, name: str = "Memory Snapshot") -> list:
     from . import current
     s = current()
     if s is None or not s.active:
-        return []
+        # independent of start()/stop(), as the original documents: the row is written into the
+        # run made from the current config() (created here when there is none), at exit at latest
+        from .. import _session_for_api
+        s = _session_for_api()
+        if s.closed:
+            return []
+        s._install_exit_handlers()
     kind = s.kind
     out = []
     if kind != "cpu":

@@ -8,12 +8,11 @@ the engine to the session's sinks (``close`` writes ``analysis/watch.json``).
 
 What is watched:
 - with ``--watch=start[:outid],end``: output ``outid`` (default 0) of the
-  start op, from the start op until the end op; blocks watched through
-  ``msmemscope.watcher.watch()`` are checked inside the same window;
-- with ``--watch=end`` (no start): the window runs from the trace start to
-  the end op and holds the blocks watched through the Python API;
-- without ``--watch``: a block watched through the Python API is checked
-  around every op from ``watch()`` until ``remove()`` or ``dump_nums`` dumps.
+  start op, from the start op until the end op;
+- a block watched through the Python API (``msmemscope.watcher.watch()``) is
+  checked around every op from ``watch()`` until ``remove()`` or ``dump_nums``
+  dumps, whatever the ``--watch`` window (the original's example watches a
+  block with ``config(watch="start,end")`` naming ops that never run).
 
 Op names for start/end: the dump's ``Name`` (``torch._ops.aten.mm.default``),
 the same without ``torch._ops.`` (``aten.mm.default``), the overload packet
@@ -215,8 +214,8 @@ class WatchEngine:
 
     # ------------------------------------------------------------------ state
     def _update_active(self):
-        self.s.watch_active = (self.state == "waiting"
-                               or (self.state == "open" and (bool(self.entries) or self.end is not None)))
+        self.s.watch_active = (self.state == "waiting" or bool(self.entries)
+                               or (self.state == "open" and self.end is not None))
 
     def _warn(self, msg):
         self.warnings.append(msg)
@@ -330,14 +329,15 @@ class WatchEngine:
             elif self.state == "open" and self.end is not None and self._matches(self.end, short):
                 self.end.seen += 1
                 closer = self.end.seen == self.end.nth
-            if self.state != "open":
+            entries = self.entries if self.state == "open" else [e for e in self.entries if e.source == "api"]
+            if not entries and not opener and not closer:
                 self.tls.pending = None
                 return
             tid = threading.get_ident()
             checked = []
-            if self.entries:
-                self._sync(self.entries)
-            for e in list(self.entries):
+            if entries:
+                self._sync(entries)
+            for e in list(entries):
                 st, cs = self._read(e)
                 if st is None:
                     continue
@@ -393,7 +393,8 @@ class WatchEngine:
                 self.state = "closed"
                 self.window["closed"] = f"{short}#{call}"
                 for e in list(self.entries):
-                    self._stop(e, "end op reached" if e.source == "start op" else "window closed")
+                    if e.source == "start op":  # blocks given to watcher.watch() stay until remove()
+                        self._stop(e, "end op reached")
                 log.info("watch: window closed at %s#%d", short, call)
             self._update_active()
 
@@ -518,7 +519,7 @@ class WatchEngine:
             else:
                 alloc_id = self.s.alloc_id_of(st)
             e = Watched(name, st, offset, length, req, out_id, source, dump_nums or 0, alloc_id)
-            if self.state == "open" or source == "start op":
+            if self.state == "open" or source in ("start op", "api"):
                 try:
                     cs = self._checksum(e, st)
                     # a baseline only while ops are traced: changes before the next op are then untraced writes
@@ -588,8 +589,11 @@ class WatchEngine:
             if self._closed:
                 return
             self._closed = True
+            api = sum(1 for e in self.finished + self.entries if e.source == "api")
             if self.start is not None and self.state == "waiting":
-                self._warn(f"start op '{self.start.text}' never ran: nothing was watched")
+                what = (f"only the {api} block(s) given to msmemscope.watcher.watch() were watched"
+                        if api else "nothing was watched")
+                self._warn(f"--watch start op '{self.start.text}' never ran: no op output was watched; {what}")
             elif self.spec is not None and self.state == "open" and self.end is not None:
                 log.info("watch: end op '%s' never ran; watched until the end", self.end.text)
             if self.spec is not None and self.start is None and not (self.entries or self.finished):

@@ -26,7 +26,7 @@ import sys
 
 log = logging.getLogger("msmemscope")
 
-SETUP_HOOK = "msmemscope.integrations.ray.worker_setup"
+SETUP_HOOK = "msmemscope._bootstrap.ray_setup.worker_setup"  # a bootstrap, like sitecustomize
 _CHAINED = "MSMEMSCOPE_RAY_CHAINED_HOOK"   # the job's own setup hook, called after ours
 _MAX_TASK_NAMES = 50
 
@@ -62,22 +62,6 @@ def ray_runtime_env(runtime_env: dict | None = None, **options) -> dict:
     env["env_vars"] = env_vars
     env["worker_process_setup_hook"] = SETUP_HOOK
     return env
-
-
-def worker_setup():
-    """Ray's ``worker_process_setup_hook``: trace this worker once it imports torch."""
-    try:
-        if os.environ.get("MSMEMSCOPE_OPTIONS"):
-            install_call_hook()  # Ray is imported by now
-            from .._bootstrap import hook
-            hook.install()
-    except Exception as e:  # the job runs even if the tracer cannot
-        print(f"[msmemscope] tracing disabled in Ray worker {os.getpid()}: {e}", file=sys.stderr)
-    chained = os.environ.get(_CHAINED)
-    if chained:
-        import importlib
-        mod, _, fn = chained.rpartition(".")
-        getattr(importlib.import_module(mod), fn)()
 
 
 # ------------------------------------------------------------------ who this process is
@@ -278,4 +262,4 @@ def prepare_worker_env():
     os.environ.setdefault("MSMEMSCOPE_WRITER", "inline")
 
 
-__all__ = ["ray_runtime_env", "worker_setup", "identity", "attach", "in_ray_worker", "describe"]
+__all__ = ["ray_runtime_env", "identity", "attach", "in_ray_worker", "describe"]

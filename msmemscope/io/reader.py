@@ -33,8 +33,7 @@ DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a 
 CHUNK = 16 << 20              # block size of the streaming line scan
 
 
-class DumpError(Exception):
-    """A dump that cannot be read; the message names the file and, where known, the line."""
+from .errors import DumpError  # noqa: E402,F401  (re-exported: callers import it from here)
 
 
 class TruncatedDumpWarning(UserWarning):

@@ -24,6 +24,8 @@ import warnings
 
 import polars as pl
 
+from .errors import DumpError
+
 # Peak memory of reading a dump into the analysis columns, measured with read_dump on dumps of
 # short and of long rows (~400 B a row whatever its length, plus about the text itself).
 BYTES_PER_ROW = 450
@@ -36,7 +38,6 @@ class ImplausibleRowsWarning(UserWarning):
 
 
 def _error(msg: str):
-    from .reader import DumpError
     return DumpError(msg)
 
 

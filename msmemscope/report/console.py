@@ -16,18 +16,44 @@ def mb(n) -> str:
 
 def dump_summary(df: pl.DataFrame) -> dict:
     """Numbers a person wants first: steps, events, peak allocated per device, biggest allocators."""
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    mem = with_used(df.filter(pl.col("event").is_in(["MALLOC", "FREE"])))
     peaks = (mem.group_by("device", "event_type").agg(peak=pl.col("used").max())
-             .sort("device").to_dicts()) if mem.height else []
+             .sort("device", "event_type").to_dicts()) if mem.height else []
     mallocs = df.filter(pl.col("event") == "MALLOC")
     frees = set(df.filter(pl.col("event") == "FREE")["alloc_id"].to_list())
     live = mallocs.filter(~pl.col("alloc_id").is_in(list(frees)))
-    top = (mallocs.group_by("name").agg(bytes=pl.col("size").sum(), count=pl.len())
-           .sort("bytes", descending=True).head(5).to_dicts()) if mallocs.height else []
+    top = (allocating_ops(df, mallocs).group_by("name").agg(bytes=pl.col("size").sum(), count=pl.len())
+           .sort("bytes", "name", descending=[True, False]).head(5).to_dicts()) if mallocs.height else []
     steps = int(df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height)
     counts = dict(df.group_by("event").len().iter_rows())
     return {"events": df.height, "counts": counts, "steps": steps, "peaks": peaks, "top_ops": top,
             "live_at_exit": live.height, "live_bytes_at_exit": int(live["size"].sum() or 0)}
+
+
+def with_used(mem: pl.DataFrame) -> pl.DataFrame:
+    """MALLOC/FREE rows with ``used`` filled where the dump has none (the original's HAL rows carry
+    only ``size``): the running sum of the sizes per device and pool, in ID order."""
+    if mem.height == 0 or mem["used"].null_count() == 0:
+        return mem
+    delta = pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
+    return (mem.sort("id")
+            .with_columns(_run=delta.fill_null(0).cum_sum().over("device", "event_type"))
+            .with_columns(used=pl.coalesce("used", "_run")).drop("_run"))
+
+
+def allocating_ops(df: pl.DataFrame, mallocs: pl.DataFrame) -> pl.DataFrame:
+    """MALLOC rows named by the op that allocated them. The original's dumps name a MALLOC 'N/A':
+    the op is then the ATEN op open on the thread at that row. Backing memory of a caching pool
+    (HAL) is left out where the pool's own blocks (PTA) are in the dump: they would count twice."""
+    if mallocs.height and mallocs["event_type"].is_in(["PTA"]).any():
+        mallocs = mallocs.filter(pl.col("event_type") != "HAL")
+    unnamed = mallocs["name"].is_null() | (mallocs["name"] == "N/A")
+    if not unnamed.any():
+        return mallocs
+    from ..analysis.leaks import enclosing_ops
+    ops = enclosing_ops(df, mallocs)
+    return mallocs.with_columns(name=pl.when(unnamed).then(pl.Series("op", ops.to_list(), dtype=pl.String))
+                                .otherwise(pl.col("name")).fill_null("N/A"))
 
 
 def format_summary(folder: str, dump: str, s: dict) -> str:
@@ -89,7 +115,7 @@ def summary_tables(df: pl.DataFrame, s: dict | None = None):
         top.add_column(c, justify="left" if c == "op" else "right")
     for t in s["top_ops"]:
         top.add_row(str(t["name"] or "N/A").replace("torch._ops.", ""), mb(t["bytes"]), str(t["count"]))
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    mem = with_used(df.filter(pl.col("event").is_in(["MALLOC", "FREE"])))
     steps = Table(title="Per step", title_justify="left")
     for c in ("step", "device", "pool", "peak", "allocs", "frees"):
         steps.add_column(c, justify="right" if c in ("peak", "allocs", "frees", "step") else "left")

@@ -1,5 +1,6 @@
 """User labels: a decorated function, a with block (and the explicit __enter__/__exit__ form),
-a tensor labelled after creation, and a fourth label refused."""
+a tensor labelled after creation, and a fourth label refused (the decorator and with forms count
+towards the cap of 3, a tensor's label does not)."""
 import json
 
 import torch
@@ -25,6 +26,8 @@ def main():
         c = torch.zeros(4000)          # 16000 bytes, outer only
     late = torch.full((5000,), 2.0)    # 20000 bytes, labelled after creation
     describe.describer(late, owner="late")
+    with describe.describer(owner="third"):   # the third counted label (a tensor's label is not counted)
+        pass
     refused = ""
     try:
         describe.describer(owner="fourth")
