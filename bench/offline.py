@@ -1,73 +1,145 @@
 """Offline analyses on one generated dump, next to the bare read of the same file.
 
-    PYTHONPATH=. python bench/offline.py [--events 10000000] [--out /tmp/offline_bench.csv] [--keep]
+    PYTHONPATH=. python bench/offline.py [--events 3000000] [--out /tmp/offline_bench.csv] [--keep] [--reuse]
+                                         [--tasks read,leaks,...] [--repeat 1]
 
 The dump (our CSV format, generated with polars by bench/inefficient_bench.py)
 is shaped like a traced training loop with 8 steps, a Mark 'step' and a STEP row
-ending each. Times: polars.read_csv of the file (strings, the floor), read_dump
-(the reader every analysis uses), then each analysis end to end from the path:
-leaks (marks A/B/C), step leaks, compare (step 3 vs step 4), inefficient,
-decomposition summary. Prints one table with seconds and events per second.
+ending each, and ACCESS rows (so that every analysis has its input). Each task runs in a
+fresh process (so its peak memory is its own: ``ru_maxrss`` of that process, less the
+interpreter with polars imported) and is timed from the path to the result:
+``polars.read_csv`` of the file with every column as a string (the floor), ``read_dump``
+(every column the reader offers), leaks (marks A/B/C), step leaks, compare (step 3 vs
+step 4), inefficient, the decomposition summary, and the summary command's per-rank work.
+Prints one table: seconds and CPU seconds (the steadier figure on a loaded machine), each as × the
+bare read, and peak MB, × the bare read's peak.
 """
 from __future__ import annotations
 
 import argparse
-import io
+import json
 import os
+import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
 
-import polars as pl  # noqa: E402
+TASKS = {
+    "bare": "polars.read_csv, all columns as strings (the floor)",
+    "read": "read_dump (every column: CSV + Attr fields + steps)",
+    "leaks": "leaks, marks A/B/C (check_leaks)",
+    "step_leaks": "leaks, step rule + fluctuation (check_step_leaks)",
+    "compare": "compare step 3 vs step 4",
+    "inefficient": "inefficient (check_inefficient)",
+    "decompose": "decomposition (decompose.summarize_dump)",
+    "summary": "summary, one rank (summary.analyse_rank)",
+}
+
+
+def run_task(task: str, path: str) -> None:
+    """In the child: import, note the baseline RSS, run the task, print seconds and peak."""
+    import contextlib
+    import io
+    import resource
+    import polars as pl
+    sink = io.StringIO()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t, c = time.perf_counter(), time.process_time()
+    if task == "bare":
+        pl.read_csv(path, infer_schema=False)
+    elif task == "read":
+        from msmemscope.io.reader import read_dump
+        read_dump(path)
+    elif task == "leaks":
+        from msmemscope.analysis.leaks import check_leaks
+        check_leaks(path, "step", 2, out=sink)
+    elif task == "step_leaks":
+        from msmemscope.analysis.leaks import check_step_leaks
+        check_step_leaks(path, out=sink)
+    elif task == "compare":
+        from msmemscope.analysis.compare import compare
+        with contextlib.redirect_stdout(sink):
+            compare(f"{path}:step=3", f"{path}:step=4")
+    elif task == "inefficient":
+        from msmemscope.analysis.inefficient import check_inefficient
+        check_inefficient(path, write=False, quiet=True)
+    elif task == "decompose":
+        from msmemscope.analysis import decompose
+        fn = getattr(decompose, "summarize_dump", None)
+        if fn is not None:
+            fn(path)
+        else:
+            from msmemscope.io.reader import read_dump
+            decompose.summarize(read_dump(path))
+    elif task == "summary":
+        from msmemscope.report.summary import analyse_rank
+        r = analyse_rank({"path": path, "folder": os.path.dirname(path), "config": {}, "label": "rank0"})
+        assert "error" not in r, r["error"]
+    else:
+        raise SystemExit(f"unknown task {task}")
+    dt, cpu = time.perf_counter() - t, time.process_time() - c
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"seconds": dt, "cpu": cpu, "peak_kb": peak, "base_kb": base}))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--events", type=int, default=10_000_000)
+    p.add_argument("--events", type=int, default=3_000_000)
     p.add_argument("--out", default="/tmp/offline_bench.csv")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--reuse", action="store_true")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--repeat", type=int, default=1, help="runs per task (the median is shown)")
+    p.add_argument("--task", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    import inefficient_bench
-    from inefficient_bench import timed
-    from msmemscope.io.reader import read_dump
+    if a.task:
+        run_task(a.task, a.out)
+        return 0
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
+    import polars as pl
     if not (a.reuse and os.path.exists(a.out)):
+        import inefficient_bench
         if os.path.exists(a.out):
             os.unlink(a.out)
-        n, t = timed(lambda: inefficient_bench.generate(a.out, a.events, steps=8))
-        print(f"generated {n} events ({os.path.getsize(a.out) / 1e6:.0f} MB) in {t:.1f} s: {a.out}", file=sys.stderr)
-    sink = io.StringIO()
-    rows = []
-
-    def run(label, fn):
-        _, t = timed(fn)
-        rows.append((label, t))
-        print(f"  {label}: {t:.2f} s", file=sys.stderr)
-
+        t = time.perf_counter()
+        inefficient_bench.generate(a.out, a.events, steps=8)
+        print(f"generated {os.path.getsize(a.out) / 1e6:.0f} MB in {time.perf_counter() - t:.1f} s: {a.out}",
+              file=sys.stderr)
     n = pl.read_csv(a.out, infer_schema=False, columns=["ID"]).height
-    run("polars.read_csv, all columns as strings (the floor)", lambda: pl.read_csv(a.out, infer_schema=False))
-    run("read_dump (reader: CSV + Attr fields + steps)", lambda: read_dump(a.out))
-    try:
-        from msmemscope.analysis.leaks import check_leaks, check_step_leaks
-        run("leaks, marks A/B/C (check_leaks)", lambda: check_leaks(a.out, "step", 2, out=sink))
-        run("leaks, step rule + fluctuation (check_step_leaks)", lambda: check_step_leaks(a.out, out=sink))
-    except ImportError:
-        print("  leaks: not in this build", file=sys.stderr)
-    from msmemscope.analysis.compare import compare
-    import contextlib
-    with contextlib.redirect_stdout(sink):
-        run("compare step 3 vs step 4", lambda: compare(f"{a.out}:step=3", f"{a.out}:step=4"))
-    from msmemscope.analysis.inefficient import check_inefficient
-    run("inefficient (check_inefficient)", lambda: check_inefficient(a.out, write=False, quiet=True))
-    from msmemscope.analysis.decompose import summarize
-    run("decomposition summary (read + summarize)", lambda: summarize(read_dump(a.out)))
-    print(f"\n{n} events, {os.path.getsize(a.out) / 1e6:.0f} MB CSV\n")
-    print("| offline task | seconds | M events/s |")
-    print("|---|---|---|")
-    for label, t in rows:
-        print(f"| {label} | {t:.2f} | {n / t / 1e6:.2f} |")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = {}
+    tasks = [t for t in a.tasks.split(",") if t]
+    if "bare" not in tasks:
+        tasks.insert(0, "bare")
+    for _ in range(a.repeat):
+        for task in tasks:  # interleaved: a load spike hits every task alike
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--task", task, "--out", a.out],
+                                 env=env, capture_output=True, text=True)
+            if out.returncode:
+                print(f"  {task}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            results.setdefault(task, []).append(r)
+            print(f"  {task}: {r['seconds']:.2f} s (CPU {r['cpu']:.2f} s), peak {r['peak_kb'] / 1024:.0f} MB",
+                  file=sys.stderr)
+
+    def med(task, key):
+        v = sorted(x[key] for x in results[task])
+        return v[len(v) // 2]
+    bare_t, bare_c = med("bare", "seconds"), med("bare", "cpu")
+    bare_m = med("bare", "peak_kb") - med("bare", "base_kb")
+    print(f"\n{n} events, {os.path.getsize(a.out) / 1e6:.0f} MB CSV, median of {a.repeat}\n")
+    print("| offline task | seconds | × bare read | CPU s | × bare read's CPU | peak MB over the interpreter | × bare read's |")
+    print("|---|---|---|---|---|---|---|")
+    for task in tasks:
+        if task not in results:
+            continue
+        t, cp, m = med(task, "seconds"), med(task, "cpu"), med(task, "peak_kb") - med(task, "base_kb")
+        print(f"| {TASKS[task]} | {t:.2f} | {t / bare_t:.2f}× | {cp:.2f} | {cp / bare_c:.2f}× | {m / 1024:.0f} "
+              f"| {m / bare_m:.2f}× |")
     if not a.keep:
         os.unlink(a.out)
     return 0

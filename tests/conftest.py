@@ -33,6 +33,9 @@ def env_for_tests():
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # no test compiles the native source by surprise (a run with an empty build folder would);
+    # the tests of the build on first use turn it on
+    env.setdefault("MSMEMSCOPE_NATIVE_BUILD", "0")
     return env
 
 

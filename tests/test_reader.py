@@ -136,7 +136,8 @@ def test_attr_fast_patterns_agree_with_per_key_reading():
         texts.append(format_attr("FREE", (aid, addr, size, used, total)))
         shape = tuple(rng.randrange(1, 9) for _ in range(rng.randrange(0, 4)))
         texts.append(format_attr("ACCESS", (rng.choice(["float32", "bfloat16", "int64"]), shape, size, aid)))
-    df = pl.DataFrame({"attr": texts}, schema={"attr": pl.String})
+    events = ["ACCESS" if t and '"dtype"' in t else "MALLOC" for t in texts]
+    df = pl.DataFrame({"attr": texts, "event": events}, schema={"attr": pl.String, "event": pl.String})
     fast = R._attr_columns(df)
     slow = df.with_columns(**R._attr_exprs()).with_columns(
         addr=pl.col("addr").str.strip_prefix("0x").str.to_integer(base=16, strict=False))

@@ -115,29 +115,29 @@ def _as_side(x) -> Side:
 # ---------------------------------------------------------------------------
 # Reading a side into its op sequence
 
+#: what the compare reads of a dump (the reader's column layer): ops, kernels, MALLOC, and the
+#: SYSTEM rows (every step a STEP row numbers has at least that row)
+COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "size", "py_stack", "step", "step_number")
+EVENTS = ("OP_LAUNCH", "KERNEL_LAUNCH", "MALLOC", "SYSTEM")
+
+
 def _read(path: str) -> tuple[pl.DataFrame, str]:
     dump = resolve_one(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = read_dump(dump)
+        df = read_dump(dump, columns=COLUMNS, events=EVENTS)
     for w in caught:
         print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return df, dump
 
 
 def step_numbers(df: pl.DataFrame) -> pl.Series:
-    """Step of each row: a STEP row with ``{"step": N}`` ends step N, so a row belongs to the
-    number of the next STEP row; rows after the last one to the step after it. Uses the numbers
-    in the STEP rows (right under ``--steps``), the reader's count where they carry none."""
-    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
-    nums = df.select(n=pl.when(is_step).then(
-        pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False)))["n"]
-    steps_rows = df.select(is_step.alias("s"))["s"]
-    n_steps = int(steps_rows.sum())
-    if n_steps == 0 or nums.drop_nulls().len() != n_steps:
-        return df["step"].cast(pl.Int64)
-    last = int(nums.drop_nulls()[-1])
-    return nums.backward_fill().fill_null(last + 1)
+    """Step of each row as the dump numbers it (the reader's ``step_number``: a STEP row with
+    ``{"step": N}`` ends step N; the count of STEP rows where they carry no numbers)."""
+    if "step_number" in df.columns:
+        return df["step_number"]
+    from ..io.reader import _step_number
+    return _step_number(df)
 
 
 def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.DataFrame:
@@ -236,31 +236,59 @@ class AlignmentTooLong(Exception):
     pass
 
 
+#: diagonals whose snake is still running after this many vectorised steps finish one by one
+_VECTOR_STEPS = 8
+
+
 def _myers(a: np.ndarray, b: np.ndarray, max_d: int, max_seconds: float = MAX_SECONDS):
     """Myers' greedy O(ND) forward pass; returns the edit script as segments
-    ``("=", x, y, length)``, ``("-", x)`` (only in a), ``("+", y)`` (only in b), in order."""
+    ``("=", x, y, length)``, ``("-", x)`` (only in a), ``("+", y)`` (only in b), in order.
+
+    Each round d works on all its diagonals at once with numpy (the reads of round d are the
+    other parity of V, so the order of the diagonals within a round does not matter); snakes
+    longer than a few items finish one by one with galloping slice compares. The path is the
+    one the textbook loop finds, diagonal for diagonal."""
     n, m = len(a), len(b)
-    al, bl = a.tolist(), b.tolist()
     if n == 0 or m == 0:
         return [("-", i) for i in range(n)] + [("+", j) for j in range(m)]
+    # no script is shorter than the difference of the two multisets of names
+    if max_d < n + m:
+        hist = np.bincount(np.concatenate([a, b]) - min(int(a.min()), int(b.min())))
+        ha = np.bincount(a - min(int(a.min()), int(b.min())), minlength=len(hist))
+        if int(np.abs(2 * ha - hist).sum()) > max_d:
+            raise AlignmentTooLong(max_d)
+    al, bl = a.tolist(), b.tolist()
     off = max_d + 1
-    V = [0] * (2 * max_d + 3)
-    trace = []  # V[off-d-1 .. off+d+1] before round d
+    dt = np.int32 if n + m < 2**31 - 2 else np.int64
+    V = np.zeros(2 * max_d + 3, dtype=np.int64)
+    trace = []  # the entries of V that round d reads (k = -d-1, -d+1, .., d+1), before round d
     deadline = time.monotonic() + max_seconds
     for d in range(max_d + 1):
-        trace.append(np.array(V[off - d - 1:off + d + 2], dtype=np.int64))
+        trace.append(V[off - d - 1:off + d + 2:2].astype(dt))
         if d & 63 == 0 and time.monotonic() > deadline:
             raise AlignmentTooLong(d)
-        for k in range(-d, d + 1, 2):
-            if k == -d or (k != d and V[off + k - 1] < V[off + k + 1]):
-                x = V[off + k + 1]
-            else:
-                x = V[off + k - 1] + 1
-            y = x - k
-            x = _snake(a, b, al, bl, x, y, n, m)
-            V[off + k] = x
-            if x >= n and x - k >= m:
-                return _backtrack(trace, d, n, m)
+        ks = np.arange(-d, d + 1, 2)
+        lo, hi = V[off + ks - 1], V[off + ks + 1]
+        down = (ks == -d) | ((ks != d) & (lo < hi))
+        x = np.where(down, hi, lo + 1)
+        y = x - ks
+        live = np.ones(len(ks), dtype=bool)
+        for _ in range(_VECTOR_STEPS):
+            live &= (x < n) & (y < m)
+            if not live.any():
+                break
+            idx = np.flatnonzero(live)
+            eq = a[x[idx]] == b[y[idx]]
+            live[idx[~eq]] = False
+            x[idx[eq]] += 1
+            y[idx[eq]] += 1
+        else:
+            for i in np.flatnonzero(live & (x < n) & (y < m)).tolist():
+                x[i] = _snake(a, b, al, bl, int(x[i]), int(y[i]), n, m)
+        V[off + ks] = x
+        done = np.flatnonzero((x >= n) & (x - ks >= m))
+        if done.size:
+            return _backtrack(trace, d, n, m)
     raise AlignmentTooLong(max_d)
 
 
@@ -268,9 +296,9 @@ def _backtrack(trace, D, n, m):
     segs = []
     x, y = n, m
     for d in range(D, -1, -1):
-        Vd = trace[d]  # index i holds k = i - d - 1
+        Vd = trace[d]  # index i holds k = 2*i - d - 1
         k = x - y
-        get = lambda kk: int(Vd[kk + d + 1])  # noqa: E731
+        get = lambda kk: int(Vd[(kk + d + 1) // 2])  # noqa: E731
         if k == -d or (k != d and get(k - 1) < get(k + 1)):
             pk = k + 1
         else:

@@ -131,8 +131,8 @@ def summarize(df) -> dict:
     import polars as pl
     rows = df.filter(pl.col("event").is_in([Event.MALLOC, Event.FREE])
                      | ((pl.col("event") == Event.SYSTEM) & pl.col("event_type").is_in([System.STEP, OWNER_ROW])))
-    rows = rows.with_columns(
-        stepno=pl.col("attr").str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
+    rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(pl.col("attr"))
+                             .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
     dec = Decomposition()
     for ev, et, dev, aid, size, owner, stepno in rows.select(
             "event", "event_type", "device", "alloc_id", "size", "owner", "stepno").iter_rows():
@@ -147,6 +147,17 @@ def summarize(df) -> dict:
     if dec.rows_since_step:
         dec.end_step(None)
     return dec.result()
+
+
+#: what the offline decomposition reads of a dump (the reader's column layer)
+COLUMNS = ("id", "event", "event_type", "device", "alloc_id", "size", "owner", "attr")
+EVENTS = (Event.MALLOC, Event.FREE, Event.SYSTEM)
+
+
+def summarize_dump(path: str) -> dict:
+    """``summarize`` of one dump, reading only its columns and rows."""
+    from ..io.reader import read_dump
+    return summarize(read_dump(path, columns=COLUMNS, events=EVENTS))
 
 
 def format_table(res: dict) -> str:
@@ -212,7 +223,7 @@ def main(argv) -> int:
     """``msmemscope decompose <dump or folder>``: print the decomposition of a dump, write JSON with -o."""
     from ..cli import UsageError, _Parser, error_exit
     from ..io.files import create_new, unique_path
-    from ..io.reader import DumpError, read_dump
+    from ..io.reader import DumpError
     from ..io.ranks import find_rank_dumps, heading
     p = _Parser(prog="msmemscope decompose", allow_abbrev=False)
     p.add_argument("dump", help="a dump, a run folder, or the root of a distributed run (one report per rank)")
@@ -230,12 +241,12 @@ def main(argv) -> int:
     try:
         rds = find_rank_dumps(a.dump)
         if len(rds) == 1:
-            res = summarize(read_dump(rds[0].path))
+            res = summarize_dump(rds[0].path)
             print(format_table(res))
         else:  # one report per rank
             res = {"ranks": []}
             for rd in rds:
-                r = summarize(read_dump(rd.path))
+                r = summarize_dump(rd.path)
                 print(heading(rd))
                 print(format_table(r))
                 res["ranks"].append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "result": r})

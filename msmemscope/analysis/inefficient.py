@@ -255,70 +255,33 @@ def _kind_expr():
             .otherwise(K_OTHER).cast(pl.Int8))
 
 
+#: what the analysis reads of a dump (``io.reader.read_dump(path, columns=COLUMNS, events=EVENTS)``)
+COLUMNS = ("id", "event", "event_type", "name", "alloc_id", "size", "py_stack", "origin")
+EVENTS = ("OP_LAUNCH", "MALLOC", "FREE", "ACCESS")
+
+
 def chunk_from_frame(df: pl.DataFrame) -> pl.DataFrame:
-    """Chunk columns from ``read_dump`` columns."""
+    """Chunk columns from the reader's columns (``COLUMNS``; a full ``read_dump`` frame works too)."""
     ev = pl.col("event")
     kind = _kind_expr()
-    ch = df.select(pos="id", kind=kind, name="name", alloc_id="alloc_id", size="size",
-                   before=(ev == "MALLOC") & pl.col("attr").str.contains("before_op", literal=True),
-                   stack="py_stack")
-    return ch.filter(pl.col("kind") != K_OTHER).cast(CHUNK_SCHEMA)
-
-
-def chunk_from_csv(path: str) -> pl.DataFrame | None:
-    """Chunk columns straight from a CSV dump, reading only what the analysis needs (a lazy
-    polars scan: the Attr fields are extracted from the MALLOC/FREE/ACCESS rows only).
-    None when the file is not a plain, complete CSV dump: then ``read_dump`` reads it and
-    says what is wrong (bad header, bad ID, truncated file, SQLite…)."""
-    from ..io.reader import NAMES, DumpError, check_csv, max_input_bytes
-    try:
-        if os.path.getsize(path) > max_input_bytes():
-            return None
-        with open(path, "rb") as f:
-            if f.read(16).startswith(b"SQLite format 3"):
-                return None
-        complete, size = check_csv(path)  # header, no over-long line, complete: one cheap streaming pass
-    except (OSError, DumpError):
-        return None
-    if complete != size:
-        return None
-    attr = pl.col("attr")
-    kind = _kind_expr()
+    if "origin" in df.columns:
+        before = (ev == "MALLOC") & (pl.col("origin") == "before_op").fill_null(False)
+    else:
+        before = (ev == "MALLOC") & pl.col("attr").str.contains("before_op", literal=True)
     k = pl.col("kind")
-    try:
-        from ..io.files import polars_path
-        with polars_path(path) as src:  # a path that is not UTF-8 reaches polars too
-            raw = pl.scan_csv(src, has_header=True, new_columns=list(NAMES), infer_schema=False,
-                              schema_overrides={n: pl.String for n in NAMES}).collect()
-        from ..io.validate import check_raw
-        check_raw(raw, path)  # rows that cannot be true: read_dump names the first
-        ch = (raw.lazy()  # every column parsed: a row with extra fields is an error, as in read_dump
-              .select("id", "name", "attr", "py_stack", kind=kind,
-                      # the rows read_dump refuses: ID or timestamp not a number, a short row
-                      bad_row=(pl.col("id").cast(pl.Int64, strict=False).is_null()
-                               | pl.col("ts").cast(pl.Int64, strict=False).is_null()
-                               | pl.col("event").is_null() | pl.col("ptr").is_null()).any())
-              .filter(pl.col("kind") != K_OTHER)
-              .select(pos=pl.col("id").cast(pl.Int64, strict=False), kind=k,
-                      name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
-                      alloc_id=pl.when(k >= K_MALLOC).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?allocation_id"?\s*:\s*"?([^",}]*)', 1)
-                          .cast(pl.Int64, strict=False)),
-                      size=pl.when((k == K_MALLOC) | (k == K_FREE)).then(
-                          attr.str.extract(r'(?:^|[{,\s])"?size"?\s*:\s*"?([^",}]*)', 1).cast(pl.Int64, strict=False)),
-                      before=(k == K_MALLOC) & attr.str.contains("before_op", literal=True),
-                      stack=pl.when(k == K_MALLOC).then("py_stack"), bad_row="bad_row")
-              .collect())
-    except Exception:
-        return None
-    # a MALLOC/FREE row without a readable size: read_dump says which (same rule as the reader)
-    if (not ch.height or ch["pos"].null_count() or ch["bad_row"][0]
-            or ch.filter(pl.col("kind").is_in([K_MALLOC, K_FREE]) & pl.col("size").is_null()).height):
-        return None
-    ch = ch.with_columns(size=pl.when(pl.col("kind") == K_MALLOC).then("size")).drop("bad_row")
-    if not ch["pos"].is_sorted():
-        ch = ch.sort("pos")
+    ch = (df.lazy().select("id", "name", "alloc_id", "size", "py_stack", kind=kind, before=before)
+          .filter(k != K_OTHER)
+          .select(pos="id", kind=k, name=pl.when(k.is_in([K_START, K_MALLOC])).then("name"),
+                  alloc_id="alloc_id", size=pl.when(k == K_MALLOC).then("size"), before="before",
+                  stack=pl.when(k == K_MALLOC).then("py_stack"))
+          .collect())
     return ch.cast(CHUNK_SCHEMA)
+
+
+def read_chunk(path: str) -> pl.DataFrame:
+    """The analysis' chunk of one dump, through the reader's column layer."""
+    from ..io.reader import read_dump
+    return chunk_from_frame(read_dump(path, columns=COLUMNS, events=EVENTS))
 
 
 _KIND = {("OP_LAUNCH", "ATEN_START"): K_START, ("OP_LAUNCH", "ATEN_END"): K_END}
@@ -448,9 +411,10 @@ def annotate_csv(src: str, dst_file, marks: dict[int, str]) -> int:
     (a quoted newline) is copied as it is. Returns the number of rows changed."""
     import csv
     import io
+    from ..io.reader import open_text
     changed = 0
     in_quote = False
-    with open(src, "rb") as f:
+    with open_text(src) as f:  # a .csv.zst dump is read decompressed (the copy is plain CSV)
         for line in f:
             if not in_quote:
                 c = line.find(b",")
@@ -500,11 +464,16 @@ def _is_db(path: str) -> bool:
         return f.read(16).startswith(b"SQLite format 3")
 
 
+def _plain_name(base: str) -> str:
+    """The name of a dump's plain form (``x.csv.zst`` -> ``x.csv``)."""
+    return base[:-4] if base.endswith(".csv.zst") else base
+
+
 def write_annotated_copy(src: str, marks: dict[int, str]) -> str:
     """A new file beside ``src`` (``inefficient_<name>``; never overwrites): the dump with the annotation."""
     from ..io.files import create_new, unique_path
     d, base = os.path.split(src)
-    dst = unique_path(os.path.join(d, "inefficient_" + base))
+    dst = unique_path(os.path.join(d, "inefficient_" + _plain_name(base)))
     with create_new(dst, binary=True) as out:
         if _is_db(src):
             with open(src, "rb") as f:
@@ -607,14 +576,12 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
     consecutive accesses is temporary idleness. Unless ``write=False``, writes beside the dump
     ``inefficient_<dump name>`` (the dump with ``inefficient_type`` in the Attr of flagged MALLOC
     rows) and ``inefficient_<dump stem>.json`` (the summary); the input is never changed."""
-    from ..io.reader import read_dump, resolve_one
+    from ..io.reader import resolve_one
     types = _check_types(inefficient_type)
     mem_size = _check_int("mem_size", mem_size)
     idle_threshold = _check_int("idle_threshold", idle_threshold)
     path = resolve_one(input_path)
-    ch = chunk_from_csv(path)
-    if ch is None:
-        ch = chunk_from_frame(read_dump(path))
+    ch = read_chunk(path)
     note = None
     if not (ch["kind"] == K_ACCESS).any():
         note = NO_ACCESS_NOTE
@@ -635,7 +602,7 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
     if write and not note:
         from ..io.files import create_new, unique_path
         d, base = os.path.split(path)
-        sp = unique_path(os.path.join(d, "inefficient_" + os.path.splitext(base)[0] + ".json"))
+        sp = unique_path(os.path.join(d, "inefficient_" + os.path.splitext(_plain_name(base))[0] + ".json"))
         with create_new(sp) as f:
             json.dump(summary, f, indent=2)
         res.summary_path = sp

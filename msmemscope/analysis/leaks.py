@@ -690,12 +690,17 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
     return results
 
 
+#: what the offline leak checks read of a dump (the reader's column layer)
+COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "py_stack", "step")
+EVENTS = ("MALLOC", "FREE", "MSTX", "OP_LAUNCH", "SYSTEM")
+
+
 def _read(path):
     import warnings
     from ..io.reader import read_dump
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = read_dump(path)
+        df = read_dump(path, columns=COLUMNS, events=EVENTS)
     for w in caught:
         print(f"msmemscope: warning: {w.message}", file=sys.stderr)
     return df

@@ -1,8 +1,13 @@
 """The native capture source (``_native.cpp``): default events recorded in C++.
 
-Built once per torch/Python/source version into the user's cache
-(``python -m msmemscope.capture.native build``; ``make`` does it) and loaded from there
-without a compiler. When it is not built, or the run needs what only the dispatch-mode
+Built once per torch/Python/source version into the user's cache and loaded from there
+without a compiler: on the first run that can use it (``ensure_built``: one line says so; a
+lock makes one process of a multi-rank start build while the others wait a bounded time; a
+machine without a C++ compiler or ninja, or a build that failed once, falls back at once), or
+ahead of time with ``python -m msmemscope.capture.native build`` (``make`` does it).
+``MSMEMSCOPE_NATIVE_BUILD=0`` turns the build on first use off.
+
+When it is not built, or the run needs what only the dispatch-mode
 source sees (access events, Python call stacks, watch, owner labels, an accelerator),
 the session uses the dispatch-mode source (``ops.py``); ``MSMEMSCOPE_SOURCE=python``
 forces that, ``MSMEMSCOPE_SOURCE=native`` makes a run that cannot use it say why.
@@ -64,16 +69,125 @@ _module = None
 _why_not = None
 
 
+BUILD_ENV = "MSMEMSCOPE_NATIVE_BUILD"            # "0": no build on first use
+BUILD_TIMEOUT_ENV = "MSMEMSCOPE_NATIVE_BUILD_TIMEOUT"  # seconds a build (or a wait for one) may take
+DEFAULT_BUILD_TIMEOUT = 600.0
+FAILED = "build-failed.txt"  # in the build folder: a build failed for this key; not tried again
+
+
+def _build_timeout() -> float:
+    try:
+        return max(1.0, float(os.environ.get(BUILD_TIMEOUT_ENV) or DEFAULT_BUILD_TIMEOUT))
+    except ValueError:
+        return DEFAULT_BUILD_TIMEOUT
+
+
+def cannot_build() -> str | None:
+    """Why this machine cannot build the source now (checked in milliseconds), or None."""
+    import shutil
+    if os.environ.get(BUILD_ENV, "").strip().lower() in ("0", "no", "off", "false"):
+        return f"{BUILD_ENV}=0"
+    cxx = os.environ.get("CXX") or "c++"
+    if not shutil.which(cxx.split()[0] if cxx.split() else "c++"):
+        return f"no C++ compiler ({cxx}) on PATH"
+    if not shutil.which("ninja"):
+        try:
+            import ninja  # noqa: F401  (the pip package puts its binary on PATH only in its own venv)
+        except ImportError:
+            return "no ninja on PATH (pip install ninja)"
+    failed = os.path.join(build_dir(), FAILED)
+    if os.path.exists(failed):
+        return f"building it failed before (see {failed}; delete it to try again)"
+    return None
+
+
+def ensure_built() -> str | None:
+    """Build the source on first use, once per key, if this machine can: returns why it is still not
+    there, or None once it is. One process builds under an exclusive lock on the build folder; one
+    that finds the lock taken (another rank building) waits for it at most the build timeout, then
+    falls back. A failed build leaves ``build-failed.txt`` so later runs do not wait for it again."""
+    import fcntl
+    import subprocess
+    import time
+    from .._console import say
+    path = _so_path()
+    if os.path.exists(path):
+        return None
+    why = cannot_build()
+    if why:
+        return why
+    d = build_dir()
+    try:
+        os.makedirs(d, exist_ok=True)
+        lock = open(os.path.join(d, ".build.lock"), "a")
+    except OSError as e:
+        return f"cannot write the build folder {d} ({e.strerror})"
+    with lock:
+        deadline = time.monotonic() + _build_timeout()
+        waited = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if not waited:
+                    say(f"[msmemscope] waiting for another process building the native source (at most "
+                        f"{_build_timeout():.0f} s; {BUILD_TIMEOUT_ENV} sets it)")
+                    waited = True
+                if time.monotonic() > deadline:
+                    return "another process is still building the native source"
+                time.sleep(0.25)
+        if os.path.exists(path):
+            return None  # the other process built it
+        if os.path.exists(os.path.join(d, FAILED)):
+            return cannot_build()
+        say(f"[msmemscope] building the native source once for torch {torch.__version__} and Python "
+            f"{sys.version.split()[0]} (about a minute; cached in {d})")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MSMEMSCOPE_") or k in (
+            "MSMEMSCOPE_NATIVE_DIR",)}
+        env.pop("PYTHONPATH", None)  # the launcher's bootstrap would trace the compiler's Python
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                "from msmemscope.capture import native; print(native.build())")
+        t0 = time.monotonic()
+        try:
+            r = subprocess.run([sys.executable, "-c", code, root], env=env, capture_output=True, text=True,
+                               timeout=max(1.0, deadline - time.monotonic()), stdin=subprocess.DEVNULL)
+            ok, detail = r.returncode == 0 and os.path.exists(path), (r.stdout + r.stderr)[-4000:]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        if ok:
+            say(f"[msmemscope] native source built in {time.monotonic() - t0:.0f} s")
+            return None
+        try:
+            with open(os.path.join(d, FAILED), "w") as f:
+                f.write(detail)
+        except OSError:
+            pass
+        say(f"[msmemscope] the native source could not be built (details: {os.path.join(d, FAILED)}); "
+            "this run and later ones use the dispatch-mode source")
+        return "building it failed"
+
+
 def load_module():
-    """The built module, or None (``why_not()`` says why); never compiles."""
+    """The built module, or None (``why_not()`` says why). Builds it on first use where it can
+    (``ensure_built``)."""
     global _module, _why_not
     if _module is not None or _why_not is not None:
         return _module
     path = _so_path()
     if not os.path.exists(path):
-        _why_not = ("the native source is not built for this torch and Python "
-                    "(python -m msmemscope.capture.native build)")
+        why = ensure_built()
+        if why is None and os.path.exists(path):
+            return _load(path)
+        _why_not = (f"the native source is not built for this torch and Python ({why}; "
+                    "python -m msmemscope.capture.native build)")
         return None
+    return _load(path)
+
+
+def _load(path):
+    global _module, _why_not
     try:
         spec = importlib.util.spec_from_file_location(module_name(), path)
         mod = importlib.util.module_from_spec(spec)

@@ -55,10 +55,11 @@ def make_dirs(path: str) -> str:
 
 
 def dump_files(folder: str) -> list[str]:
-    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.db``.
+    """The dumps a run wrote under ``folder`` (any depth): ``memscope_dump_*.csv`` / ``.csv.zst`` / ``.db``.
     Regular files only: a FIFO or device planted under a dump's name would block a reader."""
     import glob
     found = set(glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv"), recursive=True)
+                + glob.glob(os.path.join(folder, "**", "memscope_dump_*.csv.zst"), recursive=True)
                 + glob.glob(os.path.join(folder, "**", "memscope_dump_*.db"), recursive=True))
     return sorted(p for p in found if is_regular(p))
 

@@ -22,6 +22,11 @@ from . import validate
 from .files import dump_files, is_regular, polars_path
 
 NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
+#: what ``read_dump`` gives without ``columns`` (this order)
+DEFAULT_COLUMNS = NAMES + ("alloc_id", "size", "used", "total", "owner", "addr", "step")
+#: every column ``read_dump(columns=...)`` can give: the defaults, then the step number a STEP row
+#: carries (``step_number``), the enclosing op (``op``) and Attr's ``origin``
+COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
 DEFAULT_MAX_INPUT = 8 << 30
 DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a corrupt file
@@ -63,8 +68,8 @@ def find_dumps(path: str) -> list[str]:
         raise DumpError(f"{path}: directory cannot be read (permission denied)")
     found = dump_files(path)
     if not found:
-        found = sorted(p for p in glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.db"))
-                       if is_regular(p))
+        found = sorted(p for p in glob.glob(os.path.join(path, "*.csv")) + glob.glob(os.path.join(path, "*.csv.zst"))
+                       + glob.glob(os.path.join(path, "*.db")) if is_regular(p))
     if not found:
         raise DumpError(f"{path}: directory holds no msmemscope dump (memscope_dump_*.csv or .db)")
     return found
@@ -77,8 +82,15 @@ def resolve_one(path: str) -> str:
     return dumps[0]
 
 
-def read_dump(path: str) -> pl.DataFrame:
-    """Read one dump file (or a folder holding exactly one) into analysis columns."""
+def read_dump(path: str, columns=None, events=None, counts: dict | None = None) -> pl.DataFrame:
+    """Read one dump file (or a folder holding exactly one) into analysis columns, sorted by ID.
+
+    ``columns``: the columns wanted (any of ``COLUMNS_OFFERED``; ``id`` always comes; default
+    ``DEFAULT_COLUMNS``). ``events``: keep only the rows of these events (``step``, ``step_number``
+    and ``op`` still count every row of the file). ``counts``: a dict to fill with the number of
+    rows of each event in the whole file. Raises ``DumpError``."""
+    want = _wanted(columns)
+    keep = None if events is None else tuple(events)
     path = resolve_one(path)
     try:
         size = os.path.getsize(path)
@@ -94,41 +106,132 @@ def read_dump(path: str) -> pl.DataFrame:
             head = f.read(16)
     except OSError as e:
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
+    # handed over in a list that _derive empties: no reference is left to the file's columns
+    # once _derive has taken those it keeps (the others are freed before Attr is parsed)
     if head.startswith(b"SQLite format 3"):
-        df = _read_db(path)
+        frame = [_read_db(path, want, None if counts is not None else keep)]
+    elif head.startswith(ZSTD_MAGIC):
+        frame = [_read_csv(path, _unzstd(path))]
     else:
-        df = _read_csv(path)
-    return _derive(df, path)
+        frame = [_read_csv(path)]
+    return _derive(frame, path, want, keep, counts)
 
 
-def _read_db(path: str) -> pl.DataFrame:
+def _wanted(columns) -> tuple:
+    if columns is None:
+        return DEFAULT_COLUMNS
+    bad = [c for c in columns if c not in COLUMNS_OFFERED]
+    if bad:
+        raise ValueError(f"read_dump: no column {bad[0]!r} (offered: {', '.join(COLUMNS_OFFERED)})")
+    return tuple(c for c in COLUMNS_OFFERED if c in columns or c == "id")
+
+
+def _source_columns(want: tuple, events=None) -> set:
+    """The file's columns needed for ``want`` (and for the checks every read makes: a MALLOC/FREE
+    row read has a size in Attr)."""
+    need = {"id", "event", "event_type", "ts", "ptr"} | {c for c in want if c in NAMES}
+    if (any(c in want for c in _ATTR_COLUMNS + ("step_number", "origin"))
+            or events is None or {"MALLOC", "FREE"} & set(events)):
+        need.add("attr")
+    if "op" in want:
+        need |= {"name", "tid"}
+    return need
+
+
+def _read_db(path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFrame:
+    """The table, with an SQL projection: only the columns ``want`` needs, only the rows of
+    ``events`` (and the rows that number steps and ops), in ID order."""
+    need = _source_columns(want, events)
+    where = ""
+    if events is not None:
+        extra = ["SYSTEM"] + (["OP_LAUNCH"] if "op" in want else [])
+        kinds = sorted(set(events) | set(extra))
+        where = " WHERE Event IN (" + ",".join("?" * len(kinds)) + ")"
+    else:
+        kinds = []
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            cur = con.execute('SELECT * FROM memscope_dump ORDER BY ID')
-            cols = [d[0] for d in cur.description]
-            if tuple(cols) == COLUMNS:  # no rows; too large for memory: said before fetching
-                n = con.execute("SELECT COUNT(*) FROM memscope_dump").fetchone()[0]
-                validate.after_scan(path, os.path.getsize(path), os.path.getsize(path), n)
-            rows = cur.fetchall()
+            cols = [r[1] for r in con.execute("PRAGMA table_info(memscope_dump)").fetchall()]
+            if tuple(cols) != COLUMNS:
+                if not cols:
+                    con.execute("SELECT * FROM memscope_dump LIMIT 0")  # no such table: say so
+                raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
+            # no rows; too large for memory: said before fetching
+            n = con.execute("SELECT COUNT(*) FROM memscope_dump").fetchone()[0]
+            validate.after_scan(path, os.path.getsize(path), os.path.getsize(path), n)
+            picked = [(n, c) for n, c in zip(NAMES, COLUMNS) if n in need]
+            sel = ",".join(f'"{c}"' for _, c in picked)
+            rows = con.execute(f"SELECT {sel} FROM memscope_dump{where} ORDER BY ID", kinds).fetchall()
         finally:
             con.close()
     except sqlite3.DatabaseError as e:
         raise DumpError(f"{path}: not a readable msmemscope database ({e})") from None
-    if tuple(cols) != COLUMNS:
-        raise DumpError(f"{path}: table memscope_dump has columns {cols}, expected {list(COLUMNS)}")
-    data = list(zip(*rows)) if rows else [[] for _ in NAMES]
-    return pl.DataFrame({n: [None if v is None else str(v) for v in col] for n, col in zip(NAMES, data)},
-                        schema={n: pl.String for n in NAMES})
+    data = list(zip(*rows)) if rows else [[] for _ in picked]
+    got = pl.DataFrame({n: [None if v is None else str(v) for v in col] for (n, _), col in zip(picked, data)},
+                       schema={n: pl.String for n, _ in picked})
+    return got.with_columns(pl.lit(None, dtype=pl.String).alias(n) for n in NAMES if n not in got.columns).select(NAMES)
 
 
-def _read_csv(path: str) -> pl.DataFrame:
-    complete, size = check_csv(path)
-    source = path
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def open_text(path: str):
+    """A binary file object on the dump's CSV text: the file itself, or its zstd stream
+    (``.csv.zst``, any number of frames) decompressed as it is read."""
+    f = open(path, "rb")
+    if f.read(4) != ZSTD_MAGIC:
+        f.seek(0)
+        return f
+    f.seek(0)
+    try:
+        import zstandard
+    except ImportError:
+        f.close()
+        raise DumpError(f"{path}: a zstd-compressed dump; reading it needs the zstandard package "
+                        "(pip install zstandard)") from None
+    import io as _io
+    return _io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True,
+                                                                         closefd=True), 1 << 20)
+
+
+def _unzstd(path: str) -> bytes:
+    """The CSV text of a ``.csv.zst`` dump, at most ``max_input_bytes()`` of it; a stream cut short
+    (a killed run) gives what it holds up to the cut."""
+    limit = max_input_bytes()
+    out = bytearray()
+    f = open_text(path)
+    raw = getattr(f, "raw", f)  # unbuffered: a read that meets the cut loses at most its own block
+    try:
+        while True:
+            try:
+                block = raw.read(1 << 16)
+            except Exception:  # a frame cut short: the rows before the cut still count
+                break
+            if not block:
+                break
+            out += block
+            if len(out) > limit:
+                raise DumpError(f"{path}: more than {limit} bytes of CSV once decompressed (set "
+                                "MSMEMSCOPE_MAX_INPUT_BYTES to raise the input limit)")
+    finally:
+        f.close()
+    if not out:
+        raise DumpError(f"{path}: an empty or unreadable zstd stream")
+    return bytes(out)
+
+
+def _read_csv(path: str, text: bytes | None = None) -> pl.DataFrame:
+    """The CSV dump (or, with ``text``, its decompressed text) as string columns."""
+    complete, size = check_csv(path, text)
+    source = path if text is None else io.BytesIO(text)
     if complete < size:
         # cut short by a kill: keep every complete row, say so
-        with open(path, "rb") as f:
-            data = f.read(complete)
+        if text is not None:
+            data = text[:complete]
+        else:
+            with open(path, "rb") as f:
+                data = f.read(complete)
         lines = data.count(b"\n")
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
@@ -139,9 +242,9 @@ def _read_csv(path: str) -> pl.DataFrame:
                              schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
                              quote_char="\"")
     except Exception:
-        raise DumpError(_locate_csv_error(path)) from None
+        raise DumpError(_locate_csv_error(path, text)) from None
     if df.width != len(NAMES):
-        raise DumpError(_locate_csv_error(path))
+        raise DumpError(_locate_csv_error(path, text))
     # polars pads a short row with nulls: every row of a dump has these fields
     short = df["event"].is_null() | df["ts"].is_null() | df["ptr"].is_null()
     if short.any():
@@ -150,14 +253,15 @@ def _read_csv(path: str) -> pl.DataFrame:
     return df
 
 
-def check_csv(path: str) -> tuple[int, int]:
+def check_csv(path: str, text: bytes | None = None) -> tuple[int, int]:
     """A cheap streaming pass over a CSV dump (blocks of at most ``CHUNK`` bytes, bounded memory):
     the header, and no line longer than ``max_line_bytes()`` (a corrupt file with a gigabyte-long
     line is refused without being loaded). Returns ``(bytes up to the end of the last complete
-    line, file size)``; raises ``DumpError`` naming the file and line."""
+    line, file size)``; raises ``DumpError`` naming the file and line. ``text``: the decompressed
+    text of a ``.csv.zst`` dump, checked instead of the file."""
     limit = max_line_bytes()
     block_size = min(CHUNK, limit)  # a line inside one block is never over the limit
-    with open(path, "rb") as f:
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
         header = f.readline(len(HEADER) + 8).rstrip(b"\r\n")  # bounded: a first line of 1 GB is not read whole
         try:
             header_text = header.decode("utf-8")
@@ -179,7 +283,8 @@ def check_csv(path: str) -> tuple[int, int]:
             else:
                 since += first
             if since > limit:
-                raise DumpError(f"{path}: line {lines + 1} is longer than {limit} bytes "
+                line = _line_at(path, pos + len(block) - since if first < 0 else pos + first - since, text)
+                raise DumpError(f"{path}: line {line} is longer than {limit} bytes "
                                 "(not a dump row; MSMEMSCOPE_MAX_LINE_BYTES sets the limit)")
             if first >= 0:
                 lines += block.count(b"\n")
@@ -189,9 +294,22 @@ def check_csv(path: str) -> tuple[int, int]:
     return pos - since, pos
 
 
-def _locate_csv_error(path: str) -> str:
+def _line_at(path: str, offset: int, text: bytes | None = None) -> int:
+    """The line number (1-based) of the byte at ``offset`` (errors only: counts newlines before it)."""
+    n, done = 1, 0
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
+        while done < offset:
+            block = f.read(min(CHUNK, offset - done))
+            if not block:
+                break
+            n += block.count(b"\n")
+            done += len(block)
+    return n
+
+
+def _locate_csv_error(path: str, text: bytes | None = None) -> str:
     """Slow path, errors only: find the first bad line, streaming."""
-    with open(path, "rb") as f:
+    with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
         f.readline()
         for n, raw in enumerate(f, start=2):
             try:
@@ -215,20 +333,26 @@ def _attr_field(key: str, numeric: bool):
 
 
 _ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr")
-# The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field: one pass of
-# one pattern reads all their fields. Any other text (the original's unquoted keys, rows with
-# extra keys, an owner with a comma) goes through the per-key patterns, which accept them all.
+# The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field (events.py
+# format_attr): these regular expressions say what the fast path below accepts (tests compare).
+# Any other text (the original's unquoted keys, rows with extra keys, an owner with a comma) goes
+# through the per-key patterns, which accept them all.
 _MEM_ATTR = (r'^\{"allocation_id":(?P<alloc_id>\d+),"addr":"(?P<addr>0x[0-9a-fA-F]+)","size":(?P<size>\d+),'
              r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?\}$')
 _ACCESS_ATTR = r'^\{"dtype":"[^"]*","shape":\[[^\]]*\],"size":(?P<size>\d+),"allocation_id":(?P<alloc_id>\d+)\}$'
 
 
+def _per_key_exprs() -> dict:
+    """Expressions for the Attr columns, key by key (any Attr text)."""
+    return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
+            "used": _attr_field("used", True), "total": _attr_field("total", True),
+            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+
+
 def _attr_exprs(mem=None, acc=None) -> dict:
     """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
     if mem is None:
-        return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
-                "used": _attr_field("used", True), "total": _attr_field("total", True),
-                "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+        return _per_key_exprs()
     f = mem.struct.field
     g = acc.struct.field
     return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
@@ -237,24 +361,64 @@ def _attr_exprs(mem=None, acc=None) -> dict:
             "owner": f("owner"), "addr": f("addr")}
 
 
-def _attr_columns(df: pl.DataFrame) -> pl.DataFrame:
-    """alloc_id, size, used, total, owner, addr from Attr (null where the key is absent)."""
-    attr = pl.col("attr")
-    fast = df.select(_m=attr.str.extract_groups(_MEM_ATTR), _a=attr.str.extract_groups(_ACCESS_ATTR))
-    cols = fast.select(**_attr_exprs(pl.col("_m"), pl.col("_a")))
+def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
+    """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
+    is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
+    attr, ev = pl.col("attr"), pl.col("event")
+    # each template only on the rows of its events (a template text on another row reads alike per key)
+    fast = df.select(_m=pl.when(ev.is_in(["MALLOC", "FREE"])).then(attr).str.extract_groups(_MEM_ATTR),
+                     _a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))
+    ex = _attr_exprs(pl.col("_m"), pl.col("_a"))
+    cols = fast.select(alloc_id=ex["alloc_id"], **{c: ex[c] for c in fields if c != "alloc_id"})
+    del fast
     other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
     if other.len():  # the rest, per key, on those rows only
-        slow = df[other].select(**_attr_exprs())
-        cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in _ATTR_COLUMNS))
-    # hex ("0x…", the contract); a bare number is decimal (the JSON of a MALLOC row with extra keys)
-    a = pl.col("addr")
-    cols = cols.with_columns(addr=pl.when(a.str.starts_with("0x"))
-                             .then(a.str.strip_prefix("0x").str.to_integer(base=16, strict=False))
-                             .otherwise(a.str.to_integer(base=10, strict=False)))
-    return df.with_columns(cols)
+        per = _per_key_exprs()
+        slow = df[other].select(alloc_id=per["alloc_id"], **{c: per[c] for c in fields if c != "alloc_id"})
+        cols = cols.with_columns(*(cols[c].scatter(other, slow[c]) for c in cols.columns))
+    if "addr" in fields:
+        # hex ("0x…", the contract); a bare number is decimal (the JSON of a MALLOC row with extra keys)
+        a = pl.col("addr")
+        cols = cols.with_columns(addr=pl.when(a.str.starts_with("0x"))
+                                 .then(a.str.strip_prefix("0x").str.to_integer(base=16, strict=False))
+                                 .otherwise(a.str.to_integer(base=10, strict=False)))
+    return df.with_columns(cols.select(list(fields)))
 
 
-def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
+_IS_STEP = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
+
+
+def _step_number(df: pl.DataFrame) -> pl.Series:
+    """The step of each row as the dump numbers it: a STEP row with ``{"step": N}`` ends step N, so
+    a row belongs to the number of the next STEP row, rows after the last one to the step after it.
+    Uses the numbers in the STEP rows (right under ``--steps``), the count where they carry none."""
+    # the pattern runs on the STEP rows' text only (when/then would run it on every row)
+    nums = df.select(n=pl.when(_IS_STEP).then(pl.col("attr")).str.extract(r'"?step"?\s*:\s*(\d+)', 1)
+                     .cast(pl.Int64, strict=False))["n"]
+    n_steps = int(df.select(_IS_STEP.sum()).item() or 0)
+    given = nums.drop_nulls()
+    if n_steps == 0 or given.len() != n_steps:
+        return df["step"].cast(pl.Int64).alias("step_number")
+    return nums.backward_fill().fill_null(int(given[-1]) + 1).alias("step_number")
+
+
+def _enclosing_op(df: pl.DataFrame) -> pl.Series:
+    """For each row (frame in ID order), the innermost ATEN op open on its thread at that row
+    (a START row's own op), by depth: the last ATEN_START on the thread that opened the row's depth."""
+    ev, et = pl.col("event"), pl.col("event_type")
+    start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
+    end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
+    d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
+    q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
+    q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
+        pl.when(pl.col("_s")).then(pl.col("_n")).forward_fill().over("_t", "_d")))
+    return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
+
+
+def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
+    """The analysis columns from the file's string columns (``frame``: the frame, or a list holding
+    it, which is emptied so that the columns not kept are freed here)."""
+    df = frame.pop() if isinstance(frame, list) else frame
     ids = df["id"].cast(pl.Int64, strict=False)
     bad = ids.is_null() & df["id"].is_not_null() | df["id"].is_null()
     if bad.any():
@@ -265,22 +429,37 @@ def _derive(df: pl.DataFrame, path: str) -> pl.DataFrame:
     if bad.any():
         i = int(bad.arg_max())
         raise DumpError(f"{path}: row {i + 1} (ID {ids[i]}) has timestamp '{df['ts'][i]}', not a number")
-    out = df.with_columns(
-        id=ids, ts=ts,
-        pid=pl.col("pid").cast(pl.Int64, strict=False),
-        tid=pl.col("tid").cast(pl.Int64, strict=False),
-    )
-    out = _attr_columns(out)
+    need = _source_columns(want, events)
+    out = df.select([c for c in NAMES if c in need]).with_columns(id=ids, ts=ts)
+    del df
+    out = out.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in out.columns)
     if not out["id"].is_sorted():
         out = out.sort("id")  # the original writes rows out of ID order
-    mem = out.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    is_step = _IS_STEP.cast(pl.Int32)
+    out = out.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        out = out.with_columns(_step_number(out))
+    if "op" in want:
+        out = out.with_columns(_enclosing_op(out))
+    if counts is not None:
+        counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
+    if events is not None:
+        out = out.filter(pl.col("event").is_in(list(events)))
+    fields = tuple(c for c in _ATTR_COLUMNS if c in want)
+    mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
+    if fields or out.select(mem_rows.any()).item():
+        # every MALLOC/FREE row read has a size, whatever the analysis asks for
+        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("alloc_id", "size"))))
+    mem = out.filter(mem_rows)
     if mem.height and mem["size"].null_count():
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
     validate.check_rows(out, path)  # rows that parse but cannot be true
-    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
-    return out.with_columns(step=(is_step.cast(pl.Int32).cum_sum() - is_step.cast(pl.Int32) + 1))
+    if "origin" in want:
+        out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
+                               .then(_attr_field("origin", False)))
+    return out.select(want)
 
 
 def load(path: str):

@@ -7,7 +7,7 @@ import warnings
 
 import polars as pl
 
-from ..io.reader import DumpError, TruncatedDumpWarning, find_dumps, read_dump
+from ..io.reader import DEFAULT_COLUMNS, DumpError, TruncatedDumpWarning, find_dumps, read_dump
 
 
 class ReportError(Exception):
@@ -52,7 +52,7 @@ def read_all(dumps: list[str]) -> pl.DataFrame:
         warnings.simplefilter("default", TruncatedDumpWarning)  # a dump cut short is said, once
         for d in dumps:
             try:
-                frames.append(read_dump(d))
+                frames.append(read_dump(d, columns=DEFAULT_COLUMNS + ("op",)))
             except DumpError as e:
                 raise ReportError(str(e)) from None
     if len(frames) == 1:
@@ -61,22 +61,16 @@ def read_all(dumps: list[str]) -> pl.DataFrame:
 
 
 def with_op(df: pl.DataFrame) -> pl.DataFrame:
-    """Add ``op``: the op behind each row — its own name where it has one (our
-    MALLOC/FREE rows name their op), else the innermost ATEN op open on its thread
-    (the original tool writes N/A there)."""
-    is_start = (pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")
-    is_end = (pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_END")
-    # innermost open op per thread: the last START whose END has not come yet;
-    # approximated by forward filling START names and clearing at END (nesting
-    # falls back to no op after the inner END — the row then names no op)
-    marker = (pl.when(is_start).then(pl.col("name"))
-              .when(is_end).then(pl.lit(""))
-              .otherwise(pl.lit(None, dtype=pl.String)))
-    df = df.with_columns(_open=marker.forward_fill().over("tid"))
+    """Set ``op``: the op behind each row — its own name where it has one (our MALLOC/FREE rows
+    name their op), else the innermost ATEN op open on its thread (the reader's ``op`` column;
+    the original tool writes N/A there)."""
+    if "op" not in df.columns:
+        from ..io.reader import _enclosing_op
+        df = df.with_columns(_enclosing_op(df))
     own = pl.col("name")
     has_own = own.is_not_null() & (own != "N/A") & (own != "")
-    op = pl.when(has_own).then(own).otherwise(pl.col("_open"))
-    return df.with_columns(op=pl.when(op == "").then(None).otherwise(op).str.replace(r"^torch\._ops\.", "")).drop("_open")
+    op = pl.when(has_own).then(own).otherwise(pl.col("op"))
+    return df.with_columns(op=pl.when(op == "").then(None).otherwise(op).str.replace(r"^torch\._ops\.", ""))
 
 
 def short_op(name) -> str:

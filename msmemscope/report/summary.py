@@ -36,90 +36,32 @@ import time
 import warnings
 
 MB = 1048576.0
-KNOWN_EVENTS = {"SYSTEM", "MALLOC", "FREE", "ACCESS", "OP_LAUNCH", "KERNEL_LAUNCH", "MSTX", "SNAPSHOT",
-                "OOM_DETAIL"}
 IMBALANCE_PCT = 5.0  # a peak this far (in %) from the median is called an imbalance
-NEEDED = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack", "c_stack")
 
 
 # ------------------------------------------------------------------ per rank (runs in a worker process)
-def _attr_int(key):
-    import polars as pl
-    pat = r'(?:^|[{,\s])"?' + key + r'"?\s*:\s*"?([^",}]*)'  # the whole value: '12abc' is no number
-    return pl.col("attr").str.extract(pat, 1).cast(pl.Int64, strict=False)
+#: what the summary reads of a dump (the reader's column layer); with ACCESS rows, also what the
+#: inefficient analysis reads
+COLUMNS = ("id", "event", "event_type", "name", "device", "alloc_id", "size", "used", "total", "owner", "attr",
+           "step", "tid", "addr", "py_stack")
+EVENTS = ("MALLOC", "FREE", "SYSTEM")
 
 
 def load_columns(path: str):
-    """The columns the summary needs, for MALLOC/FREE/SYSTEM rows, and the count of rows per event.
-
-    A plain complete CSV dump is read with a lazy scan of five columns; anything else (SQLite, the
-    original's files, a dump cut short, a malformed one) goes through ``read_dump``, which says
-    what is wrong."""
+    """The columns the summary needs (MALLOC/FREE/SYSTEM rows; with ACCESS and op rows in the dump,
+    those too, for the inefficient analysis) and the count of rows per event, in one read."""
     import polars as pl
-    from ..io.reader import NAMES, DumpError, check_csv, max_input_bytes, read_dump
-    df = None
-    try:
-        ok = os.path.getsize(path) <= max_input_bytes()
-        with open(path, "rb") as f:
-            ok = ok and not f.read(16).startswith(b"SQLite format 3")
-        if ok:  # the reader's gate: header, no over-long line, complete
-            complete, size = check_csv(path)
-            ok = complete == size
-    except (OSError, DumpError):
-        ok = False
-    if ok:
-        try:
-            ev = pl.col("event")
-            mem = ev.is_in(["MALLOC", "FREE"])
-            keep = mem | (ev == "SYSTEM")
-            from ..io.files import polars_path
-            with polars_path(path) as src:  # a path that is not UTF-8 reaches polars too
-                raw = (pl.scan_csv(src, has_header=True, new_columns=list(NAMES), infer_schema=False,
-                                   schema_overrides={n: pl.String for n in NAMES}, quote_char='"')
-                       .collect()  # every column parsed: a row with extra fields is an error, as in read_dump
-                       .select("id", "event", "event_type", "name", "device", "attr"))
-            from ..io.validate import check_raw
-            check_raw(raw, path)  # rows that cannot be true: read_dump below names the first
-            counts = dict(raw.group_by("event").len().iter_rows())
-            # a row that is not ours (bad ID, unknown event) sends the dump to read_dump, which names the line
-            if (raw["id"].cast(pl.Int64, strict=False).null_count()
-                    or raw["event"].null_count() or raw["device"].null_count()  # a short row, as read_dump refuses
-                    or not set(counts) <= KNOWN_EVENTS):
-                raise ValueError("not a plain dump")
-            df = (raw.lazy().filter(keep)
-                  .select(id=pl.col("id").cast(pl.Int64, strict=False), event=ev, event_type="event_type",
-                          name=pl.when(ev == "MALLOC").then("name"), device="device",
-                          alloc_id=pl.when(mem).then(_attr_int("allocation_id")),
-                          size=pl.when(mem).then(_attr_int("size")),
-                          used=pl.when(mem).then(_attr_int("used")),
-                          total=pl.when(mem).then(_attr_int("total")),
-                          owner=pl.when(ev == "MALLOC").then(
-                              pl.col("attr").str.extract(r'(?:^|[{,\s])"?owner"?\s*:\s*"?([^",}]*)', 1)),
-                          attr=pl.when(ev == "SYSTEM").then("attr"))
-                  .collect())
-            del raw
-            bad = df["id"].null_count() or df.filter(pl.col("event").is_in(["MALLOC", "FREE"])
-                                                     & pl.col("size").is_null()).height
-            if bad:
-                df = None
-            elif not df["id"].is_sorted():
-                df = df.sort("id")
-        except Exception:
-            df = None
-    if df is None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            full = read_dump(path)
-        for w in caught:  # a dump cut short is read, and said so in one line
-            print(f"msmemscope: warning: {w.message}", file=sys.stderr)
-        counts = dict(full.group_by("event").len().iter_rows())
-        df = full.filter(pl.col("event").is_in(["MALLOC", "FREE", "SYSTEM"])).select(
-            "id", "event", "event_type", pl.when(pl.col("event") == "MALLOC").then("name").alias("name"),
-            "device", "alloc_id", "size", "used", "total", "owner",
-            pl.when(pl.col("event") == "SYSTEM").then("attr").alias("attr"))
-    is_step = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
-    df = df.with_columns(step=(is_step.cast(pl.Int32).cum_sum() - is_step.cast(pl.Int32) + 1))
-    return df, {k: int(v) for k, v in counts.items()}
+    from ..analysis import inefficient as I
+    from ..io.reader import read_dump
+    counts: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = read_dump(path, columns=COLUMNS + I.COLUMNS, events=EVENTS + I.EVENTS, counts=counts)
+    for w in caught:  # a dump cut short is read, and said so in one line
+        print(f"msmemscope: warning: {w.message}", file=sys.stderr)
+    if not (counts.get("ACCESS") and counts.get("OP_LAUNCH")):
+        df = df.filter(pl.col("event").is_in(list(EVENTS)))
+    return df, counts
 
 
 def peaks_of(df) -> list[dict]:
@@ -135,43 +77,14 @@ def peaks_of(df) -> list[dict]:
             for d, p, a, r in g.iter_rows()]
 
 
-def step_rule_leaks(df) -> list[dict]:
-    """SPEC 4.1 on the dump's columns: a block allocated in step s >= 2 still live when step s+1 ended."""
-    import polars as pl
-    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
-    last = int(steps["step"].max()) if steps.height else 0
-    key = ["device", "event_type", "alloc_id"]
-    m = df.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last)
-                  & (pl.col("event_type") != "HAL"))  # cached allocator segments are no leak (analysis/leaks.py)
-    f = df.filter(pl.col("event") == "FREE").select(*key, freed_at_step=pl.col("step"))
-    leaked = (m.join(f, on=key, how="left", nulls_equal=True)
-              .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
-              .sort("id"))
-    return [{"device": d, "pool": p, "op": op, "size": int(sz or 0), "step": int(st), "alloc_id": aid, "id": i}
-            for d, p, op, sz, st, aid, i in leaked.select("device", "event_type", "name", "size", "step",
-                                                          "alloc_id", "id").iter_rows()]
-
-
 def _offline_leaks(df) -> tuple[list[dict], str]:
-    """The leaks module's offline step rule where it exists, else ours (the same rule)."""
-    try:
-        from ..analysis import leaks as L
-        fn = getattr(L, "step_leaks", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        try:
-            import polars as pl
-            full = df.with_columns(pl.lit(None, dtype=pl.String).alias(c)
-                                   for c in ("ptr", "py_stack", "c_stack") if c not in df.columns)
-            full = full.with_columns(pl.lit(None, dtype=pl.Int64).alias(c)
-                                     for c in ("ts", "pid", "tid", "addr") if c not in full.columns)
-            return [{"device": r.get("device"), "pool": r.get("pool"), "op": r.get("op"), "size": int(r.get("size") or 0),
-                     "step": r.get("step"), "alloc_id": r.get("alloc_id"), "id": r.get("id")}
-                    for r in fn(full)], "analysis.leaks.step_leaks"
-        except Exception:
-            pass
-    return step_rule_leaks(df), "step rule on the dump"
+    """The leaks module's offline step rule on the dump's columns."""
+    import polars as pl
+    from ..analysis import leaks as L
+    mem = df.filter(pl.col("event").is_in(list(EVENTS)))
+    return [{"device": r.get("device"), "pool": r.get("pool"), "op": r.get("op"), "size": int(r.get("size") or 0),
+             "step": r.get("step"), "alloc_id": r.get("alloc_id"), "id": r.get("id")}
+            for r in L.step_leaks(mem)], "analysis.leaks.step_leaks"
 
 
 def _read_json(path):
@@ -207,21 +120,16 @@ def _saved_leaks(res: dict) -> dict:
     return out
 
 
-def _inefficient(folder, dump, counts):
+def _inefficient(folder, dump, counts, df=None):
     res = _read_json(os.path.join(folder, "analysis", "inefficient.json"))
     src = "analysis/inefficient.json"
     if res is None:
         stem = os.path.splitext(os.path.basename(dump))[0]
         res = _read_json(os.path.join(os.path.dirname(dump), f"inefficient_{stem}.json"))
         src = f"inefficient_{stem}.json"
-    if res is None and counts.get("ACCESS") and counts.get("OP_LAUNCH"):
+    if res is None and df is not None and counts.get("ACCESS") and counts.get("OP_LAUNCH"):
         from ..analysis import inefficient as I
-        ch = I.chunk_from_csv(dump)
-        if ch is None:
-            from ..io.reader import read_dump
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ch = I.chunk_from_frame(read_dump(dump))
+        ch = I.chunk_from_frame(df)
         tr = I.Tracker(I.DEFAULT_IDLE_THRESHOLD)
         tr.feed(ch)
         del ch
@@ -329,7 +237,7 @@ def analyse_rank(job: dict) -> dict:
                 out["leaks"] = _saved_leaks(leaks_res)
             else:
                 out["leaks"] = _leak_summary(*_offline_leaks(df))
-            out["inefficient"] = _inefficient(job["folder"], job["path"], counts)
+            out["inefficient"] = _inefficient(job["folder"], job["path"], counts, df)
             out["decompose"] = _decomposition(job["folder"], df, want)
     except Exception as e:  # one bad dump must not hide the others
         from ..io.reader import DumpError
