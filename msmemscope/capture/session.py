@@ -515,8 +515,7 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
-        if self.device_source is not None:
-            self.device_source.at_step_end(self.buf, ended)
+        self._device_step_end(ended)
         # the STEP row is a clean cut: nothing is recorded from before it is written until the
         # next step's flags are set, so no row of another thread lands in the wrong step
         self._update_flags(pause=True)
@@ -524,6 +523,11 @@ class Session:
         self.step_no += 1
         self._update_flags()
         self.flush(step_end=ended)
+
+    def _device_step_end(self, ended):
+        # the device's own figures at a step end (a held step 1: taken when it is settled)
+        if self.device_source is not None:
+            self.device_source.at_step_end(self.buf, ended)
 
     def _release_held_step(self):
         """The program's steps are its optimizer steps: step 1 ended at the first one."""
@@ -543,10 +547,12 @@ class Session:
                 self.labeler.before_flush()  # label the rows of both parts while they are in the buffer
             rest = self.buf[idx:]
             del self.buf[idx:]
+            self._device_step_end(1)
             self.buf.append(row)
             self.flush(step_end=1, drain=False)
             self.buf[:0] = rest
         else:  # a flush came between: the boundary is written now
+            self._device_step_end(1)
             self.buf.append(row)
             self.flush(step_end=1)
         self._update_flags()

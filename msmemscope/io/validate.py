@@ -97,8 +97,20 @@ def _first(df: pl.DataFrame, mask: pl.Series):
     return df.row(i, named=True)
 
 
+INT64_MAX = "9223372036854775807"
+
+
 def _attr_number_too_big(attr: pl.Series) -> pl.Series:
-    return attr.str.contains(r"\d{19,}").fill_null(False) & attr.str.contains(r"[:,]\s*-?\d{19,}").fill_null(False)
+    """Numbers over 64 bits. 19 digits may still fit (ns timestamps since 1970 have 19), so those
+    are compared with INT64_MAX as text; only rows with such a number are looked at closely."""
+    suspect = attr.str.contains(r"[:,]\s*-?\d{19,}").fill_null(False)
+    if not suspect.any():
+        return suspect
+
+    def over(text):
+        import re
+        return any(len(d) > 19 or d > INT64_MAX for d in re.findall(r"[:,]\s*-?(\d{19,})", text or ""))
+    return suspect & attr.map_elements(over, return_dtype=pl.Boolean, skip_nulls=False).fill_null(False)
 
 
 def check_rows(df: pl.DataFrame, path: str) -> None:
