@@ -312,8 +312,8 @@ def _listed_runs(runs_file, found):
     output root; only those that still exist (a run folder moved by config() is listed twice)."""
     listed = []
     try:
-        with open(runs_file) as f:
-            listed = [ln.strip() for ln in f if ln.strip()]
+        with open(runs_file, "rb") as f:
+            listed = [os.fsdecode(ln.strip()) for ln in f if ln.strip()]
     except OSError:
         pass
     finally:

@@ -317,8 +317,8 @@ class Session:
         runs = os.environ.get("MSMEMSCOPE_RUNS")
         if runs and self.launched:
             try:  # tells the launcher where this run is, wherever config() put it
-                with open(runs, "a") as f:
-                    f.write(self.folder + "\n")
+                with open(runs, "ab") as f:  # bytes: a folder name need not be UTF-8
+                    f.write(os.fsencode(self.folder) + b"\n")
             except OSError:
                 pass
         log.info("tracing process %d into %s (%s source%s)", self.pid, self.folder, self.config["source"],

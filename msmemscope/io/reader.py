@@ -129,7 +129,7 @@ def _wanted(columns) -> tuple:
 def _source_columns(want: tuple, events=None) -> set:
     """The file's columns needed for ``want`` (and for the checks every read makes: a MALLOC/FREE
     row read has a size in Attr)."""
-    need = {"id", "event", "event_type", "ts", "ptr"} | {c for c in want if c in NAMES}
+    need = {"id", "event", "event_type", "name", "ts", "ptr"} | {c for c in want if c in NAMES}  # name: every read checks it for NUL
     if (any(c in want for c in _ATTR_COLUMNS + ("step_number", "origin"))
             or events is None or {"MALLOC", "FREE"} & set(events)):
         need.add("attr")
@@ -443,7 +443,8 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         out = out.with_columns(_enclosing_op(out))
     if counts is not None:
         counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
-    if events is not None:
+    late = events is not None and "attr" in out.columns  # then every row read is checked before the cut
+    if events is not None and not late:
         out = out.filter(pl.col("event").is_in(list(events)))
     fields = tuple(c for c in _ATTR_COLUMNS if c in want)
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
@@ -455,7 +456,9 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
-    validate.check_rows(out, path)  # rows that parse but cannot be true
+    validate.check_rows(out, path)  # rows that parse but cannot be true: on every row, whatever is kept
+    if late:
+        out = out.filter(pl.col("event").is_in(list(events)))
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
                                .then(_attr_field("origin", False)))
