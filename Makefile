@@ -32,15 +32,16 @@ browser:
 	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 || \
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
+# two workers, a test file each (files share module fixtures: a Ray cluster, traced runs)
 test: venv native browser
-	$(BIN)/python -m pytest tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
-	  [ $$rc -eq 0 ] || exit $$rc; \
-	  echo "capture and leak tests again on the dispatch-mode source (the suite above used the native one where built)"; \
-	  MSMEMSCOPE_SOURCE=python $(BIN)/python -m pytest tests/test_capture.py tests/test_leaks.py
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	  exit $$rc
 
 # the long forms of the tests (conftest.full): more steps, examples and repetitions
 test-full: venv native browser
-	MSMEMSCOPE_TEST_FULL=1 $(BIN)/python -m pytest tests
+	MSMEMSCOPE_TEST_FULL=1 $(BIN)/python -m pytest tests -n 2 --dist loadfile
+	@echo "capture and leak tests again on the dispatch-mode source (the suite above used the native one where built)"
+	MSMEMSCOPE_TEST_FULL=1 MSMEMSCOPE_SOURCE=python $(BIN)/python -m pytest tests/test_capture.py tests/test_leaks.py
 
 bench: venv native
 	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10
