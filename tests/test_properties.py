@@ -229,12 +229,15 @@ def test_random_programs_keep_the_dump_true(tmp_path_factory, source):
     def prop(prog):
         _check(prog, tmp_path_factory.mktemp("p"), source)
 
-    prev = os.environ.get("MSMEMSCOPE_SOURCE")
+    saved = {k: os.environ.get(k) for k in ("MSMEMSCOPE_SOURCE", "MSMEMSCOPE_WRITER")}
     os.environ.setdefault("MSMEMSCOPE_WRITER", "inline")
     try:
         prop()
-    finally:
-        if prev is None:
-            os.environ.pop("MSMEMSCOPE_SOURCE", None)
-        else:
-            os.environ["MSMEMSCOPE_SOURCE"] = prev
+    finally:  # leave the process as it was: other test files may run in this worker next
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        import msmemscope.capture as cap
+        cap._session = None

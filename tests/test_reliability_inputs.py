@@ -273,7 +273,7 @@ def test_too_large_for_memory_refused_up_front(tmp_path, inproc, monkeypatch):
     with open(p, "wb") as f:
         f.write(HEADER.encode() + b"\n")
         f.write(b"1,x\n" * (1 << 20))
-    env = env_for_tests()
+    env = {k: v for k, v in env_for_tests().items() if not k.startswith("MSMEMSCOPE_")}  # an offline command, untraced
     env["MSMEMSCOPE_MEMORY_LIMIT"] = str(64 << 20)
     code = ("import resource, sys; from msmemscope import cli; rc = cli.main(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")

@@ -22,6 +22,11 @@ def session_factory(tmp_path, monkeypatch):
     monkeypatch.setenv("MSMEMSCOPE_WRITER", "inline")
     made = []
 
+    left = capture.current()  # a session another test file left in this (xdist) worker
+    if left is not None:
+        left.close()
+        capture._session = None
+
     def make(source="python", **opts):
         assert capture.current() is None
         os.environ["MSMEMSCOPE_SOURCE"] = source

@@ -26,7 +26,9 @@ def _torchrun_env():
 
 def _summary_json(root, tmp, *extra):
     out = os.path.join(str(tmp), "summary.json")
-    r = run_cli(["summary", str(root), "--json", out, *extra])
+    env = env_for_tests()
+    env["COLUMNS"] = "240"  # the table's width: long tmp paths (xdist workers) must not wrap the labels
+    r = run_cli(["summary", str(root), "--json", out, *extra], env=env)
     assert r.returncode == 0, r.stderr
     with open(out) as f:
         return json.load(f), r.stdout
