@@ -146,6 +146,7 @@ class Session:
         self._hooks: list = []
         self._lock_owner = None
         self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
+        self.modules = None                  # module attribution (capture/modules.py), from the first start()
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self.flags = Flags()
@@ -590,6 +591,11 @@ class Session:
             self.sync_sources()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
+        if self.modules is not None:
+            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
+                self.modules.attribute(self.buf, self.labeler.owned if self.labeler is not None else None)
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -703,6 +709,11 @@ class Session:
             self._skip_dataloader_workers()
         if self.device_source is not None:
             self.device_source.start()
+        from . import modules
+        if modules.wanted(self.opts):
+            if self.modules is None:
+                self.modules = modules.ModuleTracker(self)
+            self.modules.install()  # global module hooks, removed at stop()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
@@ -728,6 +739,8 @@ class Session:
         self._hooks.clear()
         for fn in self._stop_hooks:
             fn()
+        if self.modules is not None:
+            self.modules.remove()
         # nothing new is recorded from here; frees of the blocks in the dump are, flagged
         self.active = False
         self._update_flags()

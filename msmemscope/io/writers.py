@@ -133,7 +133,7 @@ class CsvWriter:
             cs = _csv_text(c_syms[n]) if n in c_syms else ""
             if ev == "OP_LAUNCH":
                 add(f"{i},OP_LAUNCH,{et},{nm},{ts},{pid},{tid},{dev},N/A,,{st},{cs}\n")
-            elif type(attr) is tuple and ev == "MALLOC" and _plain(attr[5]):
+            elif type(attr) is tuple and ev == "MALLOC" and len(attr) == 6 and _plain(attr[5]):
                 ow = attr[5]
                 add(f'{i},MALLOC,{et},{nm},{ts},{pid},{tid},{dev},0x{ptr:016x},"{{""allocation_id"":{attr[0]},'
                     f'""addr"":""0x{attr[1]:016x}"",""size"":{attr[2]},""used"":{attr[3]},""total"":{attr[4]},'
