@@ -34,7 +34,7 @@ from time import time_ns
 
 import torch
 
-from ..events import A_ALLOC_ID, ATTR, EVENT, TID, TS, Event
+from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, EVENT_TYPE, TID, TS, Event
 
 FORWARD, BACKWARD = "forward", "backward"
 ENV = "MSMEMSCOPE_MODULES"   # 1: attribute in any run; 0: never (default: with --analysis=decompose)
@@ -78,12 +78,15 @@ class ModuleTracker:
         self._cut = 0                              # marks older than this are folded into base
         self._callback_queued = False
         self.attributed = 0
+        self.optimizers = weakref.WeakSet()
 
     # ------------------------------------------------------------ install / remove
     def install(self):
         from torch.nn.modules import module as nn_module
         if self._handles:
             return self
+        from torch.optim import optimizer as optim
+        self._handles.append(optim.register_optimizer_step_pre_hook(self._opt))
         self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
         try:
             self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
@@ -169,6 +172,9 @@ class ModuleTracker:
             self._mark(tid, time_ns(), st[-1] if st else None)
 
     # ------------------------------------------------------------ hooks
+    def _opt(self, opt, args, kwargs):
+        self.optimizers.add(opt)
+
     def _pre(self, module, args):
         try:
             if not self.s.active:
@@ -234,6 +240,42 @@ class ModuleTracker:
                     self._mark(tid, ts, kept[-1] if kept else None)
 
     # ------------------------------------------------------------ flush time
+    def owned_blocks(self):
+        """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
+        modules seen (by the sources' ``alloc_id_of``): what a run without owner labels (no
+        ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
+        s, out, by_param = self.s, {}, {}
+
+        def add(t, path, cat):
+            try:
+                st = t.untyped_storage()
+            except Exception:
+                return
+            aid = s.alloc_id_of(st)
+            if aid is not None and aid not in out:
+                out[aid] = (path, cat)
+        for name, ref in list(self.roots.items()):
+            root = ref()
+            if root is None:
+                continue
+            for sub_name, sub in root.named_modules():
+                path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
+                for p in sub.parameters(recurse=False):
+                    by_param[id(p)] = path
+                    add(p, path, "weight")
+                    if p.grad is not None:
+                        add(p.grad, path, "gradient")
+                for b in sub.buffers(recurse=False):
+                    add(b, path, "weight")
+        for opt in list(self.optimizers):
+            for p, st in opt.state.items():
+                path = by_param.get(id(p))
+                if path is not None and isinstance(st, dict):
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            add(v, path, "optimizer_state")
+        return out
+
     def state_at(self, tid, ts):
         m = self.marks.get(tid)
         if m is None:
@@ -248,7 +290,14 @@ class ModuleTracker:
         with self.lock:
             marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
             base = dict(self.base)
-        owned = owned or {}
+        cats = {}
+        if owned is None:  # no owner labels: the owning modules and their categories from here
+            try:
+                found = self.owned_blocks() if any(r[EVENT] == Event.MALLOC for r in buf) else {}
+            except Exception:
+                found = {}
+            owned = {k: v[0] for k, v in found.items()}
+            cats = {k: v[1] for k, v in found.items()}
         n = 0
         for i in range(len(buf)):
             r = buf[i]
@@ -275,6 +324,8 @@ class ModuleTracker:
             mod = own if own is not None else state[0]
             phase = state[1] if state is not None else None
             if type(a) is tuple:
+                if own is not None and not a[A_OWNER] and aid in cats:
+                    a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
                 buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
             else:
                 extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
