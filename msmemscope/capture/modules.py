@@ -261,7 +261,7 @@ class ModuleTracker:
             for sub_name, sub in root.named_modules():
                 path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
                 for p in sub.parameters(recurse=False):
-                    by_param[id(p)] = path
+                    by_param.setdefault(id(p), path)
                     add(p, path, "weight")
                     if p.grad is not None:
                         add(p.grad, path, "gradient")

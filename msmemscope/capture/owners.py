@@ -170,11 +170,7 @@ class Labeler:
     def install(self):
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
-        self._handles.append(nn_module.register_module_forward_pre_hook(self._fwd_pre))
-        try:
-            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
-        except TypeError:
-            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+        self._module_hooks()
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
         try:
@@ -184,7 +180,27 @@ class Labeler:
             pass
         self._patch_fsdp2()
 
+    def _module_hooks(self):
+        from torch.nn.modules import module as nn_module
+        self._mod_handles = [nn_module.register_module_forward_pre_hook(self._fwd_pre)]
+        try:
+            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
+        except TypeError:
+            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+
+    def pause(self):
+        """Tracing stopped: the global module hooks go (every module call of the program pays them)."""
+        for h in getattr(self, "_mod_handles", ()):
+            h.remove()
+        self._mod_handles = []
+        self.depth = 0
+
+    def resume(self):
+        if not getattr(self, "_mod_handles", None):
+            self._module_hooks()
+
     def remove(self):
+        self.pause()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -380,7 +396,7 @@ class Labeler:
             for name, sub in m.named_modules():
                 path = tracker.paths.get(sub) or (f"{root}.{name}" if name else root)
                 for p in sub.parameters(recurse=False):
-                    by_param[id(p)] = path
+                    by_param.setdefault(id(p), path)
                     add(p, path)
                     if p.grad is not None:
                         add(p.grad, path)
@@ -400,7 +416,7 @@ class Labeler:
                             add(getattr(fp, "_sharded_param_data", None), mp)
                             sp = getattr(fp, "sharded_param", None)
                             if sp is not None:
-                                by_param[id(sp)] = mp
+                                by_param.setdefault(id(sp), mp)
                                 add(sp, mp)
                                 if sp.grad is not None:
                                     add(sp.grad, mp)

@@ -714,6 +714,8 @@ class Session:
             if self.modules is None:
                 self.modules = modules.ModuleTracker(self)
             self.modules.install()  # global module hooks, removed at stop()
+        if self.labeler is not None:
+            self.labeler.resume()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
@@ -741,6 +743,8 @@ class Session:
             fn()
         if self.modules is not None:
             self.modules.remove()
+        if self.labeler is not None:
+            self.labeler.pause()
         # nothing new is recorded from here; frees of the blocks in the dump are, flagged
         self.active = False
         self._update_flags()

@@ -68,6 +68,12 @@ def main():
     model, opt, data, loss_fn = build(a.kind)
     mods = fqn_modules(model)
     out = {"modules": {}}
+    no_input_grad = set()  # modules whose inputs need no gradient: their backward ends with the pass
+
+    def pre(m, args):
+        if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+            no_input_grad.add(id(m))
+    handles = [m.register_forward_pre_hook(pre) for _, m in mods]
     mt = None
     if a.mode == "memtracker":
         from torch.distributed._tools.mem_tracker import MemTracker, _ModState
@@ -90,7 +96,8 @@ def main():
                 state = [v for q, st in opt.state.items() if id(q) in ids for v in st.values()
                          if isinstance(v, torch.Tensor)]
                 rec = {"parameters": nbytes(ps + list(m.buffers())), "gradients": grads[name],
-                       "optimizer_state": nbytes(state)}
+                       "optimizer_state": nbytes(state), "inputs_need_grad": id(m) not in no_input_grad,
+                       "has_params": bool(ps)}
                 if mt is not None:
                     st = mt.memory_tracking.get(m)
                     if st is not None:
@@ -102,6 +109,8 @@ def main():
                                              "backward_peak": total(_ModState.PEAK_BW)}
                 out["modules"][name] = rec
         del loss
+    for h in handles:
+        h.remove()
     if mt is not None:
         mt.__exit__(None, None, None)
     print(json.dumps(out), flush=True)
