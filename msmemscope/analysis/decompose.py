@@ -460,11 +460,13 @@ def main(argv) -> int:
         return error_exit(str(e))
     if a.by not in ("owner", "module"):
         return error_exit(f"--by={a.by}: choose owner or module")
-    try:
-        depth = int(a.depth)
-        step = None if a.step is None else int(a.step)
-    except ValueError:
-        return error_exit(f"--depth/--step: '{a.depth if a.step is None else a.step}' is not a whole number")
+    nums = {}
+    for opt, v in (("depth", a.depth), ("step", a.step)):
+        try:
+            nums[opt] = None if v is None else int(v)
+        except ValueError:
+            return error_exit(f"--{opt}={v}: not a whole number")
+    depth, step = nums["depth"], nums["step"]
     if depth < 1:
         return error_exit(f"--depth={a.depth}: at least 1 (the root module)")
     if step is not None and step < 1:

@@ -211,6 +211,9 @@ class Session:
         if self.started_once and opts.watch is not None and self.watch_engine is None:
             from .watch import attach
             attach(self)
+        from . import modules
+        if self.active and self.modules is None and modules.wanted(opts):  # config(analysis='decompose') late
+            self.modules = modules.ModuleTracker(self).install()
         if self.native_ops:
             from . import native
             why = native.unsupported_by(opts, self.kind)
