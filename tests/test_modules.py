@@ -8,7 +8,6 @@ MemTracker's Peak-Forward / Peak-Backward totals within 2%, except where docs/de
 the definitions differ (a module whose inputs need no gradient; a tied parameter)."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import FULL, ROOT, check_invariants, dump_of, env_for_tests, read, run_cli, run_folders
+from conftest import FULL, check_invariants, dump_of, env_for_tests, read, run_cli, run_folders
 
 PROGS = os.path.join(os.path.dirname(__file__), "progs")
 TRUTH = os.path.join(PROGS, "modules_truth.py")

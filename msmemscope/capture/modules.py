@@ -276,13 +276,6 @@ class ModuleTracker:
                             add(v, path, "optimizer_state")
         return out
 
-    def state_at(self, tid, ts):
-        m = self.marks.get(tid)
-        if m is None:
-            return self.base.get(tid)
-        i = bisect.bisect_right(m[0], ts) - 1
-        return m[1][i] if i >= 0 else self.base.get(tid)
-
     def attribute(self, buf, owned=None):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
