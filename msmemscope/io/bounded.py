@@ -259,3 +259,36 @@ class BoundedWriter:
             self.flush_held()
         finally:
             self.inner.close()
+
+
+def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none") -> str:
+    """The bounded form of the CSV dump ``src`` (plain or .csv.zst), written to the new file
+    ``dst`` (its suffix chosen by ``compress``): what ``--keep-steps`` would have written for the
+    same rows. Streams the file. Returns the path written."""
+    import csv
+    import io as _io
+    import json
+    from .reader import open_text
+    from .writers import open_writer
+    base = dst[:-8] if dst.endswith(".csv.zst") else dst[:-4] if dst.endswith(".csv") else dst
+    out = BoundedWriter(open_writer("csv", base, compress), keep_steps)
+    with open_text(src) as f:
+        text = _io.TextIOWrapper(f, encoding="utf-8", newline="")
+        reader = csv.reader(text)
+        next(reader)  # the header
+        batch, ids, c_syms, pid = [], [], {}, 0
+        for fields in reader:
+            rid, ev, et, name, ts, pid, tid, dev, ptr, attr, ps, cs = fields
+            a = json.loads(attr) if attr else None
+            batch.append((ev, et, name, int(ts), int(tid), dev, None if ptr in ("N/A", "") else int(ptr, 16),
+                          a, ps or None, None))
+            ids.append(int(rid))
+            if cs:
+                c_syms[len(batch) - 1] = cs
+            if len(batch) >= 65536:
+                out.write(batch, ids[0], int(pid), c_syms, ids)
+                batch, ids, c_syms = [], [], {}
+        if batch:
+            out.write(batch, ids[0], int(pid), c_syms, ids)
+    out.close()
+    return out.path

@@ -1,0 +1,158 @@
+"""Disk a long run can afford (issue 22, item 6): compressed dumps written online
+(``--compress=zstd``) and the bounded dump (``--keep-steps=N``, io/bounded.py), read by every
+command; both capture sources; invariants on every dump."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
+
+zstandard = pytest.importorskip("zstandard")
+LEAKS = os.path.join(ROOT, "tests", "progs", "leak_cases.py")
+KILLED = os.path.join(ROOT, "tests", "scripts", "killed_compressed.py")
+SOURCES = ("native", "python")
+
+
+def _env(source):
+    env = env_for_tests()
+    env.pop("MSMEMSCOPE_SOURCE", None)
+    if source == "python":
+        env["MSMEMSCOPE_SOURCE"] = "python"
+    return env
+
+
+def _steps_of(df):
+    """step -> (rows, summarised?) of a dump's reader frame."""
+    summ = set(df.filter(pl.col("event_type") == "STEP_SUMMARY")["step"].to_list())
+    return {s: (n, s in summ) for s, n in df.group_by("step").len().iter_rows()}
+
+
+def _site_keys(res):
+    return sorted((s["op"], s.get("python"), s.get("label"), s["bytes_per_step"], s["first_step"])
+                  for s in res["sites"])
+
+
+def test_compressed_dump_written_online_killed_twice(tmp_path):
+    """--compress=zstd: the dump is memscope_dump_*.csv.zst; its writer process is SIGKILLed
+    (the traced process appends after the last whole frame), then the program is SIGKILLed: every
+    row flushed before the kill is read back, without a cut-short warning, invariants hold."""
+    import warnings
+    from msmemscope.io.reader import TruncatedDumpWarning, read_dump
+    from msmemscope.io.writers import last_id_in
+    out = tmp_path / "o"
+    r = run_cli(["-o", str(out), "--compress=zstd:5", KILLED, "6"])
+    assert r.returncode == 128 + 9, r.stderr
+    assert [l.split()[1] for l in r.stdout.splitlines() if l.startswith("step")] == [str(i) for i in range(1, 7)]
+    [folder] = run_folders(out)
+    dump = dump_of(folder)
+    assert dump.endswith(".csv.zst")
+    with open(dump, "rb") as f:
+        assert f.read(4) == b"\x28\xb5\x2f\xfd"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TruncatedDumpWarning)
+        df = read_dump(dump)
+    check_invariants(df)
+    steps = [json.loads(a)["step"] for a in df.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert last_id_in(dump) == df["id"].max()
+    assert df["id"].to_list() == list(range(1, df.height + 1))  # nothing lost at the writer's death
+    assert zstandard.ZstdDecompressor().stream_reader(open(dump, "rb"), read_across_frames=True).read().startswith(
+        b"ID,Event,")
+    # a kill inside the last frame: the complete rows before it (the frame's data up to the cut
+    # that zstd gives back ends inside a row: a warning), never an error
+    cut = tmp_path / "cut" / os.path.basename(dump)
+    cut.parent.mkdir()
+    blob = open(dump, "rb").read()
+    cut.write_bytes(blob[:len(blob) - 200])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncatedDumpWarning)
+        part = read_dump(str(cut))
+    assert 0 < part.height < df.height and part.drop("step").equals(df.head(part.height).drop("step"))
+    # every command reads it
+    for args in (["check-leaks", dump], ["summary", folder], ["show", dump], ["decompose", dump],
+                 ["export", dump, "--format=perfetto", "-o", str(tmp_path / "t.json")]):
+        c = run_cli(args)
+        assert c.returncode == 0, (args, c.stderr)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_bounded_compressed_run_keeps_the_leak_findings(tmp_path, source):
+    """A training loop with a planted leak (leak_cases.py 'hook') and a look-alike cache, run with
+    --keep-steps=N --compress=zstd: the dump holds the last N steps and the first step of each
+    site that leaves blocks behind in full, one summary row for each other step, invariants hold;
+    check-leaks on it finds the same growing sites as the online analysis (which saw every row);
+    every command reads it; the summarised steps cost a fraction of a full one."""
+    steps, keep = full(40, 200), 4
+    out = tmp_path / "o"
+    r = run_cli(["-o", str(out), f"--keep-steps={keep}", "--compress=zstd", LEAKS, "hook,cache",
+                 str(tmp_path / "truth.json"), str(steps)], env=_env(source))
+    assert r.returncode == 0, r.stderr
+    [folder] = run_folders(out)
+    dump = dump_of(folder)
+    assert dump.endswith(".csv.zst")
+    df = read(dump)
+    check_invariants(df)
+    per = _steps_of(df)
+    whole = [s for s, (_, summ) in per.items() if not summ]
+    summarised = [s for s, (_, summ) in per.items() if summ]
+    # the last `keep` ended steps, the rows after the last step end, and at most `keep` flagged steps
+    last = max(per)
+    assert set(range(last - keep, last + 1)) <= set(whole)
+    assert len(whole) <= 2 * keep + 1, sorted(whole)
+    assert len(summarised) >= steps - 2 * keep - 1
+    big = min(per[s][0] for s in whole if s not in (1, last))
+    assert max(per[s][0] for s in summarised) * 4 < big, per
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        online = json.load(f)
+    assert [s["op"].split("@")[0].rsplit(".", 2)[-2] for s in online["sites"]] == ["clone"], online["sites"]
+    c = run_cli(["check-leaks", "--json", dump])
+    assert c.returncode == 0, c.stderr
+    offline = json.loads(c.stdout)
+    assert _site_keys(offline) == _site_keys(online)
+    assert [(k["alloc_id"], k["step"]) for k in offline["leaks"]] == [(k["alloc_id"], k["step"]) for k in online["leaks"]]
+    assert offline["fluctuation"] == online["fluctuation"]
+    nums = [json.loads(a)["step"] for a in df.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
+    a, b = nums[-2], nums[-1]
+    for args in (["summary", folder], ["show", dump], ["decompose", dump], ["check-inefficient", dump],
+                 ["report", folder, "-o", str(tmp_path / "r.html")],
+                 ["export", dump, "--format=memory-snapshot", "-o", str(tmp_path / "s.pickle")],
+                 ["--compare", f"--input={dump}:step={a},{dump}:step={b}", "-o", str(tmp_path / "cmp")]):
+        c = run_cli(args)
+        assert c.returncode == 0, (args, c.stderr)
+
+
+def test_bounded_form_of_a_dump_keeps_every_kept_row_and_result(tmp_path):
+    """The same rows, whole and bounded (io/bounded.rewrite, the code the writer runs): every row
+    of a kept step is identical, the leak results (sites, block findings, fluctuation, the step
+    rule) are identical, and the step compare of two kept steps is identical."""
+    from msmemscope.analysis import compare, leaks
+    from msmemscope.io.bounded import rewrite
+    out = tmp_path / "o"
+    r = run_cli(["-o", str(out), LEAKS, "hook,cat,window", str(tmp_path / "truth.json"), str(full(30, 120))])
+    assert r.returncode == 0, r.stderr
+    src = dump_of(run_folders(out)[0])
+    small = rewrite(src, str(tmp_path / "memscope_dump_b.csv"), 3)
+    whole, bounded = read(src), read(small)
+    check_invariants(whole)
+    check_invariants(bounded)
+    per = _steps_of(bounded)
+    kept = [s for s, (_, summ) in per.items() if not summ]
+    assert len(kept) < len(per) / 3
+    pick = lambda d: d.filter(pl.col("step").is_in(kept)).drop("step")
+    assert pick(bounded).equals(pick(whole))
+    assert os.path.getsize(small) * 3 < os.path.getsize(src)
+    t1, t2 = leaks.replay(leaks._read(src)), leaks.replay(leaks._read(small))
+    assert leaks.result_json(t1) == leaks.result_json(t2)
+    assert leaks.step_leaks(whole) == leaks.step_leaks(bounded)
+    assert leaks.fluctuation(whole) == leaks.fluctuation(bounded)
+    nums = [json.loads(a)["step"] for a in whole.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
+    a, b = nums[-2], nums[-1]  # the last two ended steps: kept whole
+    ra = compare.compare(f"{src}:step={a}", f"{src}:step={b}")
+    rb = compare.compare(f"{small}:step={a}", f"{small}:step={b}")
+    assert ra.table.height > 50 and ra.table.equals(rb.table)
