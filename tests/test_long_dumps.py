@@ -161,6 +161,12 @@ def test_bounded_form_of_a_dump_keeps_every_kept_row_and_result(tmp_path):
     pick = lambda d: d.filter(pl.col("step").is_in(kept)).drop("step")
     assert pick(bounded).equals(pick(whole))
     assert os.path.getsize(small) * 2 < os.path.getsize(src)
+    # the same bounding through the SQLite writer and the zstd one: the same rows
+    db = rewrite(src, str(tmp_path / "memscope_dump_b.db"), 3, data_format="db")
+    zst = rewrite(src, str(tmp_path / "memscope_dump_c.csv"), 3, compress="zstd")
+    assert zst.endswith(".csv.zst")
+    blank = lambda d: d.with_columns(pl.col("attr", "py_stack", "c_stack").fill_null(""))  # the db reads ''
+    assert blank(read(db)).equals(blank(bounded)) and read(zst).equals(bounded)
     t1, t2 = leaks.replay(leaks._read(src)), leaks.replay(leaks._read(small))
     assert leaks.result_json(t1) == leaks.result_json(t2)
     assert leaks.step_leaks(whole) == leaks.step_leaks(bounded)

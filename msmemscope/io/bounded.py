@@ -261,7 +261,7 @@ class BoundedWriter:
             self.inner.close()
 
 
-def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none") -> str:
+def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none", data_format: str = "csv") -> str:
     """The bounded form of the CSV dump ``src`` (plain or .csv.zst), written to the new file
     ``dst`` (its suffix chosen by ``compress``): what ``--keep-steps`` would have written for the
     same rows. Streams the file. Returns the path written."""
@@ -270,8 +270,12 @@ def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none") -> str:
     import json
     from .reader import open_text
     from .writers import open_writer
-    base = dst[:-8] if dst.endswith(".csv.zst") else dst[:-4] if dst.endswith(".csv") else dst
-    out = BoundedWriter(open_writer("csv", base, compress), keep_steps)
+    base = dst
+    for ext in (".csv.zst", ".csv", ".db"):
+        if base.endswith(ext):
+            base = base[:-len(ext)]
+            break
+    out = BoundedWriter(open_writer(data_format, base, compress), keep_steps)
     with open_text(src) as f:
         text = _io.TextIOWrapper(f, encoding="utf-8", newline="")
         reader = csv.reader(text)
