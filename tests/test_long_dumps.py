@@ -176,3 +176,30 @@ def test_bounded_form_of_a_dump_keeps_every_kept_row_and_result(tmp_path):
     ra = compare.compare(f"{src}:step={a}", f"{src}:step={b}")
     rb = compare.compare(f"{small}:step={a}", f"{small}:step={b}")
     assert ra.table.height > 50 and ra.table.equals(rb.table)
+
+
+def test_bounded_compressed_dump_complete_when_stop_returns(tmp_path):
+    """config(keep_steps=3, compress="zstd"), then stop() and read the dump in the same process
+    (tests/scripts/read_after_stop.py): the held steps are on disk when stop() returns (the last
+    row is the last row written), start() appends after them, the end of the run keeps the last
+    steps whole; invariants hold."""
+    script = os.path.join(ROOT, "tests", "scripts", "read_after_stop.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path / "o"), json.dumps({"keep_steps": 3, "compress": "zstd"})],
+                       capture_output=True, text=True, env=env_for_tests(), timeout=600)
+    assert r.returncode == 0, r.stderr
+    seen = {}
+    for line in r.stdout.splitlines():
+        which, height, written, last = line.split()
+        seen[which] = (int(height), int(written), int(last))
+    for which in ("first", "second"):
+        height, written, last = seen[which]
+        assert last == written and 0 < height < written, (which, seen)  # rows dropped, none missing
+    [folder] = run_folders(tmp_path / "o")
+    dump = dump_of(folder)
+    assert dump.endswith(".csv.zst")
+    df = read(dump)
+    check_invariants(df)
+    per = _steps_of(df)
+    assert sum(summ for _, summ in per.values()) >= 25, per  # 30 steps, then 5: most summarised
+    kinds = df.filter(pl.col("event") == "SYSTEM")["event_type"].to_list()
+    assert kinds.count("START_TRACE") == 2 and kinds.count("STOP_TRACE") == 2
