@@ -261,7 +261,8 @@ class BoundedWriter:
             self.inner.close()
 
 
-def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none", data_format: str = "csv") -> str:
+def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none", data_format: str = "csv",
+            max_held_rows: int = MAX_HELD_ROWS) -> str:
     """The bounded form of the CSV dump ``src`` (plain or .csv.zst), written to the new file
     ``dst`` (its suffix chosen by ``compress``): what ``--keep-steps`` would have written for the
     same rows. Streams the file. Returns the path written."""
@@ -275,7 +276,7 @@ def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none", data_fo
         if base.endswith(ext):
             base = base[:-len(ext)]
             break
-    out = BoundedWriter(open_writer(data_format, base, compress), keep_steps)
+    out = BoundedWriter(open_writer(data_format, base, compress), keep_steps, max_held_rows)
     with open_text(src) as f:
         text = _io.TextIOWrapper(f, encoding="utf-8", newline="")
         reader = csv.reader(text)
