@@ -115,7 +115,7 @@ def _limit_file_size(n):
     return set_it
 
 
-@pytest.mark.parametrize("fmt", full(["csv", "zstd"], ["csv", "db", "zstd"]))
+@pytest.mark.parametrize("fmt", full(["csv"], ["csv", "db", "zstd"]))
 def test_disk_full_mid_run_the_program_runs_on(out_dir, plain_stdout, fmt):
     """Item 4: a file-size limit (RLIMIT_FSIZE, what a full disk looks like to a write) reached
     mid-run. Before: OSError (db: sqlite3.OperationalError) raised into optimizer.step() through

@@ -90,8 +90,8 @@ def test_compressed_dump_written_online_killed_twice(tmp_path):
         part = read_dump(str(cut))
     assert 0 < part.height < df.height and part.drop("step").equals(df.head(part.height).drop("step"))
     # every command reads it
-    for args in (["check-leaks", dump], ["summary", folder], ["show", dump], ["decompose", dump],
-                 ["export", dump, "--format=perfetto", "-o", str(tmp_path / "t.json")]):
+    # the commands read it (the others: the bounded run's test below)
+    for args in (["check-leaks", dump], ["export", dump, "--format=perfetto", "-o", str(tmp_path / "t.json")]):
         _command(args)
 
 
