@@ -210,3 +210,33 @@ def test_bounded_compressed_dump_complete_when_stop_returns(tmp_path):
     assert sum(summ for _, summ in per.values()) >= 25, per  # 30 steps, then 5: most summarised
     kinds = df.filter(pl.col("event") == "SYSTEM")["event_type"].to_list()
     assert kinds.count("START_TRACE") == 2 and kinds.count("STOP_TRACE") == 2
+
+
+def test_zstd_writer_frames_reopen_and_last_id(tmp_path):
+    """ZstdCsvWriter: one frame per write; a file cut inside its last frame has that frame
+    dropped by zstd_frames/last_id_in, and reopen() truncates it and appends whole frames after."""
+    from msmemscope.io.reader import read_dump
+    from msmemscope.io.writers import ZstdCsvWriter, last_id_in, zstd_frames
+    row = lambda n: ("MALLOC", "PTA", "aten::empty", 1000 + n, 7, "cpu", 0x1000 + n, (n, 0x1000 + n, 8, 8 * n, 8 * n, ""),
+                     None, None)
+    free = lambda n: ("FREE", "PTA", "aten::empty", 2000 + n, 7, "cpu", 0x1000 + n, (n, 0x1000 + n, 8, 8 * (n - 1), 8 * n),
+                      None, None)
+    w = ZstdCsvWriter(str(tmp_path / "memscope_dump_1.csv.zst"), 1)
+    w.write([row(1)], 1, 5)
+    w.write([row(2)], 2, 5)
+    w.close()
+    path = w.path
+    with open(path, "rb") as f:
+        assert len(zstd_frames(f)) == 3  # the header's, then one per write
+    assert last_id_in(path) == 2
+    blob = open(path, "rb").read()
+    open(path, "wb").write(blob[:-5])  # killed inside the last frame
+    with open(path, "rb") as f:
+        assert len(zstd_frames(f)) == 2
+    assert last_id_in(path) == 1
+    w.reopen()
+    w.write([row(2), free(2)], 2, 5)
+    w.close()
+    df = read_dump(path)
+    assert df["id"].to_list() == [1, 2, 3] and df["event"].to_list() == ["MALLOC", "MALLOC", "FREE"]
+    assert last_id_in(path) == 3
