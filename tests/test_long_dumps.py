@@ -90,6 +90,15 @@ def test_compressed_dump_written_online_killed_twice(tmp_path):
         part = read_dump(str(cut))
     assert 0 < part.height < df.height and part.drop("step").equals(df.head(part.height).drop("step"))
     # every command reads it
+    # its bounded form with the last steps summarised too (a writer that holds few rows): the run
+    # summary's peaks, reached inside steps by blocks that the summarised steps drop, are the same
+    from msmemscope.io.bounded import rewrite
+    from msmemscope.report import summary
+    tight = rewrite(dump, str(tmp_path / "memscope_dump_t.csv"), 2, max_held_rows=100)
+    td = read(tight)
+    check_invariants(td)
+    assert td.filter(pl.col("event_type") == "STEP_SUMMARY").height >= 5
+    assert summary.peaks_of(summary.load_columns(tight)[0]) == summary.peaks_of(summary.load_columns(dump)[0])
     # the commands read it (the others: the bounded run's test below)
     for args in (["check-leaks", dump], ["export", dump, "--format=perfetto", "-o", str(tmp_path / "t.json")]):
         _command(args)
@@ -178,6 +187,11 @@ def test_bounded_form_of_a_dump_keeps_every_kept_row_and_result(tmp_path):
     check_invariants(td)
     assert whole.height > td.height and _steps_of(td) != per  # held fewer steps: other steps summarised
     assert leaks.result_json(leaks.replay(leaks._read(tight))) == leaks.result_json(t1)
+    # the run summary's peaks: a summarised step's peak is in its used_range
+    from msmemscope.report import summary
+    peaks = summary.peaks_of(summary.load_columns(src)[0])
+    for d in (small, tight):
+        assert summary.peaks_of(summary.load_columns(d)[0]) == peaks
     nums = [json.loads(a)["step"] for a in whole.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
     a, b = nums[-2], nums[-1]  # the last two ended steps: kept whole
     ra = compare.compare(f"{src}:step={a}", f"{src}:step={b}")

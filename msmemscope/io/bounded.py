@@ -13,7 +13,8 @@ rule and growth by site look at), at most N such steps. Every other step is *sum
 - one ``SYSTEM/STEP_SUMMARY`` row, with the ID of the first row dropped (so it sorts inside the
   step), says what was dropped: ``{"step", "rows", "malloc", "free", "access", "ops", "other",
   "bytes_dropped", "used_range": {"<device>/<pool>": [min, max]}}`` (``used_range``: the least and
-  most bytes in use in the pool at any row of the step, dropped rows included; ``step``: the
+  most bytes in use in the pool at any row of the step, dropped rows included; ``total_max``:
+  the most bytes reserved; ``step``: the
   reader's step, 1 + STEP rows before it).
 
 What this keeps true: the dropped blocks are born and die inside their step, so the running sum
@@ -48,6 +49,13 @@ def _alloc(row):
         return a[0], a[2], a[3]
     a = a or {}
     return a.get("allocation_id"), a.get("size"), a.get("used")
+
+
+def _total(row):
+    a = row[7]
+    if type(a) is tuple:
+        return a[4] if len(a) > 4 else None
+    return (a or {}).get("total")
 
 
 class _Step:
@@ -224,12 +232,16 @@ class BoundedWriter:
             else:
                 counts["other"] += 1
         used: dict = {}
+        total: dict = {}
         for r in rows:
             if r[0] == "MALLOC" or r[0] == "FREE":
                 u = _alloc(r)[2]
+                t = _total(r)
+                k = f"{r[5]}/{r[1]}"
+                if type(t) is int and t > total.get(k, -1):
+                    total[k] = t
                 if u is None:
                     continue
-                k = f"{r[5]}/{r[1]}"
                 mm = used.get(k)
                 if mm is None:
                     used[k] = [u, u]
@@ -238,7 +250,8 @@ class BoundedWriter:
                 elif u > mm[1]:
                     mm[1] = u
         first = rows[dropped[0]]
-        attr = {"step": st.index, "rows": len(dropped), **counts, "bytes_dropped": nbytes, "used_range": used}
+        attr = {"step": st.index, "rows": len(dropped), **counts, "bytes_dropped": nbytes, "used_range": used,
+                "total_max": total}
         return ("SYSTEM", System.STEP_SUMMARY, "N/A", first[3], first[4], first[5], None, attr, None, None)
 
     # ------------------------------------------------------------------ ending
