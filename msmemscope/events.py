@@ -35,6 +35,7 @@ class System:
     STOP_TRACE = "STOP_TRACE"
     STEP = "STEP"
     PROC_EXIT = "PROC_EXIT"
+    STEP_SUMMARY = "STEP_SUMMARY"  # a bounded dump's step kept in summary (io/bounded.py)
 
 
 class Access:

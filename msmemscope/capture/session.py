@@ -184,10 +184,12 @@ class Session:
         analyses are rebuilt by the caller, outside capture: ``msmemscope._merge_with_launcher``.)"""
         import dataclasses
         old, late = self.opts, []
-        moved = (opts.output, opts.data_format) != (old.output, old.data_format)
+        moved = ((opts.output, opts.data_format, opts.compress, opts.keep_steps)
+                 != (old.output, old.data_format, old.compress, old.keep_steps))
         if moved and (self.next_id > 0 or self.closed):
-            late.append(f"output_path/format (the dump had already begun in {self.folder})")
-            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format)
+            late.append(f"output_path/format/compress/keep_steps (the dump had already begun in {self.folder})")
+            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format,
+                                       compress=old.compress, keep_steps=old.keep_steps)
             moved = False
         self.opts = opts
         self._set_wants()
@@ -294,7 +296,8 @@ class Session:
         self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
         dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
         # the rows are written by a process of its own (io/spool.py; MSMEMSCOPE_WRITER=inline keeps them here)
-        self.writer = SpoolWriter(open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}")))
+        self.writer = SpoolWriter(open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"),
+                                              self.opts.compress), keep_steps=self.opts.keep_steps)
         self.dump_path = self.writer.path
         log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
         self.log_path = unique_path(os.path.join(log_dir, f"msmemscope_{ts}.log"))
@@ -377,6 +380,7 @@ class Session:
     def sync_sources(self):
         """Move the native source's records into ``buf`` and take its counters: called before a
         Python-side row is appended, so that rows keep the order in which things happened."""
+        self.dispatch.drain(self.buf)
         nat = self.native
         if nat is not None:
             failed = nat.drain(self.buf)
