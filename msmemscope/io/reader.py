@@ -443,9 +443,13 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         out = out.with_columns(_enclosing_op(out))
     if counts is not None:
         counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
-    late = events is not None and "attr" in out.columns  # then every row read is checked before the cut
-    if events is not None and not late:
-        out = out.filter(pl.col("event").is_in(list(events)))
+    # every row of the file is checked, whatever is kept: the checks of every row (IDs, NUL in the
+    # text columns) on the whole frame here, those of Attr on every MALLOC/FREE row below; the
+    # other events' Attr is parsed only where the analysis keeps their rows
+    every = out.select(c for c in ("id", "event", "event_type", "name", "device", "ptr") if c in out.columns)
+    late = events is not None and "attr" in out.columns  # the MALLOC/FREE rows are kept to be checked
+    if events is not None:
+        out = out.filter(pl.col("event").is_in(sorted(set(events) | ({"MALLOC", "FREE"} if late else set()))))
     fields = tuple(c for c in _ATTR_COLUMNS if c in want)
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
     if fields or out.select(mem_rows.any()).item():
@@ -456,8 +460,9 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
-    validate.check_rows(out, path)  # rows that parse but cannot be true: on every row, whatever is kept
-    if late:
+    validate.check_rows(out, path, every)  # rows that parse but cannot be true: on every row, whatever is kept
+    del every
+    if late and not {"MALLOC", "FREE"} <= set(events):
         out = out.filter(pl.col("event").is_in(list(events)))
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))

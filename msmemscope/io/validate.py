@@ -113,10 +113,20 @@ def _attr_number_too_big(attr: pl.Series) -> pl.Series:
     return suspect & attr.map_elements(over, return_dtype=pl.Boolean, skip_nulls=False).fill_null(False)
 
 
-def check_rows(df: pl.DataFrame, path: str) -> None:
+def _repeated(ids: pl.Series) -> pl.Series:
+    """Rows whose ID an earlier row has (in ID order, the rows equal to the one before)."""
+    if ids.is_sorted():
+        return (ids.diff() == 0).fill_null(False)
+    return ~ids.is_first_distinct()
+
+
+def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -> None:
     """Rows that parse but cannot be true: an error naming the first one in our dumps, one counted
-    warning in the original's (see the module's text). ``df`` has the reader's columns."""
-    if df.height == 0:
+    warning in the original's (see the module's text). ``df`` has the reader's columns; it holds
+    at least every MALLOC/FREE row of the file. ``every``: all the file's rows (their ID and text
+    columns) when ``df`` holds only some, for the checks that look at every row."""
+    every = df if every is None else every
+    if every.height == 0:
         raise _error(f"{path}: no rows after the header (nothing was recorded)")
     mem_mask = pl.col("event").is_in(["MALLOC", "FREE"])
     mem = df.filter(mem_mask)
@@ -128,10 +138,10 @@ def check_rows(df: pl.DataFrame, path: str) -> None:
             r = _first(frame, mask)
             problems.append((int(mask.sum()), r["id"], what(r) if callable(what) else what))
 
-    found(~df["id"].is_first_distinct(), df, lambda r: f"ID {r['id']} appears more than once")
+    found(_repeated(every["id"]), every, lambda r: f"ID {r['id']} appears more than once")
     for c in ("event", "event_type", "name", "device", "ptr"):
-        if c in df.columns:
-            found(df[c].str.contains("\x00", literal=True).fill_null(False), df,
+        if c in every.columns:
+            found(every[c].str.contains("\x00", literal=True).fill_null(False), every,
                   lambda r, c=c: f"row ID {r['id']} has a NUL character in its {c.replace('_', ' ')}")
     if mem.height:
         found(mem["size"] < 0, mem, lambda r: f"{r['event']} row ID {r['id']} has a negative size ({r['size']})")
