@@ -111,7 +111,7 @@ def build(path: str, buckets: int = BUCKETS, prog=None) -> dict:
     stage = prog.stage if prog is not None else (lambda s: None)
     stage("reading dump")
     dumps, folder = locate(path)
-    df = read_all(dumps)
+    df = read_all(dumps, batched=True)
     if not df.height:
         raise ReportError(f"{path}: the dump holds no rows")
     return build_frame(df, dumps, folder, buckets, stage)
@@ -381,7 +381,7 @@ def write_rank_report(root: str, rds, output: str | None = None) -> str:
         for rd in rds:
             p.stage(f"{rd.label}")
             try:
-                data = build_frame(read_all([rd.path]), [rd.path], rd.folder)
+                data = build_frame(read_all([rd.path], batched=True), [rd.path], rd.folder)
             except ReportError as e:  # one unreadable rank: said in its row, the others are shown
                 ranks.append({"label": rd.label, "rank": rd.rank, "host": rd.host, "dump": os.path.abspath(rd.path),
                               "href": None, "error": str(e), "peak": 0, "events": 0, "steps": 0, "t": [], "hi": [],
