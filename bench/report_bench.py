@@ -248,14 +248,18 @@ def main():
                        capture_output=True, text=True)
     t_report = time.perf_counter() - t
     import resource
-    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_rss, report_cpu = ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
     assert r.returncode == 0, r.stderr
     size = os.path.getsize(page)
     t_browser = browser_time(page)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
     rows = sum(1 for _ in open(dump, "rb")) - 1
     print(json.dumps({"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1),
-                      "report_s": round(t_report, 2), "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
-                      "folder": d}, indent=1))
+                      "report_s": round(t_report, 2), "report_cpu_s": round(report_cpu, 1),
+                      "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
+                      "loadavg_after": load, "folder": d}, indent=1))
     if not ns.keep:
         shutil.rmtree(d, ignore_errors=True)
 

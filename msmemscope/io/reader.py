@@ -472,7 +472,7 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
 
 #: text columns a batched read keeps as categoricals (few distinct values, millions of rows)
 CATEGORICAL = ("event", "event_type", "name", "device", "ptr", "py_stack", "owner")
-BATCH_BYTES = 96 << 20
+BATCH_BYTES = 32 << 20
 
 
 def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = BATCH_BYTES) -> pl.DataFrame:
@@ -513,7 +513,7 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
         parts.append(_batch(raw, path, row0, want, keep, need))
         row0 += raw.height
         del raw
-    out = pl.concat(parts, how="vertical_relaxed", rechunk=True)
+    out = pl.concat(parts, how="vertical_relaxed", rechunk=False)  # chunked: never two copies at once
     del parts
     if not out["id"].is_sorted():
         out = out.sort("id")
@@ -547,20 +547,19 @@ def _line_batches(path: str, end: int, batch_bytes: int):
             if not block:
                 break
             pos += len(block)
-            buf = rest + block
             if pos >= end:
-                rest = b""
-                if buf.strip():
-                    yield buf
+                rest += block
                 break
-            cut = buf.rfind(b"\n")
-            while cut >= 0 and buf.count(b'"', 0, cut) % 2:
-                cut = buf.rfind(b"\n", 0, cut)
+            odd = rest.count(b'"') % 2
+            cut = block.rfind(b"\n")
+            while cut >= 0 and (block.count(b'"', 0, cut) + odd) % 2:
+                cut = block.rfind(b"\n", 0, cut)
             if cut < 0:
-                rest = buf
+                rest += block
                 continue
-            yield buf[:cut + 1]
-            rest = buf[cut + 1:]
+            yield rest + block[:cut + 1]
+            rest = block[cut + 1:]
+            del block
         if rest.strip():
             yield rest
 

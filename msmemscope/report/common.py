@@ -44,6 +44,11 @@ def locate(path: str) -> tuple[list[str], str | None]:
     return dumps, folder
 
 
+#: the columns the HTML report reads (read_all(batched=True))
+REPORT_COLUMNS = ("id", "event", "event_type", "name", "ts", "tid", "device", "attr", "py_stack", "alloc_id",
+                  "size", "used", "total", "owner", "step", "op")
+
+
 def read_all(dumps: list[str], batched: bool = False) -> pl.DataFrame:
     """Read one or more dumps of one run (one per device) into one frame ordered by time.
     ``batched``: parsed a batch at a time, text columns as categoricals, Attr only on the rows
@@ -54,7 +59,8 @@ def read_all(dumps: list[str], batched: bool = False) -> pl.DataFrame:
         warnings.simplefilter("default", TruncatedDumpWarning)  # a dump cut short is said, once
         for d in dumps:
             try:
-                frames.append((read_dump_batched if batched else read_dump)(d, columns=DEFAULT_COLUMNS + ("op",)))
+                frames.append(read_dump_batched(d, columns=REPORT_COLUMNS) if batched
+                              else read_dump(d, columns=DEFAULT_COLUMNS + ("op",)))
             except DumpError as e:
                 raise ReportError(str(e)) from None
     if len(frames) == 1:
