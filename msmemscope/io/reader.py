@@ -524,8 +524,7 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
     if "op" in want:
         out = out.with_columns(_enclosing_op(out))
     every = out.select("id", *(c for c in out.columns if c.startswith("_nul_")))
-    validate.check_rows(out.filter(pl.col("event").is_in(["MALLOC", "FREE"])) if keep is not None else out,
-                        path, every)
+    validate.check_rows(out, path, every)
     del every
     if keep is not None:
         out = out.filter(pl.col("event").is_in(list(keep)))
@@ -582,8 +581,10 @@ def _batch(raw: pl.DataFrame, path: str, row0: int, want: tuple, keep, need: set
     flags = validate.row_flags(raw)
     rows = raw.select([c for c in NAMES if c in need]).with_columns(id=ids, ts=ts)
     del raw
-    if keep is not None:  # the rows kept, and every MALLOC/FREE row for the checks
-        sel = pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"}))
+    if keep is not None:
+        # the rows kept, every MALLOC/FREE row for the checks, the rows that number steps and ops
+        sel = pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE", "SYSTEM"}
+                                           | ({"OP_LAUNCH"} if "op" in want else set())))
         mask = rows.select(sel)[:, 0]
         rows, flags = rows.filter(mask), flags.filter(mask)
     rows = rows.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in rows.columns)
