@@ -64,6 +64,8 @@ def hex_addr(addr) -> str:
 
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
+from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
+                      NAME, PY_STACK, TID, Event, RawRow, System)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -289,30 +291,33 @@ class StepLeakTracker:
         Returns the block findings of the step ends among them."""
         found = []
         malloc, free = self.malloc, self.free
+        MALLOC, FREE, MSTX, SYSTEM, STEP = Event.MALLOC, Event.FREE, Event.MSTX, Event.SYSTEM, System.STEP
+        quiet = (Event.OP_LAUNCH, Event.ACCESS)  # most rows: nothing to do
         for i, r in enumerate(rows):
-            ev = r[0]
-            if ev == "OP_LAUNCH" or ev == "ACCESS":  # most rows: nothing to do
+            ev = r[EVENT]
+            if ev in quiet:
                 continue
-            if ev == "MALLOC":
-                a = r[7]
+            if ev == MALLOC:
+                a = r[ATTR]
+                row_id = first_id + i if ids is None else ids[i]
                 if type(a) is tuple:
-                    malloc(first_id + i if ids is None else ids[i], r[5], r[1], a[0], a[1], a[2], a[3], r[2], r[8],
-                           r[4], a[5] if len(a) > 5 else None)
+                    malloc(row_id, r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID], a[A_ADDR], a[A_SIZE], a[A_USED],
+                           r[NAME], r[PY_STACK], r[TID], a[A_OWNER] if len(a) > A_OWNER else None)
                 else:
                     a = a or {}
-                    malloc(first_id + i if ids is None else ids[i], r[5], r[1], a.get("allocation_id"),
-                           a.get("addr"), a.get("size"), a.get("used"), r[2], r[8], r[4], a.get("owner"))
-            elif ev == "FREE":
-                a = r[7]
+                    malloc(row_id, r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("addr"),
+                           a.get("size"), a.get("used"), r[NAME], r[PY_STACK], r[TID], a.get("owner"))
+            elif ev == FREE:
+                a = r[ATTR]
                 if type(a) is tuple:
-                    free(r[5], r[1], a[0], a[3])
+                    free(r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID], a[A_USED])
                 else:
                     a = a or {}
-                    free(r[5], r[1], a.get("allocation_id"), a.get("used"))
-            elif ev == "MSTX":
-                self.mstx(r[1], r[4], r[2], r[7])
-            elif ev == "SYSTEM" and r[1] == "STEP":
-                a = r[7] or {}
+                    free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
+            elif ev == MSTX:
+                self.mstx(r[EVENT_TYPE], r[TID], r[NAME], r[ATTR])
+            elif ev == SYSTEM and r[EVENT_TYPE] == STEP:
+                a = r[ATTR] or {}
                 n = a.get("step", self.step) if isinstance(a, dict) else self.step
                 found.extend(self.end_step(n))
         return found
@@ -731,19 +736,20 @@ def replay(df, recorded=None) -> StepLeakTracker:
     batch, ids = [], []
     for r in q.iter_rows(named=True):
         ev = r["event"]
-        if ev == "MALLOC":
+        if ev == Event.MALLOC:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None, r.get("owner"))
-        elif ev == "FREE":
+        elif ev == Event.FREE:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
         else:
             attr = _attr_json(r.get("attr")) or {}
-            if ev == "SYSTEM":
+            if ev == Event.SYSTEM:
                 n = attr.get("step")
                 if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
                     n = r["step"] if "step" in has else None
                 attr = {"step": n} if n is not None else {}
-        batch.append((ev, r["event_type"], r["name"], None, r.get("tid"), r["device"], None, attr,
-                      r.get("py_stack") if ev == "MALLOC" else None, None))
+        batch.append(RawRow(event=ev, event_type=r["event_type"], name=r["name"], ts=None, tid=r.get("tid"),
+                            device=r["device"], ptr=None, attr=attr,
+                            py_stack=r.get("py_stack") if ev == Event.MALLOC else None))
         ids.append(r["id"])
         if len(batch) >= 65536:
             t.consume(batch, 0, ids)
