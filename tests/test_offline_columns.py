@@ -245,7 +245,7 @@ def test_batched_read_checks_every_batch(tmp_path):
     from msmemscope.io.reader import DumpError, read_dump, read_dump_batched
     from msmemscope.events import HEADER
     rows = []
-    for i in range(1, 2001):
+    for i in range(1, 801):
         if i % 2:
             rows.append(f'{i},MALLOC,PTA,op,{1000 + i},1,1,cpu,N/A,"{{""allocation_id"":{i},""addr"":""0x{i:x}"",'
                         f'""size"":64,""used"":64,""total"":64}}","a.py:1(f)\nb.py:2(g)",')
@@ -256,14 +256,14 @@ def test_batched_read_checks_every_batch(tmp_path):
     good.write_text(HEADER + "\n" + "\n".join(rows) + "\n")
     for bb in (1000, 4096, 1 << 20):
         got = read_dump_batched(str(good), batch_bytes=bb)
-        assert got.height == 2000 and got["py_stack"].cast(pl.String).drop_nulls().unique().to_list() == \
+        assert got.height == 800 and got["py_stack"].cast(pl.String).drop_nulls().unique().to_list() == \
             ["a.py:1(f)\nb.py:2(g)"]
-    bad_rows = {"nul": rows[:1501] + [rows[1501].replace(",FREE,", ",FR\x00EE,")] + rows[1502:],
+    bad_rows = {"nul": rows[:501] + [rows[501].replace(",FREE,", ",FR\x00EE,")] + rows[502:],
                 "twice": rows + [rows[3].replace("4,FREE", "4,SYSTEM")],
-                "negative": rows[:1800] + [rows[1800].replace('""size"":64', '""size"":-64')] + rows[1801:],
-                # the FREE of block 1701 written (ID 1701) before its MALLOC (ID 1702)
-                "free first": rows[:1700] + [rows[1701].replace("1702,", "1701,", 1),
-                                             rows[1700].replace("1701,", "1702,", 1)] + rows[1702:]}
+                "negative": rows[:600] + [rows[600].replace('""size"":64', '""size"":-64')] + rows[601:],
+                # the FREE of block 701 written (ID 701) before its MALLOC (ID 702)
+                "free first": rows[:700] + [rows[701].replace("702,", "701,", 1),
+                                             rows[700].replace("701,", "702,", 1)] + rows[702:]}
     for name, rs in bad_rows.items():
         p = tmp_path / f"memscope_dump_{name.replace(' ', '_')}.csv"
         p.write_text(HEADER + "\n" + "\n".join(rs) + "\n")
