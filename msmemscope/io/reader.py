@@ -589,12 +589,11 @@ def _batch(raw: pl.DataFrame, path: str, row0: int, want: tuple, keep, need: set
         rows, flags = rows.filter(mask), flags.filter(mask)
     rows = rows.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in rows.columns)
     rows = _attr_columns(rows, tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size"))))
-    mem = rows.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
-    if mem.height and mem["size"].null_count():
-        i = mem["size"].is_null().arg_max()
-        raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
-                        f"('{mem['attr'][i]}')")
-    del mem
+    no_size = rows.select(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_null())[:, 0]
+    if no_size.any():
+        i = int(no_size.arg_max())
+        raise DumpError(f"{path}: {rows['event'][i]} row ID {rows['id'][i]} has no size in Attr "
+                        f"('{rows['attr'][i]}')")
     if "origin" not in want:
         # Attr's text stays only where a later step reads it (STEP numbers, marks, the few other rows)
         big = pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])
