@@ -494,17 +494,34 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
     if size > max_input_bytes() or size == 0 or head.startswith(b"SQLite format 3") or head.startswith(ZSTD_MAGIC):
         df = read_dump(path, columns=columns, events=events)
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
+    try:
+        return _read_batched(path, want, keep, batch_bytes)
+    except DumpError as e:
+        # a bad file is said as read_dump says it (which of its faults comes first, in the same
+        # words): read it whole, on this error path only
+        try:
+            read_dump(path, columns=columns, events=events)
+        except DumpError as whole:
+            if "reading it would need" in str(whole):  # too large to read whole: the batch's words
+                raise e from None
+            raise whole from None
+        raise e from None
+
+
+def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFrame:
     complete, size = check_csv(path)
     if complete < size:
         with open(path, "rb") as f:
             lines = f.read(complete).count(b"\n")
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
-                      TruncatedDumpWarning, stacklevel=2)
+                      TruncatedDumpWarning, stacklevel=3)
     need = _source_columns(want, keep) | {"attr"}
     parts, row0 = [], 0
+    with open(path, "rb") as f:
+        header = f.readline()  # each batch is parsed under the header, as read_dump parses the file
     for text in _line_batches(path, complete, batch_bytes):
         try:
-            raw = pl.read_csv(io.BytesIO(text), has_header=False, new_columns=list(NAMES),
+            raw = pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
                               schema_overrides={n: pl.String for n in NAMES}, infer_schema=False, quote_char="\"")
         except Exception:
             raise DumpError(_locate_csv_error(path)) from None
@@ -559,7 +576,7 @@ def _line_batches(path: str, end: int, batch_bytes: int):
             yield rest + block[:cut + 1]
             rest = block[cut + 1:]
             del block
-        if rest.strip():
+        if rest:
             yield rest
 
 
