@@ -553,11 +553,12 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
 
 def _line_batches(path: str, end: int, batch_bytes: int):
     """The file's rows after the header, up to byte ``end``, in blocks of whole lines (a newline
-    inside a quoted field is not a line's end: a cut is made where the quotes before it pair up)."""
+    inside a quoted field is not a line's end: a cut is made where the quotes before it pair up).
+    Quotes are counted once per byte, whatever the file (an unclosed quote costs no rescans)."""
     with open(path, "rb") as f:
         f.readline()
         pos = f.tell()
-        rest = b""
+        rest, rest_q = b"", 0  # the text carried to the next block, and its quotes
         while pos < end:
             block = f.read(min(batch_bytes, end - pos))
             if not block:
@@ -566,15 +567,21 @@ def _line_batches(path: str, end: int, batch_bytes: int):
             if pos >= end:
                 rest += block
                 break
-            odd = rest.count(b'"') % 2
+            q = rest_q + block.count(b'"')  # quotes before the candidate cut, walking back
+            seg_end = len(block)
             cut = block.rfind(b"\n")
-            while cut >= 0 and (block.count(b'"', 0, cut) + odd) % 2:
+            while cut >= 0:
+                q -= block.count(b'"', cut, seg_end)
+                seg_end = cut
+                if q % 2 == 0:
+                    break
                 cut = block.rfind(b"\n", 0, cut)
             if cut < 0:
-                rest += block
+                rest, rest_q = rest + block, rest_q + block.count(b'"')
                 continue
             yield rest + block[:cut + 1]
             rest = block[cut + 1:]
+            rest_q = rest.count(b'"')
             del block
         if rest:
             yield rest
