@@ -408,6 +408,8 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     ev, et = pl.col("event"), pl.col("event_type")
     start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
     end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
+    if not df.select(start.any()).item():  # no op opened (a dump without launch events): none open
+        return pl.Series("op", [None] * df.height, dtype=df.schema["name"])
     d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
     q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
     q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
