@@ -229,7 +229,8 @@ def test_batched_read_is_the_full_read(dump):
             want = read_dump(dump, columns=("size", "step", "op"), events=events)
             assert part.with_columns(pl.col("op").cast(pl.String)).equals(want), events
         a = H.build_frame(full, [dump], None)
-        b = H.build_frame(got, [dump], None)
+        from msmemscope.report.common import REPORT_COLUMNS
+        b = H.build_frame(read_dump_batched(dump, columns=REPORT_COLUMNS, batch_bytes=4096), [dump], None)
     assert got.columns == full.columns and got.height == full.height
     assert all(got.schema[c] == pl.Categorical for c in ("event", "name", "py_stack", "owner"))
     plain = got.with_columns(pl.col(c).cast(pl.String) for c, t in got.schema.items() if t == pl.Categorical)

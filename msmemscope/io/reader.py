@@ -25,8 +25,9 @@ NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr
 #: what ``read_dump`` gives without ``columns`` (this order)
 DEFAULT_COLUMNS = NAMES + ("alloc_id", "size", "used", "total", "owner", "addr", "step")
 #: every column ``read_dump(columns=...)`` can give: the defaults, then the step number a STEP row
-#: carries (``step_number``), the enclosing op (``op``) and Attr's ``origin``
-COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin")
+#: carries (``step_number``), the enclosing op (``op``), Attr's ``origin`` and the module attribution
+#: (``module``, ``phase``: format_version 2; null in older dumps and rows made outside modules)
+COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin", "module", "phase")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
 DEFAULT_MAX_INPUT = 8 << 30
 DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a corrupt file
@@ -332,13 +333,14 @@ def _attr_field(key: str, numeric: bool):
     return e.cast(pl.Int64, strict=False) if numeric else e
 
 
-_ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr")
+_ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr", "module", "phase")
 # The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field (events.py
 # format_attr): these regular expressions say what the fast path below accepts (tests compare).
 # Any other text (the original's unquoted keys, rows with extra keys, an owner with a comma) goes
 # through the per-key patterns, which accept them all.
 _MEM_ATTR = (r'^\{"allocation_id":(?P<alloc_id>\d+),"addr":"(?P<addr>0x[0-9a-fA-F]+)","size":(?P<size>\d+),'
-             r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?\}$')
+             r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?'
+             r'(?:,"module":"(?P<module>[^",}\\]*)"(?:,"phase":"(?P<phase>[^",}\\]*)")?)?\}$')
 _ACCESS_ATTR = r'^\{"dtype":"[^"]*","shape":\[[^\]]*\],"size":(?P<size>\d+),"allocation_id":(?P<alloc_id>\d+)\}$'
 
 
@@ -346,7 +348,8 @@ def _per_key_exprs() -> dict:
     """Expressions for the Attr columns, key by key (any Attr text)."""
     return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
             "used": _attr_field("used", True), "total": _attr_field("total", True),
-            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False),
+            "module": _attr_field("module", False), "phase": _attr_field("phase", False)}
 
 
 def _attr_exprs(mem=None, acc=None) -> dict:
@@ -358,7 +361,7 @@ def _attr_exprs(mem=None, acc=None) -> dict:
     return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
             "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
             "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
-            "owner": f("owner"), "addr": f("addr")}
+            "owner": f("owner"), "addr": f("addr"), "module": f("module"), "phase": f("phase")}
 
 
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:

@@ -46,7 +46,7 @@ def locate(path: str) -> tuple[list[str], str | None]:
 
 #: the columns the HTML report reads (read_all(batched=True))
 REPORT_COLUMNS = ("id", "event", "event_type", "name", "ts", "tid", "device", "attr", "py_stack", "alloc_id",
-                  "size", "used", "total", "owner", "step", "op")
+                  "size", "used", "total", "owner", "step", "op", "module")
 
 
 def read_all(dumps: list[str], batched: bool = False) -> pl.DataFrame:

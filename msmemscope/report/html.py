@@ -124,6 +124,10 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     path = folder or dumps[0]
     stage("memory series")
     marks_df = df.filter(pl.col("event") == "MSTX")
+    if "module" not in df.columns and "attr" in df.columns:  # module attribution (format 2), for the live view
+        has = pl.col("attr").str.contains('"module":', literal=True)
+        if df.select(has.any()).item():
+            df = df.with_columns(module=pl.when(has).then(pl.col("attr").str.extract(r'"module":"([^"]*)"', 1)))
     # the text columns no view reads: dropped before the frame is copied by the steps below
     df = with_op(df.drop([c for c in ("attr", "c_stack", "ptr") if c in df.columns]))
     # the text columns the views group, join and filter on, as categoricals: each row holds a

@@ -274,11 +274,14 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
     mal = m.filter(pl.col("event") == "MALLOC")
     stacks = mal["py_stack"].drop_nulls() if "py_stack" in m.columns else pl.Series([], dtype=pl.String)
     has_stacks = bool(stacks.filter((stacks != "N/A") & (stacks != "")).len())
+    # the module each block was made in (format 2 dumps with module attribution): the page can group by it
+    has_modules = "module" in mal.columns and bool(mal["module"].drop_nulls().len())
     cols = mal.select(stack=pl.col("py_stack").cast(pl.Categorical) if has_stacks else pl.lit(None, pl.Categorical),
-                      op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer")
+                      op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer",
+                      module=pl.col("module").cast(pl.Categorical) if has_modules else pl.lit(None, pl.Categorical))
     # leaves in the order their first block was made; each row counts for its block's last MALLOC
     leaf_keys = cols.unique(maintain_order=True).with_row_index("leaf")
-    mal_leaf = cols.join(leaf_keys, on=["stack", "op", "layer"], how="left", nulls_equal=True,
+    mal_leaf = cols.join(leaf_keys, on=["stack", "op", "layer", "module"], how="left", nulls_equal=True,
                          maintain_order="left")["leaf"]
     ev = m.select("r", "signed").with_columns(leaf=mal_leaf.gather(last_row_of(mal["alloc_id"], m["alloc_id"])))
     ev = ev.filter(pl.col("leaf").is_not_null())
@@ -340,7 +343,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         return i
 
     out_leaves, remap = [], {}
-    for leaf, stack, op, layer in leaves.select("leaf", "stack", "op", "layer").iter_rows():
+    for leaf, stack, op, layer, module in leaves.select("leaf", "stack", "op", "layer", "module").iter_rows():
         path = []
         if has_stacks:
             fr = split_stack(stack)
@@ -349,7 +352,8 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             path = [fid(names[layer], "")]
         path.append(fid(short_op(op), ""))
         remap[leaf] = len(out_leaves)
-        out_leaves.append({"path": path, "layer": int(layer), "line": user_line(stack) if stack else None})
+        out_leaves.append({"path": path, "layer": int(layer), "line": user_line(stack) if stack else None,
+                           "module": module})
     if small:
         cp_small = cp.filter(~pl.col("leaf").is_in(list(keep))).join(
             leaf_keys.select("leaf", "layer"), on="leaf").group_by("layer", "j").agg(d=pl.col("d").sum()).sort(
@@ -357,7 +361,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         for layer in cp_small["layer"].unique().sort().to_list():
             remap[("small", layer)] = len(out_leaves)
             out_leaves.append({"path": [fid(names[layer], ""), fid("(small blocks)", "")], "layer": int(layer),
-                               "line": None})
+                               "line": None, "module": None})
     values = [[] for _ in out_leaves]
     for leaf, jj, v in cp.filter(pl.col("leaf").is_in(list(keep))).select("leaf", "j", "v").iter_rows():
         values[remap[leaf]].extend((jj, int(v)))
@@ -367,7 +371,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
     for lf, v in zip(out_leaves, values):
         lf["v"] = v
     srow = m.select("ts", "used", "step")[np.asarray(rows, dtype=np.int64)]  # r is the row's index
-    return {"has_stacks": has_stacks, "by": by, "frames": frames, "leaves": out_leaves,
+    return {"has_stacks": has_stacks, "has_modules": has_modules, "by": by, "frames": frames, "leaves": out_leaves,
             "t": ((srow["ts"] - t0) // 1000).to_list(), "used": srow["used"].fill_null(0).to_list(),
             "step": srow["step"].fill_null(0).to_list(),
             "peak": rows.index(peak_r),
