@@ -130,8 +130,8 @@ def test_dataloader_workers_threads_and_steps(out_dir, source):
     assert df.filter(pl.col("attr").str.contains('"untraced":true')).height > 0
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("mode", ["", "term"])
+@pytest.mark.parametrize("mode,source", full([("", "native"), ("term", "python")],
+                                              [(m, s) for m in ("", "term") for s in SOURCES]))
 def test_signals_during_flushes(tmp_path, source, mode):
     """A SIGUSR1 every millisecond while the buffer flushes every 64 rows, the handler allocating
     (it runs inside flushes); with ``term``, a SIGTERM mid-run. The losses are the plain run's, the
