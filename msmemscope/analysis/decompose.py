@@ -191,9 +191,9 @@ def write_result(folder: str, res: dict) -> str:
 
 class DecomposeSink:
     def __init__(self, session):
-        from ..capture.owners import Labeler
+        from ..capture.owners import labeler_for
         self.dec = Decomposition()
-        self.labeler = Labeler(session)
+        self.labeler = labeler_for(session)
         session.labeler = self.labeler
         self.labeler.install()
 

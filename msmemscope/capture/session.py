@@ -215,6 +215,8 @@ class Session:
             why = native.unsupported_by(opts, self.kind)
             if why:
                 self.use_dispatch_source(why)
+            else:
+                self.native.configure(self.want_access, self.py_depth)
         if getattr(self, "device_source", None) is not None:
             from . import cuda_source
             why = cuda_source.unsupported_by(opts)
@@ -253,7 +255,7 @@ class Session:
                 from .._console import say
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
-        return native.NativeSource(mod, self.flush_rows, self._source_full)
+        return native.NativeSource(mod, self.flush_rows, self._source_full, self.want_access, self.py_depth)
 
     def _choose_device_source(self):
         """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
