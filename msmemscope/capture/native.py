@@ -220,6 +220,10 @@ def unsupported_by(opts, kind: str) -> str | None:
         return "--watch needs the dispatch-mode source"
     if "oom" in opts.analysis:
         return "--analysis=oom hooks op failures through the dispatch-mode source"
+    if "decompose" in opts.analysis and int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        # FSDP2's unsharded parameters live only inside a step, in storages it resizes: their
+        # labels are caught through the storages
+        return "owner labels of a distributed run (FSDP2 storages) need the dispatch-mode source"
     if "msmemscope.integrations" in sys.modules and "decompose" not in opts.analysis:
         return "owner labels of framework hooks need the dispatch-mode source"
     return None

@@ -657,8 +657,10 @@ class NativeLabeler(Labeler):
             if aid is None:
                 continue
             new = owner.get(aid)
-            if new is None:  # freed since it was made: labelled from what was known
-                new = compose(_NB(aid, pool), cats.get(aid))
+            if new is None:
+                if aid <= prev_upto:  # labelled at an earlier flush (a held step's rows), freed since
+                    continue
+                new = compose(_NB(aid, pool), cats.get(aid))  # freed since it was made
             in_buf.add(aid)
             if type(a) is tuple:
                 if a[A_OWNER] != new:
