@@ -204,6 +204,8 @@ class DecomposeSink:
         self.dec.end_step(step)
 
     def close(self, session):
+        if session.labeler is not None:
+            self.labeler = session.labeler  # the dispatch source's, after a handover (watch)
         self.labeler.remove()
         if self.dec.rows_since_step:
             self.dec.end_step(None)

@@ -8,8 +8,10 @@ ahead of time with ``python -m msmemscope.capture.native build`` (``make`` does 
 ``MSMEMSCOPE_NATIVE_BUILD=0`` turns the build on first use off.
 
 It records access events (inputs and outputs of each top-level op, READ/WRITE from the op's
-schema) and Python call stacks (interned in C++) when asked. When it is not built, or the run
-needs what only the dispatch-mode source sees (C call stacks, watch, owner labels, an accelerator),
+schema) and Python call stacks (interned in C++) when asked; ``--analysis=decompose`` labels its
+blocks by data pointer (``owners.NativeLabeler``). When it is not built, or the run needs what
+only the dispatch-mode source sees (C call stacks, watch, the OOM analysis's op failures, FSDP2's
+storages in a distributed decompose, framework-hook labels without decompose, an accelerator),
 the session uses the dispatch-mode source (``ops.py``); ``MSMEMSCOPE_SOURCE=python``
 forces that, ``MSMEMSCOPE_SOURCE=native`` makes a run that cannot use it say why.
 """

@@ -521,6 +521,22 @@ class NativeLabeler(Labeler):
             pass
         super().remove()
 
+    def handed_over(self):
+        """The session went over to the dispatch-mode source (watch): the rows so far are labelled
+        here, then a ``Labeler`` over the dispatch source's blocks carries on with what was learnt
+        (modules, optimizers, per-block facts by allocation id). Returns it."""
+        try:
+            self.before_flush()
+        except Exception:
+            pass
+        self.remove()
+        lab = Labeler(self.s)
+        lab.roots, lab.optimizers, lab.info = self.roots, self.optimizers, self.info
+        lab.depth, lab.fwd_first_aid = self.depth, self.fwd_first_aid
+        lab.updates, lab.flushed_upto = self.updates, self.flushed_upto
+        lab.install()
+        return lab
+
     def _labels_changed(self):
         key = (current_labels(), getattr(_tls, "component", None) or ())
         tag = 0

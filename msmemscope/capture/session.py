@@ -444,6 +444,8 @@ class Session:
             self.dispatch.take_over(self.native, self.native.hand_over())
             self.native_ops = False
             self.source = self.dispatch
+            if self.labeler is not None and hasattr(self.labeler, "handed_over"):
+                self.labeler = self.labeler.handed_over()  # owner labels follow the storages now
         self.config["source"] = "native, then dispatch"
         try:
             self._write_config()
