@@ -435,6 +435,11 @@ class FakeSession:
         self.config = {}
         self.active = True
         self.emit_alloc = self.emit_free = True
+        self.native, self.used, self.peak = None, {}, {}
+
+    from msmemscope.capture.session import Session
+    account = Session.account  # the real one count of bytes in use per (device, pool)
+    del Session
 
     def new_alloc_id(self):
         with self.lock:
@@ -683,23 +688,30 @@ def test_session_with_the_allocator_source_end_to_end(tmp_path, source):
             opt.zero_grad()
             a = s.device_source.last_step_end.get(0)
             if a is not None:  # the first optimizer step's end is held until the second (the step rule)
-                checks.append([a["traced_allocated"], fake.allocated(), a["traced_reserved"], fake.reserved()])
+                checks.append([a["traced_allocated"], fake.allocated(), a["traced_reserved"], fake.reserved(),
+                               s.used.get(("0", "PTA")), s.used.get(("0", "HAL"))])
+        peak_seen = s.peak.get(("0", "PTA"))
         fake._rec("oom", 0, 99 << 30)
         fake.trace[-1]["device_free"] = fake.trace[-1].pop("addr")
         s.device_source.on_oom()
         s.close()
         print("CHECKS " + json.dumps(checks))
+        print("PEAK " + json.dumps(peak_seen))
     """))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), MSMEMSCOPE_WRITER="inline", MSMEMSCOPE_SOURCE=source)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     checks = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("CHECKS ")][0][7:])
     assert len(checks) >= 3 and all(c[0] == c[1] and c[2] == c[3] for c in checks), checks
+    # the session's one count per (device, pool) is the allocator's: blocks (PTA) and segments (HAL)
+    assert all(c[4] == c[1] and c[5] == c[3] for c in checks), checks
+    peak = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("PEAK ")][0][5:])
     [folder] = glob.glob(str(out / "msmemscope_*"))
     [dump] = glob.glob(os.path.join(folder, "device_*", "dump", "*.csv"))
     df = read(dump)
     check_invariants(df)
     pta = df.filter((pl.col("event") == "MALLOC") & (pl.col("event_type") == "PTA") & (pl.col("device") == "0"))
+    assert peak == pta["used"].max()  # the session's peak is the dump's
     assert pta.height == 8 and df.filter(pl.col("event_type") == "HAL").height >= 2
     assert df.filter(pl.col("event") == "MALLOC").filter(pl.col("device") == "cpu").height > 0  # the CPU side too
     snaps = df.filter((pl.col("event") == "SNAPSHOT") & (pl.col("name") == "Step End"))

@@ -75,7 +75,7 @@ def test_sources_behind_one_interface(session_factory, source):
     # what a source can see: the dispatch-mode one everything, the native one the default events
     assert {"alloc", "free", "launch", "access", "storages", "stacks"} <= s.dispatch.sees
     if source == "native":
-        assert s.native.sees == {"alloc", "free", "launch"}
+        assert s.native.sees == {"alloc", "free", "launch", "access", "stacks"}
 
 
 @pytest.mark.parametrize("source", ["python", "native"])
@@ -105,6 +105,35 @@ def test_a_free_in_a_stop_gap_is_a_flagged_free_row(session_factory, source):
     df = read(s.dump_path)
     check_invariants(df)
     del b, c, d
+
+
+def test_a_free_inside_the_making_of_a_row_waits_for_it(session_factory):
+    """A storage freed on the thread that is between account() and the append of a MALLOC row (the
+    garbage collector, a signal handler, here the labeler's hook) gets its FREE after that row, so
+    ``used`` stays the running sum in row order."""
+    s = session_factory("python")
+    held = [torch.ones(300) + 1 for _ in range(3)]  # followed blocks, 1200 bytes each
+
+    class DropsOne:  # runs inside the new block's row section
+        def on_new(self, b):
+            if held and b.size == 4004:
+                held.pop()  # its storage's free callback fires here, synchronously
+
+        def before_flush(self):
+            pass
+
+    s.labeler = DropsOne()
+    keep = [torch.ones(1001) + 1 for _ in range(3)]
+    assert not held
+    s.labeler = None
+    s.sync_sources()
+    rows = _memory_rows(s.buf)
+    sizes = [(e, x["size"]) for e, x in rows]
+    first_big = sizes.index(("MALLOC", 4004))
+    assert ("FREE", 1200) in sizes[first_big + 1:first_big + 2], sizes  # right after, not before
+    s.close()
+    check_invariants(read(s.dump_path))
+    del keep
 
 
 def test_account_is_the_one_count_per_device_and_pool(session_factory):

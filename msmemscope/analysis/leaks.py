@@ -64,6 +64,8 @@ def hex_addr(addr) -> str:
 
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
+from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
+                      NAME, PY_STACK, TID, Event, RawRow, System)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -292,18 +294,20 @@ class StepLeakTracker:
         ``free`` inlined for the tuple attrs the sources make, with the step's state in locals
         (refreshed at each STEP row); dict attrs and every other event take the general path."""
         found = []
+        MALLOC, FREE, MSTX, SYSTEM, STEP = Event.MALLOC, Event.FREE, Event.MSTX, Event.SYSTEM, System.STEP
+        OP_LAUNCH, ACCESS = Event.OP_LAUNCH, Event.ACCESS
         sites, blocks, pending, level, fluct = self._sites, self._blocks, self.pending, self.level, self.fluct
         new_site = self.growth.site
         line_of, lines, labels = self._line, self._lines, self.labels
         step = self.step
         cur: dict = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
         for i, r in enumerate(rows):
-            ev = r[0]
-            if ev == "OP_LAUNCH" or ev == "ACCESS":  # most rows: nothing to do
+            ev = r[EVENT]
+            if ev == OP_LAUNCH or ev == ACCESS:  # most rows: nothing to do
                 continue
-            a = r[7]
-            if ev == "MALLOC" and type(a) is tuple and r[1] != CACHED_SEGMENTS:
-                device, pool, used = r[5], r[1], a[3]
+            a = r[ATTR]
+            if ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS:
+                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
                 pk = (device, pool)
                 if step >= 2:
                     mm = cur.get(pk)
@@ -315,16 +319,16 @@ class StepLeakTracker:
                     elif used > mm[1]:
                         mm[1] = used
                 level[pk] = used
-                stack = r[8]
+                stack = r[PY_STACK]
                 python = (lines[stack] if stack in lines else line_of(stack)) if stack else None
                 label = None
                 if python is None:
-                    owner = a[5] if len(a) > 5 else None
+                    owner = a[A_OWNER] if len(a) > A_OWNER else None
                     if owner and owner.count("@") >= 2:  # <pool>@<category>@<labels...>: describe labels
                         label = owner.split("@", 2)[2]
                     else:
-                        label = labels.get(r[4])
-                op, aid, size = r[2], a[0], a[2] or 0
+                        label = labels.get(r[TID])
+                op, aid, size = r[NAME], a[A_ALLOC_ID], a[A_SIZE] or 0
                 site = sites.get((device, pool, op, python, label))
                 if site is None:
                     site = new_site(device, pool, op, python, label)
@@ -333,9 +337,9 @@ class StepLeakTracker:
                 key = (device, pool, aid)
                 blocks[key] = (site, size)
                 if step >= 2:
-                    pending[key] = (step, first_id + i if ids is None else ids[i], a[1], size, op, stack)
-            elif ev == "FREE" and type(a) is tuple:
-                device, pool, used = r[5], r[1], a[3]
+                    pending[key] = (step, first_id + i if ids is None else ids[i], a[A_ADDR], size, op, stack)
+            elif ev == FREE and type(a) is tuple:
+                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
                 pk = (device, pool)
                 if step >= 2:
                     mm = cur.get(pk)
@@ -347,7 +351,7 @@ class StepLeakTracker:
                     elif used > mm[1]:
                         mm[1] = used
                 level[pk] = used
-                aid = a[0]
+                aid = a[A_ALLOC_ID]
                 key = (device, pool, aid)
                 v = blocks.pop(key, None)
                 if v is not None:
@@ -359,22 +363,24 @@ class StepLeakTracker:
                     rec = self.reported.pop(key, None)
                     if rec is not None:
                         rec["freed_at_step"] = step
-            elif ev == "MALLOC":
+            elif ev == MALLOC:
                 if type(a) is tuple:  # the cached segments' pool
-                    self.malloc(first_id + i if ids is None else ids[i], r[5], r[1], a[0], a[1], a[2], a[3], r[2],
-                                r[8], r[4], a[5] if len(a) > 5 else None)
+                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID],
+                                a[A_ADDR], a[A_SIZE], a[A_USED], r[NAME], r[PY_STACK], r[TID],
+                                a[A_OWNER] if len(a) > A_OWNER else None)
                 else:
                     a = a or {}
-                    self.malloc(first_id + i if ids is None else ids[i], r[5], r[1], a.get("allocation_id"),
-                                a.get("addr"), a.get("size"), a.get("used"), r[2], r[8], r[4], a.get("owner"))
+                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE],
+                                a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used"), r[NAME],
+                                r[PY_STACK], r[TID], a.get("owner"))
                 cur.clear()
-            elif ev == "FREE":
+            elif ev == FREE:
                 a = a or {}
-                self.free(r[5], r[1], a.get("allocation_id"), a.get("used"))
+                self.free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
                 cur.clear()
-            elif ev == "MSTX":
-                self.mstx(r[1], r[4], r[2], a)
-            elif ev == "SYSTEM" and r[1] == "STEP":
+            elif ev == MSTX:
+                self.mstx(r[EVENT_TYPE], r[TID], r[NAME], a)
+            elif ev == SYSTEM and r[EVENT_TYPE] == STEP:
                 a = a or {}
                 n = a.get("step", self.step) if isinstance(a, dict) else self.step
                 found.extend(self.end_step(n))
@@ -797,19 +803,20 @@ def replay(df, recorded=None) -> StepLeakTracker:
     batch, ids = [], []
     for r in q.iter_rows(named=True):
         ev = r["event"]
-        if ev == "MALLOC":
+        if ev == Event.MALLOC:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None, r.get("owner"))
-        elif ev == "FREE":
+        elif ev == Event.FREE:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
         else:
             attr = _attr_json(r.get("attr")) or {}
-            if ev == "SYSTEM":
+            if ev == Event.SYSTEM:
                 n = attr.get("step")
                 if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
                     n = r["step"] if "step" in has else None
                 attr = {"step": n} if n is not None else {}
-        batch.append((ev, r["event_type"], r["name"], None, r.get("tid"), r["device"], None, attr,
-                      r.get("py_stack") if ev == "MALLOC" else None, None))
+        batch.append(RawRow(event=ev, event_type=r["event_type"], name=r["name"], ts=None, tid=r.get("tid"),
+                            device=r["device"], ptr=None, attr=attr,
+                            py_stack=r.get("py_stack") if ev == Event.MALLOC else None))
         ids.append(r["id"])
         if len(batch) >= 65536:
             t.consume(batch, 0, ids)

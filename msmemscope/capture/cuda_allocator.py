@@ -105,10 +105,12 @@ class AllocatorConverter:
     ``next_id()`` gives allocation ids (shared with the session's other sources); ``attribute(ts)``
     gives ``(op_name, tid)`` for an event time (the top-level op running then), or None;
     ``step()`` the current step number; ``oom_k``: OOM rows list that many blocks (0: no OOM rows).
+    ``account(device, pool, delta)`` applies a change of bytes in use and returns the count after it:
+    the session's one count per (device, pool) in a traced run; a count of its own when alone.
     """
 
     def __init__(self, device: str, next_id=None, attribute=None, step=None, oom_k: int = 10,
-                 expandable: bool = False, max_split_size: int | None = None):
+                 expandable: bool = False, max_split_size: int | None = None, account=None):
         self.device = str(device)
         if next_id is None:
             counter = iter(range(1, 1 << 62))
@@ -139,6 +141,12 @@ class AllocatorConverter:
         self.device_total = None    # the device's capacity, when the live source knows it
         self.step_peak_allocated = 0
         self.step_peak_reserved = 0
+        self._account = account or self._own_count
+        self._own: dict = {}
+
+    def _own_count(self, device, pool, delta):
+        v = self._own[pool] = self._own.get(pool, 0) + delta
+        return v
 
     # ------------------------------------------------------------------ layout
     def _seg_at(self, addr):
@@ -229,7 +237,7 @@ class AllocatorConverter:
         s = _Seg(addr, size, self.next_id(), kind, stream)
         self.segs[addr] = s
         bisect.insort(self.seg_starts, addr)
-        self.reserved += size
+        self.reserved = self._account(self.device, HAL, size)
         if self.reserved > self.step_peak_reserved:
             self.step_peak_reserved = self.reserved
         self._seg_row(out, Event.MALLOC, s, ts, extra)
@@ -238,7 +246,7 @@ class AllocatorConverter:
     def _drop_seg(self, out, s, ts, extra=None):
         del self.segs[s.addr]
         self.seg_starts.pop(bisect.bisect_left(self.seg_starts, s.addr))
-        self.reserved -= s.size
+        self.reserved = self._account(self.device, HAL, -s.size)
         self._seg_row(out, Event.FREE, s, ts, extra)
 
     def _add_block(self, out, addr, size, requested, stream, ts, name, tid, inferred, extra=None):
@@ -247,7 +255,7 @@ class AllocatorConverter:
             self._drop_block(out, self.blocks[addr], ts, {"lost_free": True})
         self.blocks[addr] = b
         bisect.insort(self.blk_starts, addr)
-        self.used += size
+        self.used = self._account(self.device, Pool.PTA, size)
         if self.used > self.peak:
             self.peak = self.used
         if self.used - self.deferred_pending > self.step_peak_allocated:
@@ -258,7 +266,7 @@ class AllocatorConverter:
     def _drop_block(self, out, b, ts, extra=None):
         del self.blocks[b.addr]
         self.blk_starts.pop(bisect.bisect_left(self.blk_starts, b.addr))
-        self.used -= b.size
+        self.used = self._account(self.device, Pool.PTA, -b.size)
         if b.free_req is not None:
             self.deferred_pending -= b.size
         self._free(out, b, ts, extra)

@@ -219,7 +219,7 @@ class AllocatorSource(Source):
             st = self._settings
             c = AllocatorConverter(str(idx), next_id=self._next_id, step=lambda: self.s.step_no,
                                    oom_k=self.oom_k, expandable=bool(st.get("expandable_segments")),
-                                   max_split_size=_max_split(st))
+                                   max_split_size=_max_split(st), account=self._account)
             try:
                 import torch
                 c.device_total = int(getattr(torch, self.kind).mem_get_info(idx)[1])
@@ -230,6 +230,11 @@ class AllocatorSource(Source):
 
     def _next_id(self) -> int:
         return self.s.new_alloc_id()
+
+    def _account(self, device, pool, delta) -> int:
+        # the session's one count of bytes in use per (device, pool): its peaks and the OOM account read it
+        with self.s.lock:
+            return self.s.account(device, pool, delta)[0]
 
     def _attributor(self, buf, flushing):
         """Top-level op intervals from the op rows in ``buf`` and the ops still open when the last

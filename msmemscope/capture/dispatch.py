@@ -72,6 +72,12 @@ class DispatchSource(Source):
         self.recording = False            # ops on traced threads are followed
         self._modes: dict = {}
         self._gone = self._gone           # one bound method for every block's free callback
+        # A storage's free callback can run on the thread that is between account() and the append of
+        # its row (the garbage collector, a signal handler): that free waits for the row, else the
+        # FREE would land before the MALLOC whose ``used`` already counts it.
+        self._in_row = None               # the thread inside a row section
+        self._waiting: list = []          # frees that came during it
+        self._row_depth = 0
 
     # ------------------------------------------------------------------ Source
     def start(self):
@@ -224,38 +230,46 @@ class DispatchSource(Source):
             stack = getattr(s.tls, "stack", None) or s.py_stack()
         prev = self.prev if kind == "cpu" else None
         with s.lock:
-            if prev is not None:  # after a handover from the native source
-                hit = prev.counted_block(addr)
-                if hit is not None:
-                    # a block the native source counted (and wrote the MALLOC row of): followed
-                    # here for labels and watch, its free is reported there
-                    b = Block(st, self._gone, key, hit[0], addr, size, device, pool, s.step_no, op_name, time_ns())
-                    b.native = True
-                    self.live[key] = b
-                    if s.labeler is not None:
-                        s.labeler.on_new(b)
-                    return b
-            if not s.emit:
-                # outside the traced window (stopped, a step outside --steps): the block is not in
-                # the dump, so it is neither counted nor followed; first seen while tracing, it
-                # gets its MALLOC (origin before_op) then
-                return None
-            self.next_alloc += 1
-            aid = self.next_alloc
-            used, ts = s.account(device, pool, size)
-            total = backends.reserved_bytes(kind, dev.index) if kind != "cpu" else used
-            b = Block(st, self._gone, key, aid, addr, size, device, pool, s.step_no, op_name, ts)
-            b.stack = stack
-            self.live[key] = b
-            if s.labeler is not None:
-                s.labeler.on_new(b)
-            if s.emit_alloc:
-                attr = (aid, addr, size, used, total, b.owner or "")
-                if seen_as_input:
-                    # allocated outside any traced op (or before tracing): first seen here
-                    attr = {**attr_dict(Event.MALLOC, attr), "origin": "before_op"}
-                s.buf.append((Event.MALLOC, pool, op_name, ts, threading.get_ident(), device, addr, attr,
-                              stack, stacks.capture_c() if s.c_depth else None))
+            self._enter_row()
+            try:
+                return self._new_block_row(s, st, key, addr, size, device, pool, op_name, seen_as_input, stack, prev,
+                                           kind, dev)
+            finally:
+                self._leave_row()
+
+    def _new_block_row(self, s, st, key, addr, size, device, pool, op_name, seen_as_input, stack, prev, kind, dev):
+        if prev is not None:  # after a handover from the native source
+            hit = prev.counted_block(addr)
+            if hit is not None:
+                # a block the native source counted (and wrote the MALLOC row of): followed
+                # here for labels and watch, its free is reported there
+                b = Block(st, self._gone, key, hit[0], addr, size, device, pool, s.step_no, op_name, time_ns())
+                b.native = True
+                self.live[key] = b
+                if s.labeler is not None:
+                    s.labeler.on_new(b)
+                return b
+        if not s.emit:
+            # outside the traced window (stopped, a step outside --steps): the block is not in
+            # the dump, so it is neither counted nor followed; first seen while tracing, it
+            # gets its MALLOC (origin before_op) then
+            return None
+        self.next_alloc += 1
+        aid = self.next_alloc
+        used, ts = s.account(device, pool, size)
+        total = backends.reserved_bytes(kind, dev.index) if kind != "cpu" else used
+        b = Block(st, self._gone, key, aid, addr, size, device, pool, s.step_no, op_name, ts)
+        b.stack = stack
+        self.live[key] = b
+        if s.labeler is not None:
+            s.labeler.on_new(b)
+        if s.emit_alloc:
+            attr = (aid, addr, size, used, total, b.owner or "")
+            if seen_as_input:
+                # allocated outside any traced op (or before tracing): first seen here
+                attr = {**attr_dict(Event.MALLOC, attr), "origin": "before_op"}
+            s.buf.append((Event.MALLOC, pool, op_name, ts, threading.get_ident(), device, addr, attr,
+                          stack, stacks.capture_c() if s.c_depth else None))
         return b
 
     def freed(self, key):
@@ -263,6 +277,30 @@ class DispatchSource(Source):
         b = self.live.get(key)
         if b is not None:
             self._gone(b)
+
+    def _enter_row(self):
+        # under s.lock; sections nest when a handler running inside one allocates through the mode
+        self._in_row = threading.get_ident()
+        self._row_depth += 1
+
+    def _leave_row(self):
+        self._row_depth -= 1
+        if self._row_depth:
+            return
+        # frees that came inside the section get their rows now, still inside one (more may come)
+        try:
+            while self._waiting:
+                self._free_row(self._waiting.pop(0))
+        finally:
+            self._in_row = None  # one arriving after this line waits for the next section or flush
+
+    def drain(self, buf: list):
+        """Rows go straight into the session's buffer; only a free left waiting by a section's end
+        (it came after the section's last look) is written here."""
+        if self._waiting and self._in_row is None:
+            with self.s.lock:
+                self._enter_row()
+                self._leave_row()
 
     def _gone(self, b):
         # the storage's weakref callback (b is the Block), or freed()
@@ -273,16 +311,29 @@ class DispatchSource(Source):
         s = self.s
         if s.closed or b.native:
             return
+        if self._in_row == threading.get_ident():  # inside this thread's own row section: after it
+            self._waiting.append(b)
+            return
         with s.lock:
-            used, ts = s.account(b.device, b.pool, -b.size)
-            if s.emit_free or s.free_untraced:
-                kind = s.kind if b.device != "cpu" else "cpu"
-                total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
-                attr = (b.alloc_id, b.addr, b.size, used, total)
-                if not s.emit_free:  # freed outside the traced window: the row says so
-                    attr = {**attr_dict(Event.FREE, attr), UNTRACED: True}
-                s.buf.append((Event.FREE, b.pool, getattr(s.tls, "op", None) or NA, ts,
-                              threading.get_ident(), b.device, b.addr, attr, None, None))
+            self._enter_row()
+            try:
+                self._free_row(b)
+            finally:
+                self._leave_row()
+
+    def _free_row(self, b):
+        s = self.s
+        if s.closed:
+            return
+        used, ts = s.account(b.device, b.pool, -b.size)
+        if s.emit_free or s.free_untraced:
+            kind = s.kind if b.device != "cpu" else "cpu"
+            total = backends.reserved_bytes(kind, int(b.device)) if kind != "cpu" else used
+            attr = (b.alloc_id, b.addr, b.size, used, total)
+            if not s.emit_free:  # freed outside the traced window: the row says so
+                attr = {**attr_dict(Event.FREE, attr), UNTRACED: True}
+            s.buf.append((Event.FREE, b.pool, getattr(s.tls, "op", None) or NA, ts,
+                          threading.get_ident(), b.device, b.addr, attr, None, None))
 
     def emit_accesses(self, name, tid, touched):
         seen = {}

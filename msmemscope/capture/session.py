@@ -375,6 +375,7 @@ class Session:
     def sync_sources(self):
         """Move the native source's records into ``buf`` and take its counters: called before a
         Python-side row is appended, so that rows keep the order in which things happened."""
+        self.dispatch.drain(self.buf)
         nat = self.native
         if nat is not None:
             failed = nat.drain(self.buf)

@@ -1,0 +1,70 @@
+"""Signals arriving while the session flushes: a thread sends SIGUSR1 every millisecond to a
+program whose buffer is flushed every 64 rows; the handler allocates and keeps tensors (it runs
+between bytecodes, often inside a flush). With ``term`` as argv[2], a SIGTERM comes mid-run.
+
+Prints the losses, how many signals the handler took and the bytes it still holds."""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from torch import nn
+
+import msmemscope
+from msmemscope import capture
+
+kept = []
+hits = [0]
+
+
+def on_usr1(signum, frame):
+    hits[0] += 1
+    if hits[0] % 5 == 0:
+        kept.append(torch.empty(3001 + 2 * len(kept), dtype=torch.uint8))  # odd sizes: no float tensor has them
+
+
+def main():
+    out, mode = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+    signal.signal(signal.SIGUSR1, on_usr1)
+    traced = out != "-"
+    if traced:
+        msmemscope.config(output=out)
+        msmemscope.start()
+        capture.current().flush_rows = 64
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(16, 32)
+    done = threading.Event()
+
+    def sender():
+        while not done.is_set():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        if traced:
+            msmemscope.step()
+        print(f"loss {step} {loss.item():.6f}", flush=True)
+        if mode == "term" and step == 3:
+            print("TERM", flush=True)
+            threading.Thread(target=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        time.sleep(0.02)
+    done.set()
+    t.join()
+    if traced:
+        msmemscope.stop()
+    print("SIGNALS " + json.dumps({"hits": hits[0], "kept": [k.numel() for k in kept]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
