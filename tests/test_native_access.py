@@ -19,16 +19,13 @@ from msmemscope.capture import native
 pytestmark = pytest.mark.skipif(native.load_module() is None, reason=f"native source not built: {native.why_not()}")
 
 # plain aten ops only (no composite op that the dispatch mode sees decomposed): both sources see
-# the same top-level ops. In-place, out=, views, lists, a block made outside --steps. (A tensor made
-# before the first start() in a process is not known to the native source: its allocator wrapper
-# was not there yet.)
+# the same top-level ops. In-place, out=, views, lists, a block made outside --steps. Under the
+# launcher: a Python-API session keeps access events and owner labels on the dispatch source
+# (tensors made before its start() are found only by their storages).
 OPS = textwrap.dedent("""
-    import sys
     import torch
     import msmemscope
     torch.manual_seed(0)
-    msmemscope.config(call_stack="python:10", analysis="inefficient", output=sys.argv[1], steps="2,3,4")
-    msmemscope.start()
     early = torch.ones(128)          # allocated in step 1, outside --steps: not in the dump until read
     keep = []
     for step in range(4):
@@ -44,21 +41,18 @@ OPS = textwrap.dedent("""
         early.mul_(2)
         keep.append(f.sum(0))
         msmemscope.step()
-    msmemscope.stop()
     print("SUM", float(sum(k.sum() for k in keep)))
 """)
 
 
 def _run_prog(tmp_path, text, source, args=()):
+    """The program under the launcher (its allocator wrapper is there before the first tensor)."""
     prog = tmp_path / f"prog_{source}.py"
     prog.write_text(text)
     out = tmp_path / f"out_{source}"
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, str(prog), str(out), *args], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli([f"--output={out}", *args, str(prog)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     folder, = run_folders(out)
     df = read(dump_of(folder))
@@ -84,7 +78,8 @@ def _accesses(df):
 def test_access_rows_and_stacks_match_the_dispatch_source(tmp_path):
     got = {}
     for source in ("native", "python"):
-        r, folder, df = _run_prog(tmp_path, OPS, source)
+        r, folder, df = _run_prog(tmp_path, OPS, source,
+                                  ["--analysis=inefficient", "--call-stack=python:10", "--steps=2,3,4"])
         assert config_of(folder)["source"] == ("native" if source == "native" else "dispatch")
         got[source] = (r.stdout, df, _accesses(df))
     (out_n, df_n, acc_n), (out_p, df_p, acc_p) = got["native"], got["python"]
@@ -120,13 +115,10 @@ def test_access_rows_and_stacks_match_the_dispatch_source(tmp_path):
 
 
 DECOMPOSE = textwrap.dedent("""
-    import sys
     import torch
     import msmemscope
     from torch import nn
     torch.manual_seed(0)
-    msmemscope.config(analysis="decompose", output=sys.argv[1])
-    msmemscope.start()
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for step in range(3):
@@ -137,7 +129,6 @@ DECOMPOSE = textwrap.dedent("""
         loss.backward()
         opt.step()
         msmemscope.step()
-    msmemscope.stop()
     print("LOSS", float(loss))
 """)
 
@@ -157,7 +148,7 @@ def _owners(df):
 def test_owner_labels_match_the_dispatch_source(tmp_path):
     res = {}
     for source in ("native", "python"):
-        r, folder, df = _run_prog(tmp_path, DECOMPOSE, source)
+        r, folder, df = _run_prog(tmp_path, DECOMPOSE, source, ["--analysis=decompose"])
         assert config_of(folder)["source"] == ("native" if source == "native" else "dispatch")
         owner, m = _owners(df)
         with open(os.path.join(folder, "analysis", "decompose.json")) as f:

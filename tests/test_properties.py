@@ -94,8 +94,11 @@ def run_program(prog, out, source):
     assert capture.current() is None
     os.environ["MSMEMSCOPE_SOURCE"] = source
     # framework hooks imported by an earlier decompose example would keep the native source off
-    # (native.unsupported_by) for a run without decompose: a native example runs without them
+    # (native.unsupported_by): a native example runs without them, and without decompose (a
+    # Python-API session labels owners through the dispatch-mode source)
     hidden = sys.modules.pop("msmemscope.integrations", None) if source == "native" else None
+    if source == "native":
+        prog = {**prog, "analysis": "leaks"}
     msmemscope._config = build(Options(collect_mode="deferred"), output=str(out), analysis=prog["analysis"],
                                events="alloc,free,launch")
     hold: dict = {}

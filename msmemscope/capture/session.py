@@ -212,7 +212,7 @@ class Session:
             attach(self)
         if self.native_ops:
             from . import native
-            why = native.unsupported_by(opts, self.kind)
+            why = native.unsupported_by(opts, self.kind, self.launched)
             if why:
                 self.use_dispatch_source(why)
             else:
@@ -245,7 +245,7 @@ class Session:
         if want == "python":
             return None
         from . import native
-        why = native.unsupported_by(self.opts, self.kind)
+        why = native.unsupported_by(self.opts, self.kind, self.launched)
         mod = None if why else native.load_module()
         if mod is None:
             self.native_missing = why is None
