@@ -210,7 +210,7 @@ def why_not() -> str | None:
 def unsupported_by(opts, kind: str, launched: bool = True) -> str | None:
     """Why a run with these options cannot use the native source, or None when it can.
     ``launched``: under the launcher, the allocator wrapper is in place before the program makes
-    its first tensor; a Python-API session starts it at ``start()``, after the model exists."""
+    its first tensor; a deferred Python-API session starts it at ``start()``, after the model exists."""
     ev = opts.effective_events()
     if kind != "cpu":
         return f"the device is {kind} (the native source wraps the CPU allocator only)"
@@ -218,8 +218,9 @@ def unsupported_by(opts, kind: str, launched: bool = True) -> str | None:
     acc = available_accelerator()
     if acc is not None:
         return f"a {acc} device is present (the native source wraps the CPU allocator only)"
-    if not launched and ("access" in ev or "decompose" in opts.analysis):
-        # the blocks made before start() (the model) are only found by their storages
+    if not launched and opts.collect_mode != "immediate" and ("access" in ev or "decompose" in opts.analysis):
+        # the blocks made before a deferred start() (the model) are only found by their storages
+        # (immediate: the session starts at config(), before the program's tensors, as under the launcher)
         return "access events and owner labels of a Python-API session need the dispatch-mode source"
     if opts.c_stack:
         return "C call stacks are taken by the dispatch-mode source"
