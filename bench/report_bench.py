@@ -23,6 +23,7 @@ import numpy as np
 import polars as pl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLICE_ROWS = 1_000_000
 HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr,"
           "Call Stack(Python),Call Stack(C)\n")
 
@@ -59,32 +60,45 @@ def synth(path: str, n_events: int, seed: int = 0) -> None:
     n = len(ev_t)
     ts = (1_700_000_000_000_000_000 + (ev_t * 1000).astype(np.int64))
     ev_step = step[ev_a]
-    df = pl.DataFrame({
-        "kind": ev_kind, "a": ev_a, "size": size[ev_a], "used": used, "ts": ts,
-        "owner": cats[cat[ev_a]], "op": ops[ev_a % 40], "stack": stacks[ev_a % 24], "step": ev_step})
-    attr = pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}{}}}',
-                     pl.col("a") + 1, pl.col("a") * 4096 + 1_000_000_000,
-                     "size", "used", "used",
-                     pl.when(pl.col("kind") == 0).then(pl.format(',"owner":"{}"', "owner")).otherwise(pl.lit("")))
-    out = df.select(
-        ID=pl.int_range(1, n + 1), Event=pl.when(pl.col("kind") == 0).then(pl.lit("MALLOC")).otherwise(pl.lit("FREE")),
-        EventType=pl.lit("PTA"), Name=pl.when(pl.col("kind") == 0).then(pl.col("op")).otherwise(pl.lit("N/A")),
-        ts="ts", pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"), Attr=attr,
-        py=pl.when(pl.col("kind") == 0).then(pl.col("stack")).otherwise(pl.lit("")), c=pl.lit(""),
-        step="step")
-    # a STEP row after the last event of each step
-    bounds = out.group_by("step").agg(pl.col("ID").max(), pl.col("ts").max()).sort("step")
+    # a STEP row after the last event of each step: its place in the output, by numpy
+    # (the last event of the blocks made in each step)
+    last_of = np.full(steps, -1, dtype=np.int64)
+    np.maximum.at(last_of, ev_step, np.arange(len(ev_step)))
+    has = last_of >= 0
+    order_s = np.argsort(last_of[has])
+    last, last_step = last_of[has][order_s], np.flatnonzero(has)[order_s]
     with open(path, "w", encoding="utf-8") as f:
         f.write(HEADER)
-    rows = out.drop("step")
-    step_rows = bounds.select(ID=pl.col("ID"), Event=pl.lit("SYSTEM"), EventType=pl.lit("STEP"), Name=pl.lit("N/A"),
-                              ts=pl.col("ts"), pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"),
-                              Attr=pl.format('{{"step":{}}}', pl.col("step") + 1), py=pl.lit(""), c=pl.lit(""))
-    # renumber: STEP rows take the id after their step's last row
-    allr = pl.concat([rows.with_columns(o=pl.col("ID") * 2), step_rows.with_columns(o=pl.col("ID") * 2 + 1)])
-    allr = allr.sort("o").with_columns(ID=pl.int_range(1, allr.height + 1)).drop("o")
-    with open(path, "a", encoding="utf-8") as f:
-        allr.write_csv(f, include_header=False, quote_style="necessary")
+    # written in slices of rows so that a 10M-event dump needs little memory; IDs count the
+    # STEP rows written before each row
+    slice_rows = SLICE_ROWS
+    for lo in range(0, n, slice_rows):
+        hi = min(n, lo + slice_rows)
+        k = np.arange(lo, hi)
+        before = np.searchsorted(last, k, side="left")  # STEP rows before event k
+        df = pl.DataFrame({
+            "kind": ev_kind[lo:hi], "a": ev_a[lo:hi], "size": size[ev_a[lo:hi]], "used": used[lo:hi],
+            "ts": ts[lo:hi], "owner": cats[cat[ev_a[lo:hi]]], "op": ops[ev_a[lo:hi] % 40],
+            "stack": stacks[ev_a[lo:hi] % 24], "ID": k + before + 1})
+        attr = pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}{}}}',
+                         pl.col("a") + 1, pl.col("a") * 4096 + 1_000_000_000,
+                         "size", "used", "used",
+                         pl.when(pl.col("kind") == 0).then(pl.format(',"owner":"{}"', "owner")).otherwise(pl.lit("")))
+        rows = df.select(
+            ID="ID", Event=pl.when(pl.col("kind") == 0).then(pl.lit("MALLOC")).otherwise(pl.lit("FREE")),
+            EventType=pl.lit("PTA"), Name=pl.when(pl.col("kind") == 0).then(pl.col("op")).otherwise(pl.lit("N/A")),
+            ts="ts", pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"), Attr=attr,
+            py=pl.when(pl.col("kind") == 0).then(pl.col("stack")).otherwise(pl.lit("")), c=pl.lit(""))
+        ends = last[(last >= lo) & (last < hi)]
+        if len(ends):
+            j = np.searchsorted(last, ends)
+            srows = pl.DataFrame({"ID": ends + j + 2, "ts": ts[ends], "s": last_step[j] + 1}).select(
+                ID="ID", Event=pl.lit("SYSTEM"), EventType=pl.lit("STEP"), Name=pl.lit("N/A"), ts="ts",
+                pid=pl.lit(4242), tid=pl.lit(4242), dev=pl.lit("cpu"), ptr=pl.lit("N/A"),
+                Attr=pl.format('{{"step":{}}}', "s"), py=pl.lit(""), c=pl.lit(""))
+            rows = pl.concat([rows, srows], how="vertical_relaxed").sort("ID")
+        with open(path, "a", encoding="utf-8") as f:
+            rows.write_csv(f, include_header=False, quote_style="necessary")
 
 
 def reader_frame(n_events: int) -> pl.DataFrame:
@@ -234,14 +248,18 @@ def main():
                        capture_output=True, text=True)
     t_report = time.perf_counter() - t
     import resource
-    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_rss, report_cpu = ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
     assert r.returncode == 0, r.stderr
     size = os.path.getsize(page)
     t_browser = browser_time(page)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
     rows = sum(1 for _ in open(dump, "rb")) - 1
     print(json.dumps({"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1),
-                      "report_s": round(t_report, 2), "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
-                      "folder": d}, indent=1))
+                      "report_s": round(t_report, 2), "report_cpu_s": round(report_cpu, 1),
+                      "report_peak_rss_bytes": peak_rss, "page_bytes": size, "browser_ready_s": round(t_browser, 2),
+                      "loadavg_after": load, "folder": d}, indent=1))
     if not ns.keep:
         shutil.rmtree(d, ignore_errors=True)
 

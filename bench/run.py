@@ -37,7 +37,12 @@ CONFIGS = {
     "profiler-collect": "torch.profiler(profile_memory=True), collection only: its stop left out of the timing (no user gets this)",
     "profiler+read": "torch.profiler(profile_memory=True) and key_averages() at the end: the cost to see the data",
     "memtracker": "torch.distributed._tools.MemTracker",
+    "modules": "msmemscope, default events + module attribution (MSMEMSCOPE_MODULES=1; the native source)",
+    "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
+    "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
+TRACED = ("default", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+          "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
 import json, os, sys, time, tempfile
@@ -80,13 +85,15 @@ def build():
     return model, step
 
 tmp = tempfile.mkdtemp()
-TRACED = ("default", "default-dispatch", "access", "stack", "access-dispatch", "stack-dispatch")
-if config in TRACED:
+if config in {traced!r}:
     if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
+    if config == "modules": os.environ["MSMEMSCOPE_MODULES"] = "1"
+    if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
     if config.startswith("access"): kw["analysis"] = "inefficient"
     if config.startswith("stack"): kw["call_stack"] = "python:10"
+    if config.startswith("decompose"): kw["analysis"] = "decompose"
     msmemscope.config(**kw)
 model, step = build()
 ctx = None
@@ -115,7 +122,7 @@ cpu = time.process_time() - c0
 if ctx is not None:
     ctx.__exit__(None, None, None)
 source = None
-if config in TRACED:
+if config in {traced!r}:
     from msmemscope import capture
     source = capture.current().config["source"]
 json.dump({{"seconds": dt, "cpu_seconds": cpu, "source": source}}, open(out, "w"))
@@ -128,14 +135,15 @@ CPU_TIME = False  # --cpu-time: the traced process's CPU time (user+sys), steadi
 def run_one(workload, config, steps, env=None):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out)
+    code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out, traced=TRACED)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "default-dispatch": "dispatch", "access": "native", "stack": "native",
-            "access-dispatch": "dispatch", "stack-dispatch": "dispatch"}.get(config)
+    want = {"default": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+            "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
+            "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":
         # the native source is not built for this checkout: the figure would be the other source's
         raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")

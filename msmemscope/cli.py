@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="for --compare: <a>,<b>; a dump, an output folder, or dump.csv:step=N")
     a("-o", "--output-path", "--output", dest="output", help="output root (default ./memscopeDumpResults)")
     a("--data-format", "--format", dest="data_format", help="csv (default) or db")
+    a("--compress", help="the CSV dump: none (default, plain .csv) or zstd[:LEVEL] (.csv.zst, LEVEL 1-19, default 3)")
+    a("--keep-steps", help="bounded dump: every row of the last N steps and of the steps that first show a "
+                           "block left behind; the rest keep their blocks that outlive the step and a summary row")
     a("--log-level", help="debug, info, warning (warn), error")
     a("-v", "--verbose", "--debug", dest="verbose", action="store_true", help="more messages (log level debug)")
     a("-q", "--quiet", action="store_true", help="no console summary from the tool")
@@ -102,7 +105,8 @@ def split_late_options(program: list[str]) -> tuple[list[str], list[str]]:
 
 def parse_options(ns) -> O.Options:
     kw = {k: getattr(ns, k) for k in ("events", "level", "call_stack", "analysis", "steps", "collect_mode",
-                                      "device", "watch", "output", "data_format", "log_level")}
+                                      "device", "watch", "output", "data_format", "log_level", "compress",
+                                      "keep_steps")}
     if ns.verbose:
         kw["log_level"] = "debug"
     opts = O.build(None, **kw)
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
 def cli_given(ns) -> list[str]:
     """The option keys the command line set: a script's msmemscope.config() sets the others."""
     keys = [k for k in ("events", "level", "call_stack", "analysis", "steps", "collect_mode", "device", "watch",
-                        "output", "data_format", "log_level") if getattr(ns, k) is not None]
+                        "output", "data_format", "log_level", "compress", "keep_steps") if getattr(ns, k) is not None]
     if ns.verbose and "log_level" not in keys:
         keys.append("log_level")
     return keys

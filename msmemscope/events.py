@@ -35,6 +35,7 @@ class System:
     STOP_TRACE = "STOP_TRACE"
     STEP = "STEP"
     PROC_EXIT = "PROC_EXIT"
+    STEP_SUMMARY = "STEP_SUMMARY"  # a bounded dump's step kept in summary (io/bounded.py)
 
 
 class Access:
@@ -101,7 +102,10 @@ ACCESS_DTYPE, ACCESS_SHAPE, ACCESS_SIZE, ACCESS_ALLOC_ID = range(4)
 #: The dump format's version: config.json "format_version", and the db's ``PRAGMA user_version``.
 #: Dumps written before it existed have neither; readers take those as version 1 too.
 #: 1: the SPEC §1 dump, FREE rows of blocks freed outside the traced window flagged ``untraced``.
-FORMAT_VERSION = 1
+#: 2: a MALLOC row's Attr may end with ``"module"`` (the nn.Module the block is attributed to) and
+#:    ``"phase"`` (``forward``/``backward``: what was running when it was made); a SYSTEM/OWNER row
+#:    may carry ``"module"``. Version-1 dumps read as rows without them.
+FORMAT_VERSION = 2
 
 
 def format_ptr(ptr: int | None) -> str:
@@ -111,6 +115,9 @@ def format_ptr(ptr: int | None) -> str:
 # Attr of the hot rows travels as a tuple (cheap to build) and is formatted
 # with one template at flush: field order of each tuple.
 MALLOC_ATTR = ("allocation_id", "addr", "size", "used", "total", "owner")
+#: a MALLOC attr tuple with module attribution (capture/modules.py appends the two at flush time)
+MALLOC_ATTR_M = MALLOC_ATTR + ("module", "phase")
+A_MODULE, A_PHASE = 6, 7
 FREE_ATTR = ("allocation_id", "addr", "size", "used", "total")
 ACCESS_ATTR = ("dtype", "shape", "size", "allocation_id")
 _MALLOC_T = '{"allocation_id":%d,"addr":"0x%016x","size":%d,"used":%d,"total":%d,"owner":%s}'
@@ -123,7 +130,13 @@ def format_attr(event: str, attr) -> str:
         return ""
     if type(attr) is tuple:
         if event == Event.MALLOC:
-            return _MALLOC_T % (attr[:A_OWNER] + (json.dumps(attr[A_OWNER]),))
+            text = _MALLOC_T % (attr[:A_OWNER] + (json.dumps(attr[A_OWNER]),))
+            if len(attr) > A_MODULE:
+                text = text[:-1] + ',"module":%s' % json.dumps(attr[A_MODULE])
+                if attr[A_PHASE] is not None:
+                    text += ',"phase":%s' % json.dumps(attr[A_PHASE])
+                text += "}"
+            return text
         if event == Event.FREE:
             return _FREE_T % attr
         if event == Event.ACCESS:
@@ -138,6 +151,9 @@ def attr_dict(event: str, attr) -> dict:
     if not attr:
         return {}
     if type(attr) is tuple:
-        keys = {Event.MALLOC: MALLOC_ATTR, Event.FREE: FREE_ATTR, Event.ACCESS: ACCESS_ATTR}[event]
-        return dict(zip(keys, attr))
+        keys = {Event.MALLOC: MALLOC_ATTR_M, Event.FREE: FREE_ATTR, Event.ACCESS: ACCESS_ATTR}[event]
+        d = dict(zip(keys, attr))
+        if d.get("phase", 0) is None:
+            del d["phase"]
+        return d
     return dict(attr)

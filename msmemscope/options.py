@@ -16,6 +16,9 @@ ANALYSES = ("leaks", "decompose", "inefficient", "oom", "none")
 LEVELS = ("op", "kernel")
 COLLECT_MODES = ("immediate", "deferred")
 DATA_FORMATS = ("csv", "db")
+COMPRESSIONS = ("none", "zstd")
+DEFAULT_ZSTD_LEVEL = 3   # BENCHMARKS.md "Disk of a long run": ~9x at ~200 MB/s of one core
+MAX_KEEP_STEPS = 100_000
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LEVEL_NUMBERS = {"0": "op", "1": "kernel"}      # the original's older values
 LOG_LEVEL_ALIASES = {"warn": "warning"}
@@ -71,6 +74,8 @@ class Options:
     output: str = DEFAULT_OUTPUT
     data_format: str = "csv"
     log_level: str = "info"
+    compress: str = "none"      # the CSV dump: "none" (plain, the original's) or "zstd:<level>"
+    keep_steps: int = 0         # bounded dump: every row of the last N steps; 0 = every row of every step
 
     def effective_events(self) -> set:
         """The events written: those asked for plus those the analyses need."""
@@ -245,6 +250,38 @@ def _check_watch_op(name, usage):
                                      f"'#N' (N >= 1), e.g. aten.mm.default#2; {usage}")
 
 
+def parse_compress(value):
+    """'none' | 'zstd' | 'zstd:N' (N in 1-19) -> 'none' | 'zstd:N'."""
+    v = str(value).strip().lower()
+    kind, sep, level = v.partition(":")
+    usage = "allowed: none, zstd, zstd:N with N in 1-19"
+    if kind == "none" and not sep:
+        return "none"
+    if kind != "zstd":
+        raise OptionError("--compress", f"unknown value '{value}' ({usage})")
+    n = DEFAULT_ZSTD_LEVEL
+    if sep:
+        if not level.isdigit() or not 1 <= int(level) <= 19:
+            raise OptionError("--compress", f"level '{level}' is not a number in 1-19 ({usage})")
+        n = int(level)
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        raise OptionError("--compress", "zstd needs the zstandard package (pip install zstandard)") from None
+    return f"zstd:{n}"
+
+
+def parse_keep_steps(value):
+    """N >= 1 (0 or 'all': every step kept, the default)."""
+    v = str(value).strip().lower()
+    if v in ("0", "all", "none", ""):
+        return 0
+    if not v.isdigit() or not 1 <= int(v) <= MAX_KEEP_STEPS:
+        raise OptionError("--keep-steps", f"'{value}' is not a number of steps (allowed: 1-{MAX_KEEP_STEPS}, "
+                                          "or 0/all to keep every step)")
+    return int(v)
+
+
 def parse_choice(option, value, allowed):
     return _choices(option, value, allowed, many=False)[0]
 
@@ -291,9 +328,13 @@ def _apply(opts: Options, key: str, value):
     elif k == "log_level":
         v = str(value).strip().lower()
         opts.log_level = parse_choice("--log-level", LOG_LEVEL_ALIASES.get(v, v), LOG_LEVELS)
+    elif k == "compress":
+        opts.compress = parse_compress(value)
+    elif k == "keep_steps":
+        opts.keep_steps = parse_keep_steps(value)
     else:
         allowed = ("events, level, call_stack, analysis, steps, collect_mode, device, watch, "
-                   "output (output_path), data_format (format), log_level")
+                   "output (output_path), data_format (format), log_level, compress, keep_steps")
         raise OptionError(key, f"unknown option (allowed: {allowed})")
 
 
@@ -302,4 +343,7 @@ def build(base: Options | None = None, **kwargs) -> Options:
     for k, v in kwargs.items():
         if v is not None:
             _apply(opts, k, v)
+    if opts.compress != "none" and opts.data_format == "db":
+        raise OptionError("--compress", "compresses the CSV dump; a --data-format=db dump is not compressed "
+                                        "(choose one of them)")
     return opts

@@ -25,6 +25,9 @@ MLP = os.path.join(EXAMPLES, "mlp.py")
     (["--watch=a,b,c,d"], "--watch"),
     (["--bogus"], "--bogus"),
     (["--compare"], "--compare"),
+    (["--compress=gzip"], "--compress"),
+    (["--compress=zstd", "--data-format=db"], "--compress"),
+    (["--keep-steps=many"], "--keep-steps"),
 ])
 def test_bad_option(out_dir, args, needle):
     r = run_cli(["-o", str(out_dir), *args, MLP, "--steps", "1"])
@@ -63,3 +66,14 @@ def test_config_rejects_bad_values():
         msmemscope.config(events="nope")
     with pytest.raises(msmemscope.OptionError, match="unknown option"):
         msmemscope.config(colour="red")
+    with pytest.raises(msmemscope.OptionError, match="--keep-steps"):
+        msmemscope.config(keep_steps="x")
+    for bad in ("zstd:40", "zstd:x", "lz4"):
+        with pytest.raises(msmemscope.OptionError, match="--compress"):
+            msmemscope.config(compress=bad)
+    with pytest.raises(msmemscope.OptionError, match="--keep-steps"):
+        msmemscope.config(keep_steps=-3)
+    from msmemscope.options import build
+    o = build(compress="zstd", keep_steps=50)
+    assert (o.compress, o.keep_steps) == ("zstd:3", 50) and build(compress="zstd:19").compress == "zstd:19"
+    assert build(keep_steps="all").keep_steps == 0 and build(compress="none").compress == "none"

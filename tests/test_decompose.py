@@ -231,6 +231,17 @@ def test_fsdp2_two_ranks(out_dir):
         # an all-gathered layer holds the whole layer: the biggest Linear (128x128 + 128 floats)
         assert owners["PTA@weight@fsdp2@unsharded"]["peak"] >= (128 * 128 + 128) * 4
         assert json.loads(json.dumps(summarize(df)))["devices"] == res["devices"]
+        # module attribution through FSDP2 (issue 25): every Linear's forward and backward are seen,
+        # its sharded and all-gathered parameters are its own, and the optimizer state adds up
+        table = {r["module"]: r for r in res["modules"]["cpu"]["modules"]}
+        assert "FSDPSequential" in table  # fully_shard makes the class FSDP<name> (MemTracker names it so too)
+        for i, full_layer in ((0, (64 * 128 + 128) * 4), (2, (128 * 128 + 128) * 4), (4, (128 * 8 + 8) * 4)):
+            r = table[f"FSDPSequential.{i}"]
+            assert r["forward_peak"] and r["backward_peak"], r
+            assert r["held"]["parameters"] >= full_layer, r  # the all-gathered layer, while unsharded
+        assert table["FSDPSequential"]["held"]["optimizer_state"] == 2 * local + 4 * n, table["FSDPSequential"]
+        mal = df.filter(df["event"] == "MALLOC")
+        assert mal.filter(mal["attr"].str.contains('"phase":"backward"', literal=True)).height > 0
 
 
 def test_owner_rows_after_mid_step_flush(out_dir):

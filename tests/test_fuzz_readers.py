@@ -114,3 +114,27 @@ def test_any_bytes(tmp_path, data):
     _read(str(p))
     p.write_bytes(HEADER.encode() + b"\n" + data)
     _read(str(p))
+
+
+@given(lines=st.lists(line, max_size=12), ending=st.sampled_from(["\n", "\r\n"]), block=st.integers(16, 400))
+def test_batched_read_answers_as_the_full_read(tmp_path, lines, ending, block):
+    """``read_dump_batched`` in tiny batches: the frame ``read_dump`` gives (text as categoricals,
+    no Attr text on MALLOC/FREE/ACCESS rows), or the same refusal."""
+    data = (HEADER + "\n" + "".join(x + ending for x in lines)).encode("utf-8", "surrogatepass")
+    p = tmp_path / "f.csv"
+    p.write_bytes(data)
+    results = []
+    for read in (read_dump, lambda path: reader.read_dump_batched(path, batch_bytes=block)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                results.append(read(str(p)))
+            except DumpError as e:
+                results.append(str(e))
+    full, got = results
+    if isinstance(full, str) or isinstance(got, str):
+        assert full == got
+        return
+    got = got.with_columns(pl.col(c).cast(pl.String) for c, t in got.schema.items() if t == pl.Categorical)
+    bulk = pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])
+    assert got.equals(full.with_columns(attr=pl.when(bulk).then(None).otherwise(pl.col("attr"))))

@@ -289,3 +289,19 @@ def test_column_projection_equals_full_read(csv_run):
             tr.feed(ch)
             results.append(tr.finish().select("mpos", "bits", "size", "op"))
         assert results[0].equals(results[1])
+
+
+def test_online_compressed_dump_annotated_in_place(tmp_path_factory):
+    """--compress=zstd: the analysis marks the planted blocks in the .csv.zst dump, which stays
+    compressed (rewritten beside it and moved over it), and reads back whole."""
+    pytest.importorskip("zstandard")
+    folder, _ = _run(tmp_path_factory, "zst", "--compress=zstd:1")
+    dump = dump_of(folder)
+    assert dump.endswith(".csv.zst")
+    with open(dump, "rb") as f:
+        assert f.read(4) == b"\x28\xb5\x2f\xfd"
+    df = read(dump)
+    check_invariants(df)
+    assert df["id"].to_list() == list(range(1, df.height + 1))
+    _check_planted(_types_in_dump(df))
+    assert not glob.glob(os.path.join(os.path.dirname(dump), ".*")), "temporary file left behind"

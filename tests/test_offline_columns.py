@@ -206,3 +206,70 @@ def test_zstd_compressed_dump_reads_as_the_plain_one(dump, tmp_path):
     assert 0 < part.height < full.height
     same = full.filter(pl.col("id").is_in(part["id"].implode()))  # the original's rows are not in ID order
     assert part.drop("step").equals(same.drop("step"))
+
+
+CSV_DUMPS = [d for d in G.dumps() if d.endswith(".csv")]
+
+
+@pytest.mark.parametrize("dump", CSV_DUMPS, ids=os.path.basename)
+def test_batched_read_is_the_full_read(dump):
+    """``read_dump_batched`` in batches of a few KB (hundreds of batches) gives ``read_dump``'s
+    columns (text as categoricals, Attr text only off the MALLOC/FREE/ACCESS rows) and the same
+    HTML report data."""
+    import json
+    from msmemscope.io.reader import DEFAULT_COLUMNS, read_dump, read_dump_batched
+    from msmemscope.report import html as H
+    cols = DEFAULT_COLUMNS + ("op", "step_number")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = read_dump(dump, columns=cols)
+        got = read_dump_batched(dump, columns=cols, batch_bytes=4096)
+        for events in [("MALLOC",), ("SYSTEM", "OP_LAUNCH")]:
+            part = read_dump_batched(dump, columns=("size", "step", "op"), events=events, batch_bytes=8192)
+            want = read_dump(dump, columns=("size", "step", "op"), events=events)
+            assert part.with_columns(pl.col("op").cast(pl.String)).equals(want), events
+        a = H.build_frame(full, [dump], None)
+        from msmemscope.report.common import REPORT_COLUMNS
+        b = H.build_frame(read_dump_batched(dump, columns=REPORT_COLUMNS, batch_bytes=4096), [dump], None)
+    assert got.columns == full.columns and got.height == full.height
+    assert all(got.schema[c] == pl.Categorical for c in ("event", "name", "py_stack", "owner"))
+    plain = got.with_columns(pl.col(c).cast(pl.String) for c, t in got.schema.items() if t == pl.Categorical)
+    bulk = pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])
+    assert plain.equals(full.with_columns(attr=pl.when(bulk).then(None).otherwise(pl.col("attr"))))
+    a.pop("generated"), b.pop("generated")
+    assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def test_batched_read_checks_every_batch(tmp_path):
+    """A quoted field with a newline at a batch's edge stays one row; a row that cannot be true in
+    a late batch, or an ID repeated across batches, is refused as by ``read_dump``."""
+    from msmemscope.io.reader import DumpError, read_dump, read_dump_batched
+    from msmemscope.events import HEADER
+    rows = []
+    for i in range(1, 801):
+        if i % 2:
+            rows.append(f'{i},MALLOC,PTA,op,{1000 + i},1,1,cpu,N/A,"{{""allocation_id"":{i},""addr"":""0x{i:x}"",'
+                        f'""size"":64,""used"":64,""total"":64}}","a.py:1(f)\nb.py:2(g)",')
+        else:
+            rows.append(f'{i},FREE,PTA,N/A,{1000 + i},1,1,cpu,N/A,"{{""allocation_id"":{i - 1},""addr"":""0x{i - 1:x}"",'
+                        f'""size"":64,""used"":0,""total"":0}}",,')
+    good = tmp_path / "memscope_dump_good.csv"
+    good.write_text(HEADER + "\n" + "\n".join(rows) + "\n")
+    for bb in (1000, 4096, 1 << 20):
+        got = read_dump_batched(str(good), batch_bytes=bb)
+        assert got.height == 800 and got["py_stack"].cast(pl.String).drop_nulls().unique().to_list() == \
+            ["a.py:1(f)\nb.py:2(g)"]
+    bad_rows = {"nul": rows[:501] + [rows[501].replace(",FREE,", ",FR\x00EE,")] + rows[502:],
+                "twice": rows + [rows[3].replace("4,FREE", "4,SYSTEM")],
+                "negative": rows[:600] + [rows[600].replace('""size"":64', '""size"":-64')] + rows[601:],
+                # the FREE of block 701 written (ID 701) before its MALLOC (ID 702)
+                "free first": rows[:700] + [rows[701].replace("702,", "701,", 1),
+                                             rows[700].replace("701,", "702,", 1)] + rows[702:]}
+    for name, rs in bad_rows.items():
+        p = tmp_path / f"memscope_dump_{name.replace(' ', '_')}.csv"
+        p.write_text(HEADER + "\n" + "\n".join(rs) + "\n")
+        with pytest.raises(DumpError, match="NUL|more than once|negative|before the MALLOC") as want:
+            read_dump(str(p))
+        with pytest.raises(DumpError) as got:
+            read_dump_batched(str(p), batch_bytes=4096)
+        assert str(got.value) == str(want.value), name

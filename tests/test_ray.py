@@ -227,6 +227,8 @@ def cluster(request):
     return ray.get_runtime_context().gcs_address
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): the launcher test above runs the same "
+                    "actors traced, and ray_runtime_env() is checked without a cluster below")
 def test_ray_runtime_env_on_a_running_cluster(cluster, tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, os.path.join(PROGS, "ray_two_actors.py"), str(STEPS), cluster, str(out), ROOT],

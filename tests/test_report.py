@@ -650,6 +650,64 @@ def test_chromium_owned_run_stacked_live_click_findings(owned, tmp_path, browser
         page.close()
 
 
+def test_report_live_view_groups_by_module(owned, run):
+    """The owned run traces with decompose, so its MALLOC rows carry their module: the live view's
+    leaves say which, and at the peak the bytes per module are those of the dump's live blocks."""
+    from msmemscope.io.reader import read_dump
+    from msmemscope.report.html import build
+    folder, dump, df = owned
+    data = build(folder)
+    (s,) = data["series"]
+    live = s["live"]
+    assert live["has_modules"]
+    got = {}
+    for lf, v in zip(live["leaves"], leaf_values(live, live["peak"])):
+        got[lf["module"]] = got.get(lf["module"], 0) + v
+    got = {k: v for k, v in got.items() if v}
+    # independent: the blocks live at the peak row, by the module their MALLOC row names
+    cols = read_dump(dump, columns=("event", "alloc_id", "size", "used", "module"), events=("MALLOC", "FREE"))
+    peak_i = int(cols["used"].arg_max())
+    live_blocks = {}
+    for ev, aid, size, mod in cols.head(peak_i + 1).select("event", "alloc_id", "size", "module").iter_rows():
+        if ev == "MALLOC":
+            live_blocks[aid] = (mod, size)
+        else:
+            live_blocks.pop(aid, None)
+    want = {}
+    for mod, size in live_blocks.values():
+        want[mod] = want.get(mod, 0) + size
+    assert sum(got.values()) == sum(want.values()) == s["peak"]
+    assert {"Sequential.0", "Sequential.2"} <= set(want)
+    for mod in want:  # leaves folded into '(small blocks)' carry no module: compare the large ones
+        if want[mod] > 0.05 * s["peak"]:
+            assert got.get(mod) == want[mod], (mod, got, want)
+    # a run without module attribution (no decompose): nothing to group by
+    assert not build(run[1])["series"][0]["live"]["has_modules"]
+
+
+def test_chromium_live_view_grouped_by_module(owned, tmp_path, browser):
+    folder, dump, df = owned
+    page = Page(browser, report_of(folder, tmp_path))
+    try:
+        assert page.js("!!document.getElementById('live-group')")
+        m = page.js("msmemscope.moment")
+        names0 = page.js("msmemscope.live.tree.nodes.map(function(n){return n.name;})")
+        assert "Sequential" not in names0
+        page.js("var g=document.getElementById('live-group'); g.value='module'; g.dispatchEvent(new Event('change'))")
+        m2 = page.js("msmemscope.moment")
+        assert m2["index"] == m["index"] and m2["total"] == m["total"]  # the same moment, grouped otherwise
+        nodes = page.js("msmemscope.live.tree.nodes.map(function(n){return [n.name, n.full, n.bytes, n.value[0]];})")
+        by_full = {full: (name, b, depth) for name, full, b, depth in nodes}
+        assert by_full["Sequential"][2] == 1 and by_full["Sequential.0"][0] == "0" and by_full["Sequential.0"][2] == 2
+        assert by_full["Sequential"][1] >= by_full["Sequential.0"][1] + by_full["Sequential.2"][1]
+        px = page.pixels("#live-flame", [WEIGHTS, GRADIENTS, OPT_STATE])
+        assert px["ink"] > 0.15, px
+        page.js("var g=document.getElementById('live-group'); g.value='stack'; g.dispatchEvent(new Event('change'))")
+        assert page.js("msmemscope.live.tree.nodes.map(function(n){return n.name;})") == names0
+    finally:
+        page.close()
+
+
 def test_chromium_run_without_owners_or_stacks_and_hostile_names(run, tmp_path, browser):
     folder, dump, df = run
     path = report_of(dump, tmp_path)

@@ -51,34 +51,12 @@ def _in_ray_worker() -> bool:
     return os.path.basename(argv0) == "default_worker.py" and "ray" in argv0
 
 
-class _TorchWatcher(importlib.abc.MetaPathFinder):
-    """Wraps torch's loader so tracing starts right after ``import torch`` completes."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        orig_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            orig_exec(module)
-            try:
-                start_from_env()
-            except Exception as e:
-                print(f"[msmemscope] tracing disabled in process {os.getpid()}: {e}", file=sys.stderr)
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` right after the module ``name`` is imported."""
+    """Runs ``then()`` right after the module ``name`` is imported (by wrapping its loader); a
+    failure of ``then`` is one stderr line starting with ``failed``, never the import's."""
 
-    def __init__(self, name, then):
-        self.name, self.then = name, then
+    def __init__(self, name, then, failed="process {pid}"):
+        self.name, self.then, self.failed = name, then, failed
 
     def find_spec(self, name, path=None, target=None):
         if name != self.name:
@@ -95,7 +73,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             try:
                 then()
             except Exception as e:
-                print(f"[msmemscope] process {os.getpid()}: {e}", file=sys.stderr)
+                print(f"[msmemscope] {self.failed.format(pid=os.getpid())}: {e}", file=sys.stderr)
         spec.loader.exec_module = exec_module
         return spec
 
@@ -116,4 +94,5 @@ def install():
     if "torch" in sys.modules:
         start_from_env()
     else:
-        sys.meta_path.insert(0, _TorchWatcher())
+        # tracing starts right after `import torch` completes
+        sys.meta_path.insert(0, _AfterImport("torch", start_from_env, "tracing disabled in process {pid}"))

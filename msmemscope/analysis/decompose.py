@@ -23,10 +23,16 @@ import json
 import os
 import sys
 
-from ..events import A_ALLOC_ID, A_OWNER, A_SIZE, ATTR, DEVICE, EVENT, EVENT_TYPE, Event, System
+from ..events import (A_ALLOC_ID, A_MODULE, A_OWNER, A_PHASE, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,
+                      Event, System)
 
 OWNER_ROW = "OWNER"
 UNLABELLED = "unlabelled"
+OUTSIDE = "(outside modules)"
+#: the per-module table's columns, from the owner's category
+MODULE_COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+_COLUMN_OF = {"weight": "parameters", "gradient": "gradients", "optimizer_state": "optimizer_state",
+              "activation": "activations", "ops": "temporaries"}
 
 
 def category(owner: str) -> str:
@@ -126,6 +132,213 @@ class Decomposition:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
 
 
+def _column(owner):
+    return _COLUMN_OF.get(category(owner), "other")
+
+
+class ModuleTable:
+    """Memory by nn.Module for one step (the step with the highest peak of each device, or ``step``):
+    per module path and each of its ancestors (the module with its submodules), per column, the
+    bytes live at the moment of the step's peak (``at_peak``) and the most held at once during the
+    step (``held``); ``forward_peak`` / ``backward_peak``: the most bytes in use (the device's
+    ``used``) at an allocation made in its forward / backward. Rows of the device's ``PTA`` pool."""
+
+    def __init__(self, step=None):
+        self.want = step
+        self.blocks = {}      # alloc_id -> (dev, prefixes, column, size)
+        self.cur = {}         # (dev, prefix, column) -> bytes
+        self.held = {}        # (dev, prefix, column) -> most bytes during the step
+        self.since = {}       # dev -> {(prefix, column): change since the step's peak}
+        self.used = {}        # dev -> bytes in use now
+        self.peak = {}        # dev -> the step's peak
+        self.fwd = {}         # (dev, prefix) -> forward peak this step
+        self.bwd = {}
+        self.best = {}        # dev -> the table kept
+        self.seen = False     # any row carried a module
+        self._pre = {None: (OUTSIDE,)}
+
+    def _prefixes(self, module):
+        p = self._pre.get(module)
+        if p is None:
+            parts = module.split(".")
+            p = self._pre[module] = tuple(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        return p
+
+    def _move(self, dev, pres, col, n):
+        cur, held = self.cur, self.held
+        since = self.since.get(dev)
+        if since is None:
+            since = self.since[dev] = {}
+        for p in pres:
+            k = (dev, p, col)
+            v = cur.get(k, 0) + n
+            cur[k] = v
+            if n > 0 and v > held.get(k, 0):
+                held[k] = v
+            sk = (p, col)
+            since[sk] = since.get(sk, 0) + n
+
+    def malloc(self, dev, aid, size, owner, module, phase, used):
+        if aid is None or size is None:
+            return
+        if module is not None:
+            self.seen = True
+        pres = self._prefixes(module)
+        col = _column(owner)
+        self.blocks[aid] = (dev, pres, col, size)
+        self._move(dev, pres, col, size)
+        if used is not None:
+            self.used[dev] = used
+            if used > self.peak.get(dev, -1):
+                self.peak[dev] = used
+                self.since[dev] = {}
+            if phase is not None and module is not None:
+                pk = self.fwd if phase == "forward" else self.bwd
+                for p in pres:
+                    k = (dev, p)
+                    if used > pk.get(k, -1):
+                        pk[k] = used
+
+    def free(self, aid, used=None):
+        b = self.blocks.pop(aid, None)
+        if b is not None:
+            self._move(b[0], b[1], b[2], -b[3])
+            if used is not None:
+                self.used[b[0]] = used
+
+    def relabel(self, aid, owner, module=None):
+        b = self.blocks.get(aid)
+        if b is None:
+            return
+        col = _column(owner) if owner else b[2]
+        pres = self._prefixes(module) if module is not None else b[1]
+        if (col, pres) == (b[2], b[1]):
+            return
+        self._move(b[0], b[1], b[2], -b[3])
+        self.blocks[aid] = (b[0], pres, col, b[3])
+        self._move(b[0], pres, col, b[3])
+
+    def end_step(self, step):
+        for dev in sorted({d for d, _, _ in self.cur} | set(self.peak)):
+            peak = self.peak.get(dev)
+            keep = (step == self.want) if self.want is not None else (
+                peak is not None and peak > self.best.get(dev, {}).get("peak", -1))
+            if keep and peak is not None:
+                self.best[dev] = self._table(dev, step, peak)
+        for dev in self.peak:
+            self.peak[dev] = self.used.get(dev, 0)
+        self.since = {}
+        self.held = {k: v for k, v in self.cur.items() if v}
+        self.fwd, self.bwd = {}, {}
+
+    def _table(self, dev, step, peak):
+        since = self.since.get(dev, {})
+        rows = {}
+
+        def row(p):
+            r = rows.get(p)
+            if r is None:
+                r = rows[p] = {"module": p, "depth": 1 if p == OUTSIDE else p.count(".") + 1,
+                               "at_peak": dict.fromkeys(MODULE_COLUMNS, 0), "held": dict.fromkeys(MODULE_COLUMNS, 0),
+                               "forward_peak": self.fwd.get((dev, p)), "backward_peak": self.bwd.get((dev, p))}
+            return r
+        for (d, p, col), v in self.cur.items():
+            if d != dev:
+                continue
+            at = v - since.get((p, col), 0)
+            h = self.held.get((d, p, col), 0)
+            if at or h:
+                r = row(p)
+                r["at_peak"][col] = at
+                r["held"][col] = h
+        for (d, p) in list(self.fwd) + list(self.bwd):
+            if d == dev:
+                row(p)
+        out = []
+        for r in rows.values():
+            r["total"] = sum(r["at_peak"].values())
+            out.append(r)
+        out.sort(key=lambda r: (-r["total"], r["module"]))
+        return {"step": step, "peak": peak, "modules": out}
+
+    def result(self) -> dict:
+        return {dev: t for dev, t in sorted(self.best.items())} if self.seen else {}
+
+    def feed_raw(self, rows):
+        """Raw session rows (online): MALLOC/FREE rows of the PTA pool, OWNER updates."""
+        for r in rows:
+            ev = r[EVENT]
+            if ev == Event.MALLOC:
+                if r[EVENT_TYPE] != "PTA":
+                    continue
+                a = r[ATTR]
+                if type(a) is tuple:
+                    m = len(a) > A_MODULE
+                    self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER], a[A_MODULE] if m else None,
+                                a[A_PHASE] if m else None, a[A_USED])
+                elif a:
+                    self.malloc(r[DEVICE], a.get("allocation_id"), a.get("size"), a.get("owner"), a.get("module"),
+                                a.get("phase"), a.get("used"))
+            elif ev == Event.FREE:
+                a = r[ATTR]
+                if type(a) is tuple:
+                    self.free(a[A_ALLOC_ID], a[A_USED])
+                elif a:
+                    self.free(a.get("allocation_id"), a.get("used"))
+            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+                self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"), r[ATTR].get("module"))
+
+
+def module_table(df, step=None) -> dict:
+    """The per-module table of one dump (``read_dump`` with ``MODULE_COLUMNS_READ``), the online sink's numbers."""
+    import polars as pl
+    rows = df.filter((pl.col("event").is_in([Event.MALLOC, Event.FREE]) & (pl.col("event_type") == "PTA"))
+                     | ((pl.col("event") == Event.SYSTEM) & pl.col("event_type").is_in([System.STEP, OWNER_ROW])))
+    rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(pl.col("attr"))
+                             .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
+    t = ModuleTable(step)
+    pending = False
+    for ev, et, dev, aid, size, owner, module, phase, used, stepno in rows.select(
+            "event", "event_type", "device", "alloc_id", "size", "owner", "module", "phase", "used",
+            "stepno").iter_rows():
+        if ev == Event.MALLOC:
+            t.malloc(dev, aid, size, owner, module, phase, used)
+            pending = True
+        elif ev == Event.FREE:
+            t.free(aid, used)
+            pending = True
+        elif et == System.STEP:
+            t.end_step(stepno)
+            pending = False
+        else:
+            t.relabel(aid, owner, module)
+    if pending:
+        t.end_step(None)
+    return t.result()
+
+
+def fold_depth(table: dict, depth: int) -> list:
+    """The modules of a device's table down to ``depth`` (root = 1), sorted by what they hold at the peak."""
+    return [r for r in table["modules"] if r["depth"] <= depth]
+
+
+def format_modules(res: dict, depth: int = 2, top: int | None = None) -> str:
+    def mb(n):
+        return f"{n / 1048576:9.3f}" if n is not None else f"{'-':>9}"
+    lines = []
+    for dev, t in res.items():
+        lines.append(f"[msmemscope] memory by module, device {dev}, at the peak of step {t['step']} "
+                     f"({t['peak'] / 1048576:.3f} MB; MB, a module with its submodules)")
+        lines.append(f"  {'module':<40} {'params':>9} {'grads':>9} {'opt':>9} {'activ':>9} {'temp':>9} "
+                     f"{'other':>9} {'at peak':>9} {'fwd peak':>9} {'bwd peak':>9}")
+        rows = fold_depth(t, depth)
+        for r in rows[:top] if top else rows:
+            a = r["at_peak"]
+            lines.append(f"  {r['module'][-40:]:<40} " + " ".join(mb(a[c]) for c in MODULE_COLUMNS) +
+                         f" {mb(r['total'])} {mb(r['forward_peak'])} {mb(r['backward_peak'])}")
+    return "\n".join(lines)
+
+
 def summarize(df) -> dict:
     """The decomposition of one dump (a DataFrame from ``read_dump``), same numbers as the online sink."""
     import polars as pl
@@ -151,6 +364,7 @@ def summarize(df) -> dict:
 
 #: what the offline decomposition reads of a dump (the reader's column layer)
 COLUMNS = ("id", "event", "event_type", "device", "alloc_id", "size", "owner", "attr")
+MODULE_COLUMNS_READ = COLUMNS + ("used", "module", "phase")
 EVENTS = (Event.MALLOC, Event.FREE, Event.SYSTEM)
 
 
@@ -193,15 +407,18 @@ class DecomposeSink:
     def __init__(self, session):
         from ..capture.owners import labeler_for
         self.dec = Decomposition()
+        self.mods = ModuleTable()
         self.labeler = labeler_for(session)
         session.labeler = self.labeler
         self.labeler.install()
 
     def consume(self, rows, first_id):
         self.dec.feed_raw(rows)
+        self.mods.feed_raw(rows)
 
     def step_end(self, session, step):
         self.dec.end_step(step)
+        self.mods.end_step(step)
 
     def close(self, session):
         if session.labeler is not None:
@@ -209,10 +426,14 @@ class DecomposeSink:
         self.labeler.remove()
         if self.dec.rows_since_step:
             self.dec.end_step(None)
+            self.mods.end_step(None)
         res = self.dec.result()
         res["owner_updates"] = self.labeler.updates
+        res["modules"] = self.mods.result()
         path = write_result(session.folder, res)
         from .._console import say
+        if res["modules"]:
+            say(format_modules(res["modules"], depth=2, top=10))
         say(format_table(res))
         say(f"[msmemscope] decomposition written to {path}")
 
@@ -222,7 +443,8 @@ def make_sink(session):
 
 
 def main(argv) -> int:
-    """``msmemscope decompose <dump or folder>``: print the decomposition of a dump, write JSON with -o."""
+    """``msmemscope decompose [--by=owner|module] [--depth=N] [--step=N] [--json] <dump or folder>``:
+    print the decomposition of a dump (by owner, or the per-module table), write JSON with -o."""
     from ..cli import UsageError, _Parser, error_exit
     from ..io.files import create_new, unique_path
     from ..io.reader import DumpError
@@ -230,28 +452,61 @@ def main(argv) -> int:
     p = _Parser(prog="msmemscope decompose", allow_abbrev=False)
     p.add_argument("dump", help="a dump, a run folder, or the root of a distributed run (one report per rank)")
     p.add_argument("-o", "--output", help="write the JSON summary to this file (never overwrites: a new name)")
+    p.add_argument("--by", default="owner", help="owner (default): bytes per owner label; module: per nn.Module")
+    p.add_argument("--depth", default="2", help="with --by=module: modules down to this depth (the root is 1; default 2)")
+    p.add_argument("--step", default=None, help="with --by=module: this step (default: the step with the highest peak)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout instead of the table")
     try:
         a = p.parse_args(argv)
     except UsageError as e:
         return error_exit(str(e))
+    if a.by not in ("owner", "module"):
+        return error_exit(f"--by={a.by}: choose owner or module")
+    nums = {}
+    for opt, v in (("depth", a.depth), ("step", a.step)):
+        try:
+            nums[opt] = None if v is None else int(v)
+        except ValueError:
+            return error_exit(f"--{opt}={v}: not a whole number")
+    depth, step = nums["depth"], nums["step"]
+    if depth < 1:
+        return error_exit(f"--depth={a.depth}: at least 1 (the root module)")
+    if step is not None and step < 1:
+        return error_exit(f"--step={a.step}: steps are numbered from 1")
     if a.output:
         d = os.path.dirname(os.path.abspath(a.output))
         if not os.path.isdir(d):
             return error_exit(f"-o {a.output}: folder {d} does not exist")
         if os.path.isdir(a.output):
             return error_exit(f"-o {a.output}: is a folder; give a file name")
+
+    def one(path):
+        if a.by == "owner":
+            r = summarize_dump(path)
+            return r, format_table(r)
+        from ..io.reader import read_dump
+        r = module_table(read_dump(path, columns=MODULE_COLUMNS_READ, events=EVENTS), step)
+        if not r:
+            raise DumpError(f"{path}: no MALLOC row carries a module{'' if step is None else f' in step {step}'} "
+                            "(trace with --analysis=decompose, or MSMEMSCOPE_MODULES=1)")
+        for t in r.values():
+            t["modules"] = fold_depth(t, depth)
+        return r, format_modules(r, depth)
     try:
         rds = find_rank_dumps(a.dump)
         if len(rds) == 1:
-            res = summarize_dump(rds[0].path)
-            print(format_table(res))
+            res, text = one(rds[0].path)
+            print(json.dumps(res, indent=1) if a.json else text)
         else:  # one report per rank
             res = {"ranks": []}
             for rd in rds:
-                r = summarize_dump(rd.path)
-                print(heading(rd))
-                print(format_table(r))
+                r, text = one(rd.path)
+                if not a.json:
+                    print(heading(rd))
+                    print(text)
                 res["ranks"].append({"label": rd.label, "rank": rd.rank, "dump": rd.path, "result": r})
+            if a.json:
+                print(json.dumps(res, indent=1))
     except DumpError as e:
         return error_exit(str(e))
     if a.output:

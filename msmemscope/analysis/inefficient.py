@@ -500,7 +500,12 @@ def annotate_in_place(path: str, marks: dict[int, str]) -> None:
         os.unlink(tmp)
     try:
         with create_new(tmp, binary=True) as out:
-            annotate_csv(path, out, marks)
+            if path.endswith(".csv.zst"):  # --compress=zstd: the annotated dump stays compressed
+                import zstandard
+                with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as z:
+                    annotate_csv(path, z, marks)
+            else:
+                annotate_csv(path, out, marks)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

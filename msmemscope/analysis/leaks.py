@@ -387,7 +387,23 @@ class StepLeakTracker:
                 step = self.step
                 fluct = self.fluct  # _bound_fluct may have replaced it
                 cur.clear()
+            elif ev == SYSTEM and r[EVENT_TYPE] == System.STEP_SUMMARY:
+                self.summary(a)
+                fluct = self.fluct
+                cur.clear()
         return found
+
+    def summary(self, attr):
+        """A bounded dump's summarised step (io/bounded.py): the least and most ``used`` of each
+        pool over the step's rows, dropped ones included, count for fluctuation."""
+        rng = attr.get("used_range") if isinstance(attr, dict) else None
+        if not isinstance(rng, dict):
+            return
+        for k, v in rng.items():
+            dev, _, pool = str(k).rpartition("/")
+            if isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v):
+                self._used((dev, pool), v[0])
+                self._used((dev, pool), v[1])
 
     # ------------------------------------------------------------------ results
     def results(self, judged=True) -> dict:
@@ -699,6 +715,19 @@ def fluctuation(df) -> dict:
     out: dict = {}
     for dev, pool, step, mn, mx in g.iter_rows():
         out.setdefault((dev, pool), {})[step] = (mn, mx)
+    # a bounded dump's summarised steps: the range over every row of the step, dropped ones included
+    sums = (df.lazy().filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP_SUMMARY")
+                             & (pl.col("step") >= 2) & (pl.col("step") <= last))
+            .select("step", "attr").collect()) if "attr" in df.columns else None
+    for step, text in (sums.iter_rows() if sums is not None else ()):
+        rng = (_attr_json(text) or {}).get("used_range")
+        for k, v in (rng.items() if isinstance(rng, dict) else ()):
+            dev, _, pool = str(k).rpartition("/")
+            if not (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)):
+                continue
+            steps = out.setdefault((dev, pool), {})
+            mn, mx = steps.get(step, (v[0], v[1]))
+            steps[step] = (min(mn, v[0]), max(mx, v[1]))
     return out
 
 
@@ -767,12 +796,25 @@ COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "ad
 EVENTS = ("MALLOC", "FREE", "MSTX", "OP_LAUNCH", "SYSTEM")
 
 
+def with_summaries(df, path):
+    """A bounded dump's ``STEP_SUMMARY`` rows given their Attr (null on the other rows), read
+    apart so that a dump without them costs nothing more."""
+    pl = _pl()
+    if "attr" in df.columns or not (df["event_type"] == "STEP_SUMMARY").any():
+        return df
+    from ..io.reader import read_dump
+    s = read_dump(path, columns=("event_type", "attr"), events=("SYSTEM",))
+    s = s.filter(pl.col("event_type") == "STEP_SUMMARY").select("id", "attr")
+    return df.join(s, on="id", how="left").sort("id")
+
+
 def _read(path):
     import warnings
     from ..io.reader import read_dump
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         df = read_dump(path, columns=COLUMNS, events=EVENTS)
+        df = with_summaries(df, path)
     for w in caught:
         print(f"msmemscope: warning: {w.message}", file=sys.stderr)
     return df
@@ -797,7 +839,7 @@ def replay(df, recorded=None) -> StepLeakTracker:
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
                         "owner", "py_stack", "attr", "step") if c in df.columns]
     q = (df.lazy().filter(pl.col("event").is_in(["MALLOC", "FREE", "MSTX"])
-                          | ((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")))
+                          | ((pl.col("event") == "SYSTEM") & pl.col("event_type").is_in(["STEP", "STEP_SUMMARY"])))
          .sort("id").select(cols).collect())
     has = set(cols)
     batch, ids = [], []
@@ -809,7 +851,7 @@ def replay(df, recorded=None) -> StepLeakTracker:
             attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
         else:
             attr = _attr_json(r.get("attr")) or {}
-            if ev == Event.SYSTEM:
+            if ev == Event.SYSTEM and r["event_type"] == System.STEP:
                 n = attr.get("step")
                 if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
                     n = r["step"] if "step" in has else None

@@ -178,16 +178,13 @@ class Labeler:
         self._handles = []
         self._hooks_pushed = False
         self._patched = []
+        self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
 
     # ------------------------------------------------------------ install / remove
     def install(self):
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
-        self._handles.append(nn_module.register_module_forward_pre_hook(self._fwd_pre))
-        try:
-            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
-        except TypeError:
-            self._handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+        self._module_hooks()
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
         try:
@@ -197,7 +194,27 @@ class Labeler:
             pass
         self._patch_fsdp2()
 
+    def _module_hooks(self):
+        from torch.nn.modules import module as nn_module
+        self._mod_handles = [nn_module.register_module_forward_pre_hook(self._fwd_pre)]
+        try:
+            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
+        except TypeError:
+            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+
+    def pause(self):
+        """Tracing stopped: the global module hooks go (every module call of the program pays them)."""
+        for h in getattr(self, "_mod_handles", ()):
+            h.remove()
+        self._mod_handles = []
+        self.depth = 0
+
+    def resume(self):
+        if not getattr(self, "_mod_handles", None):
+            self._module_hooks()
+
     def remove(self):
+        self.pause()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -339,6 +356,61 @@ class Labeler:
         walk_live_objects(list(self.roots), list(self.optimizers), add)
         return out
 
+    def _owning_modules(self, roots):
+        """id(storage) -> path of the module that registers the parameter or buffer (its gradient and
+        its optimizer state go with it); only while module attribution is on."""
+        tracker = getattr(self.s, "modules", None)
+        if tracker is None:
+            return {}
+        out = {}
+        by_param = {}
+
+        def add(t, path):
+            for p in plain_tensors(t):
+                st = _storage(p)
+                if st is not None:
+                    out.setdefault(id(st), path)
+        for m in roots:
+            root = tracker.path_of(m)
+            for name, sub in m.named_modules():
+                path = tracker.paths.get(sub) or (f"{root}.{name}" if name else root)
+                for p in sub.parameters(recurse=False):
+                    by_param.setdefault(id(p), path)
+                    add(p, path)
+                    if p.grad is not None:
+                        add(p.grad, path)
+                    sp = getattr(p, "_local_tensor", None)
+                    if sp is not None:
+                        add(sp, path)
+                for bf in sub.buffers(recurse=False):
+                    add(bf, path)
+                get_state = getattr(sub, "_get_fsdp_state", None)
+                if get_state is not None:  # FSDP2: the all-gathered and sharded storages of its parameters
+                    try:
+                        pg = get_state()._fsdp_param_group
+                        for fp in (pg.fsdp_params if pg is not None else ()):
+                            mp = tracker.paths.get(fp._module_info.module) or path
+                            for t in getattr(fp, "all_gather_outputs", ()) or ():
+                                add(t, mp)
+                            add(getattr(fp, "_sharded_param_data", None), mp)
+                            sp = getattr(fp, "sharded_param", None)
+                            if sp is not None:
+                                by_param.setdefault(id(sp), mp)
+                                add(sp, mp)
+                                if sp.grad is not None:
+                                    add(sp.grad, mp)
+                    except Exception:
+                        pass
+        for opt in list(self.optimizers):
+            for p, st in opt.state.items():
+                path = by_param.get(id(p))
+                if path is None or not isinstance(st, dict):
+                    continue
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        add(v, path)
+        return out
+
     def resolve(self, register=False):
         """Relabel every live block from the live objects; returns the blocks whose owner changed."""
         cats = self._collect(register)
@@ -361,6 +433,11 @@ class Labeler:
         except Exception:
             cats, changed = {}, []
         live = s.live
+        try:
+            mods = self._owning_modules(list(self.roots))
+        except Exception:
+            mods = {}
+        self.owned = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
         for b in pending:  # blocks freed since the last flush: their storage may still exist (resize_)
             st = b()
             key = id(st) if st is not None else None
@@ -380,7 +457,7 @@ class Labeler:
                 if b is not None:
                     in_buf.add(a[A_ALLOC_ID])
                     if a[A_OWNER] != b.owner:
-                        buf[i] = r[:ATTR] + (a[:A_OWNER] + (b.owner,),) + r[ATTR + 1:]
+                        buf[i] = r[:ATTR] + (a[:A_OWNER] + (b.owner,) + a[A_OWNER + 1:],) + r[ATTR + 1:]
             elif isinstance(a, dict):
                 b = by_aid.get(a.get("allocation_id"))
                 if b is not None:
@@ -391,7 +468,10 @@ class Labeler:
             for b in changed:
                 if b.alloc_id not in in_buf and b.owner:
                     self.updates += 1
-                    s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+                    row = {"allocation_id": b.alloc_id, "owner": b.owner}
+                    if b.alloc_id in self.owned:
+                        row["module"] = self.owned[b.alloc_id]
+                    s.system(OWNER_ROW, row)
         # forget what we knew about blocks that are gone
         if self.info:
             alive = {b.alloc_id for b in live.values()}
@@ -504,6 +584,9 @@ class NativeLabeler(Labeler):
         self.owner = {}        # alloc_id -> owner last written (or to be written) for a live block
         self.tags = {}         # (users, component) -> tag
         self.tag_info = [None]
+        # owning modules (module attribution): None lets capture/modules.py find them by data
+        # pointer itself (ModuleTracker.owned_blocks through session.alloc_id_of)
+        self.owned = None
 
     def install(self):
         global _on_labels_changed
@@ -680,7 +763,7 @@ class NativeLabeler(Labeler):
             in_buf.add(aid)
             if type(a) is tuple:
                 if a[A_OWNER] != new:
-                    buf[i] = r[:ATTR] + (a[:A_OWNER] + (new,),) + r[ATTR + 1:]
+                    buf[i] = r[:ATTR] + (a[:A_OWNER] + (new,) + a[A_OWNER + 1:],) + r[ATTR + 1:]
             elif a.get("owner") != new:
                 buf[i] = r[:ATTR] + ({**a, "owner": new},) + r[ATTR + 1:]
         if s.emit_alloc:

@@ -146,6 +146,7 @@ class Session:
         self._hooks: list = []
         self._lock_owner = None
         self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
+        self.modules = None                  # module attribution (capture/modules.py), from the first start()
         self.kind = self._primary_kind()
         self.op_device = "cpu" if self.kind == "cpu" else backends.device_id(torch.device(opts.device or self.kind))
         self.flags = Flags()
@@ -183,10 +184,12 @@ class Session:
         analyses are rebuilt by the caller, outside capture: ``msmemscope._merge_with_launcher``.)"""
         import dataclasses
         old, late = self.opts, []
-        moved = (opts.output, opts.data_format) != (old.output, old.data_format)
+        moved = ((opts.output, opts.data_format, opts.compress, opts.keep_steps)
+                 != (old.output, old.data_format, old.compress, old.keep_steps))
         if moved and (self.next_id > 0 or self.closed):
-            late.append(f"output_path/format (the dump had already begun in {self.folder})")
-            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format)
+            late.append(f"output_path/format/compress/keep_steps (the dump had already begun in {self.folder})")
+            opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format,
+                                       compress=old.compress, keep_steps=old.keep_steps)
             moved = False
         self.opts = opts
         self._set_wants()
@@ -210,6 +213,9 @@ class Session:
         if self.started_once and opts.watch is not None and self.watch_engine is None:
             from .watch import attach
             attach(self)
+        from . import modules
+        if self.active and self.modules is None and modules.wanted(opts):  # config(analysis='decompose') late
+            self.modules = modules.ModuleTracker(self).install()
         if self.native_ops:
             from . import native
             why = native.unsupported_by(opts, self.kind, self.launched)
@@ -292,7 +298,8 @@ class Session:
         self.device_folder = make_dirs(os.path.join(self.folder, dev_dir))
         dump_dir = make_dirs(os.path.join(self.device_folder, "dump"))
         # the rows are written by a process of its own (io/spool.py; MSMEMSCOPE_WRITER=inline keeps them here)
-        self.writer = SpoolWriter(open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}")))
+        self.writer = SpoolWriter(open_writer(self.opts.data_format, os.path.join(dump_dir, f"memscope_dump_{ts}"),
+                                              self.opts.compress), keep_steps=self.opts.keep_steps)
         self.dump_path = self.writer.path
         log_dir = make_dirs(os.path.join(self.folder, "msmemscope_logs"))
         self.log_path = unique_path(os.path.join(log_dir, f"msmemscope_{ts}.log"))
@@ -595,6 +602,11 @@ class Session:
             self.sync_sources()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
+        if self.modules is not None:
+            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
+                self.modules.attribute(self.buf, self.labeler.owned if self.labeler is not None else None)
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
@@ -708,6 +720,13 @@ class Session:
             self._skip_dataloader_workers()
         if self.device_source is not None:
             self.device_source.start()
+        from . import modules
+        if modules.wanted(self.opts):
+            if self.modules is None:
+                self.modules = modules.ModuleTracker(self)
+            self.modules.install()  # global module hooks, removed at stop()
+        if self.labeler is not None:
+            self.labeler.resume()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
         self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
@@ -733,6 +752,10 @@ class Session:
         self._hooks.clear()
         for fn in self._stop_hooks:
             fn()
+        if self.modules is not None:
+            self.modules.remove()
+        if self.labeler is not None:
+            self.labeler.pause()
         # nothing new is recorded from here; frees of the blocks in the dump are, flagged
         self.active = False
         self._update_flags()

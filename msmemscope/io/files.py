@@ -78,6 +78,8 @@ def unique_path(path: str) -> str:
     if not os.path.lexists(path):
         return path
     stem, ext = os.path.splitext(path)
+    if ext == ".zst" and stem.endswith(".csv"):  # x.csv.zst -> x_1.csv.zst
+        stem, ext = stem[:-4], ".csv.zst"
     n = 1
     while os.path.lexists(f"{stem}_{n}{ext}"):
         n += 1

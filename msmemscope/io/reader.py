@@ -25,8 +25,9 @@ NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr
 #: what ``read_dump`` gives without ``columns`` (this order)
 DEFAULT_COLUMNS = NAMES + ("alloc_id", "size", "used", "total", "owner", "addr", "step")
 #: every column ``read_dump(columns=...)`` can give: the defaults, then the step number a STEP row
-#: carries (``step_number``), the enclosing op (``op``) and Attr's ``origin``
-COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin")
+#: carries (``step_number``), the enclosing op (``op``), Attr's ``origin`` and the module attribution
+#: (``module``, ``phase``: format_version 2; null in older dumps and rows made outside modules)
+COLUMNS_OFFERED = DEFAULT_COLUMNS + ("step_number", "op", "origin", "module", "phase")
 ATTR_INT_KEYS = ("allocation_id", "size", "used", "total")
 DEFAULT_MAX_INPUT = 8 << 30
 DEFAULT_MAX_LINE = 64 << 20   # no dump row comes near this; a longer line is a corrupt file
@@ -332,13 +333,14 @@ def _attr_field(key: str, numeric: bool):
     return e.cast(pl.Int64, strict=False) if numeric else e
 
 
-_ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr")
+_ATTR_COLUMNS = ("alloc_id", "size", "used", "total", "owner", "addr", "module", "phase")
 # The Attr texts our writer prints for MALLOC/FREE and for ACCESS, field for field (events.py
 # format_attr): these regular expressions say what the fast path below accepts (tests compare).
 # Any other text (the original's unquoted keys, rows with extra keys, an owner with a comma) goes
 # through the per-key patterns, which accept them all.
 _MEM_ATTR = (r'^\{"allocation_id":(?P<alloc_id>\d+),"addr":"(?P<addr>0x[0-9a-fA-F]+)","size":(?P<size>\d+),'
-             r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?\}$')
+             r'"used":(?P<used>-?\d+),"total":(?P<total>-?\d+)(?:,"owner":"(?P<owner>[^",}\\]*)")?'
+             r'(?:,"module":"(?P<module>[^",}\\]*)"(?:,"phase":"(?P<phase>[^",}\\]*)")?)?\}$')
 _ACCESS_ATTR = r'^\{"dtype":"[^"]*","shape":\[[^\]]*\],"size":(?P<size>\d+),"allocation_id":(?P<alloc_id>\d+)\}$'
 
 
@@ -346,7 +348,8 @@ def _per_key_exprs() -> dict:
     """Expressions for the Attr columns, key by key (any Attr text)."""
     return {"alloc_id": _attr_field("allocation_id", True), "size": _attr_field("size", True),
             "used": _attr_field("used", True), "total": _attr_field("total", True),
-            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False)}
+            "owner": _attr_field("owner", False), "addr": _attr_field("addr", False),
+            "module": _attr_field("module", False), "phase": _attr_field("phase", False)}
 
 
 def _attr_exprs(mem=None, acc=None) -> dict:
@@ -358,7 +361,7 @@ def _attr_exprs(mem=None, acc=None) -> dict:
     return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
             "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
             "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
-            "owner": f("owner"), "addr": f("addr")}
+            "owner": f("owner"), "addr": f("addr"), "module": f("module"), "phase": f("phase")}
 
 
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
@@ -408,6 +411,8 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     ev, et = pl.col("event"), pl.col("event_type")
     start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
     end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
+    if not df.select(start.any()).item():  # no op opened (a dump without launch events): none open
+        return pl.Series("op", [None] * df.height, dtype=df.schema["name"])
     d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
     q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
     q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
@@ -443,9 +448,13 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         out = out.with_columns(_enclosing_op(out))
     if counts is not None:
         counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
-    late = events is not None and "attr" in out.columns  # then every row read is checked before the cut
-    if events is not None and not late:
-        out = out.filter(pl.col("event").is_in(list(events)))
+    # every row of the file is checked, whatever is kept: the checks of every row (IDs, NUL in the
+    # text columns) on the whole frame here, those of Attr on every MALLOC/FREE row below; the
+    # other events' Attr is parsed only where the analysis keeps their rows
+    every = out.select(c for c in ("id", "event", "event_type", "name", "device", "ptr") if c in out.columns)
+    late = events is not None and "attr" in out.columns  # the MALLOC/FREE rows are kept to be checked
+    if events is not None:
+        out = out.filter(pl.col("event").is_in(sorted(set(events) | ({"MALLOC", "FREE"} if late else set()))))
     fields = tuple(c for c in _ATTR_COLUMNS if c in want)
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
     if fields or out.select(mem_rows.any()).item():
@@ -456,13 +465,170 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
         i = mem["size"].is_null().arg_max()
         raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
                         f"('{mem['attr'][i]}')")
-    validate.check_rows(out, path)  # rows that parse but cannot be true: on every row, whatever is kept
-    if late:
+    validate.check_rows(out, path, every)  # rows that parse but cannot be true: on every row, whatever is kept
+    del every
+    if late and not {"MALLOC", "FREE"} <= set(events):
         out = out.filter(pl.col("event").is_in(list(events)))
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
                                .then(_attr_field("origin", False)))
     return out.select(want)
+
+
+#: text columns a batched read keeps as categoricals (few distinct values, millions of rows)
+CATEGORICAL = ("event", "event_type", "name", "device", "ptr", "py_stack", "owner")
+BATCH_BYTES = 32 << 20
+
+
+def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = BATCH_BYTES) -> pl.DataFrame:
+    """``read_dump`` for dumps of millions of rows: a plain CSV dump is parsed a batch of lines at
+    a time and only the analysis columns of each batch are kept, the text columns as categoricals
+    (``CATEGORICAL``; ``attr`` only on the rows other than MALLOC/FREE/ACCESS), so that the memory
+    is about the result's, not the file's text. Every row is checked as ``read_dump`` checks it
+    (the text checks batch by batch: ``validate.row_flags``; those across rows on the whole).
+    Other dumps (db, ``.csv.zst``) are read by ``read_dump`` and converted."""
+    want = _wanted(columns)
+    keep = None if events is None else tuple(events)
+    path = resolve_one(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
+    if size > max_input_bytes() or size == 0 or head.startswith(b"SQLite format 3") or head.startswith(ZSTD_MAGIC):
+        df = read_dump(path, columns=columns, events=events)
+        return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
+    try:
+        return _read_batched(path, want, keep, batch_bytes)
+    except DumpError as e:
+        # a bad file is said as read_dump says it (which of its faults comes first, in the same
+        # words): read it whole, on this error path only
+        try:
+            read_dump(path, columns=columns, events=events)
+        except DumpError as whole:
+            if "reading it would need" in str(whole):  # too large to read whole: the batch's words
+                raise e from None
+            raise whole from None
+        raise e from None
+
+
+def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFrame:
+    complete, size = check_csv(path)
+    if complete < size:
+        with open(path, "rb") as f:
+            lines = f.read(complete).count(b"\n")
+        warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
+                      TruncatedDumpWarning, stacklevel=3)
+    need = _source_columns(want, keep) | {"attr"}
+    parts, row0 = [], 0
+    with open(path, "rb") as f:
+        header = f.readline()  # each batch is parsed under the header, as read_dump parses the file
+    for text in _line_batches(path, complete, batch_bytes):
+        try:
+            raw = pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
+                              schema_overrides={n: pl.String for n in NAMES}, infer_schema=False, quote_char="\"")
+        except Exception:
+            raise DumpError(_locate_csv_error(path)) from None
+        if raw.width != len(NAMES):
+            raise DumpError(_locate_csv_error(path))
+        parts.append(_batch(raw, path, row0, want, keep, need))
+        row0 += raw.height
+        del raw
+    out = pl.concat(parts, how="vertical_relaxed", rechunk=False)  # chunked: never two copies at once
+    del parts
+    if not out["id"].is_sorted():
+        out = out.sort("id")
+    is_step = _IS_STEP.cast(pl.Int32)
+    out = out.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        out = out.with_columns(_step_number(out))
+    if "op" in want:
+        out = out.with_columns(_enclosing_op(out))
+    every = out.select("id", *(c for c in out.columns if c.startswith("_nul_")))
+    validate.check_rows(out, path, every)
+    del every
+    if keep is not None:
+        out = out.filter(pl.col("event").is_in(list(keep)))
+    if "origin" in want:
+        out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
+                               .then(_attr_field("origin", False)))
+    return out.select(want)
+
+
+def _line_batches(path: str, end: int, batch_bytes: int):
+    """The file's rows after the header, up to byte ``end``, in blocks of whole lines (a newline
+    inside a quoted field is not a line's end: a cut is made where the quotes before it pair up).
+    Quotes are counted once per byte, whatever the file (an unclosed quote costs no rescans)."""
+    with open(path, "rb") as f:
+        f.readline()
+        pos = f.tell()
+        rest, rest_q = b"", 0  # the text carried to the next block, and its quotes
+        while pos < end:
+            block = f.read(min(batch_bytes, end - pos))
+            if not block:
+                break
+            pos += len(block)
+            if pos >= end:
+                rest += block
+                break
+            q = rest_q + block.count(b'"')  # quotes before the candidate cut, walking back
+            seg_end = len(block)
+            cut = block.rfind(b"\n")
+            while cut >= 0:
+                q -= block.count(b'"', cut, seg_end)
+                seg_end = cut
+                if q % 2 == 0:
+                    break
+                cut = block.rfind(b"\n", 0, cut)
+            if cut < 0:
+                rest, rest_q = rest + block, rest_q + block.count(b'"')
+                continue
+            yield rest + block[:cut + 1]
+            rest = block[cut + 1:]
+            rest_q = rest.count(b'"')
+            del block
+        if rest:
+            yield rest
+
+
+def _batch(raw: pl.DataFrame, path: str, row0: int, want: tuple, keep, need: set) -> pl.DataFrame:
+    """One batch of a batched read: the checks of each row, the Attr fields, the compact columns."""
+    short = raw["event"].is_null() | raw["ts"].is_null() | raw["ptr"].is_null()
+    if short.any():
+        raise DumpError(f"{path}: line {row0 + int(short.arg_max()) + 2} has too few fields, expected {len(NAMES)}")
+    ids = raw["id"].cast(pl.Int64, strict=False)
+    bad = ids.is_null()
+    if bad.any():
+        i = int(bad.arg_max())
+        raise DumpError(f"{path}: row {row0 + i + 1} has ID '{raw['id'][i]}', not a number")
+    ts = raw["ts"].cast(pl.Int64, strict=False)
+    bad = ts.is_null() & raw["ts"].is_not_null()
+    if bad.any():
+        i = int(bad.arg_max())
+        raise DumpError(f"{path}: row {row0 + i + 1} (ID {ids[i]}) has timestamp '{raw['ts'][i]}', not a number")
+    flags = validate.row_flags(raw)
+    rows = raw.select([c for c in NAMES if c in need]).with_columns(id=ids, ts=ts)
+    del raw
+    if keep is not None:
+        # the rows kept, every MALLOC/FREE row for the checks, the rows that number steps and ops
+        sel = pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE", "SYSTEM"}
+                                           | ({"OP_LAUNCH"} if "op" in want else set())))
+        mask = rows.select(sel)[:, 0]
+        rows, flags = rows.filter(mask), flags.filter(mask)
+    rows = rows.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in rows.columns)
+    rows = _attr_columns(rows, tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size"))))
+    no_size = rows.select(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_null())[:, 0]
+    if no_size.any():
+        i = int(no_size.arg_max())
+        raise DumpError(f"{path}: {rows['event'][i]} row ID {rows['id'][i]} has no size in Attr "
+                        f"('{rows['attr'][i]}')")
+    if "origin" not in want:
+        # Attr's text stays only where a later step reads it (STEP numbers, marks, the few other rows)
+        big = pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])
+        rows = rows.with_columns(attr=pl.when(big).then(None).otherwise(pl.col("attr")))
+    rows = rows.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in rows.columns)
+    return pl.concat([rows, flags], how="horizontal")
 
 
 def load(path: str):

@@ -60,10 +60,12 @@ class SpoolWriter:
     """Looks like a writer to the session; started on the first batch (a process that never
     flushes, such as a discarded DataLoader worker, never starts one)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, keep_steps: int = 0):
         self.inner = inner            # the CsvWriter/DbWriter that claimed the file
         self.path = inner.path
         self.suffix = inner.suffix
+        self.keep_steps = keep_steps  # a bounded dump (io/bounded.py), written by whoever writes
+        self._bounded = None          # the BoundedWriter of rows written in this process
         self._proc = None
         self._fd = None
         self._sent = 0                # ID of the last row handed over
@@ -75,7 +77,11 @@ class SpoolWriter:
     def _start(self) -> bool:
         inner = self.inner
         pass_fds = ()
-        if self.suffix == ".csv":
+        extra = {"keep_steps": self.keep_steps, "level": getattr(inner, "level", None), "path": []}
+        if extra["level"] is not None:  # the writer process runs without site-packages (-I -S)
+            import zstandard
+            extra["path"].append(os.path.dirname(os.path.dirname(os.path.abspath(zstandard.__file__))))
+        if self.suffix != ".db":
             inner._f.flush()
             target = str(inner._f.fileno())
             pass_fds = (inner._f.fileno(),)
@@ -89,7 +95,8 @@ class SpoolWriter:
         r, w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _BOOT, _PKG_ROOT, self.suffix[1:], target, str(lock)],
+                [sys.executable, "-I", "-S", "-c", _BOOT, _PKG_ROOT, self.suffix[1:], target, str(lock),
+                 json.dumps(extra)],
                 stdin=r, stdout=subprocess.PIPE, pass_fds=pass_fds + (lock,), start_new_session=True,
                 close_fds=True)
         except OSError as e:
@@ -97,7 +104,7 @@ class SpoolWriter:
             os.close(r)
             os.close(w)
             log.warning("dump writer process did not start (%s): writing in this process", e)
-            if self.suffix != ".csv":
+            if self.suffix == ".db":
                 inner.reattach()
             return False
         os.close(r)
@@ -107,7 +114,7 @@ class SpoolWriter:
         except OSError:
             pass
         self._fd = w
-        if self.suffix == ".csv":
+        if self.suffix != ".db":
             inner.detach()  # the writer process has its own copy of the descriptor
         return True
 
@@ -116,7 +123,7 @@ class SpoolWriter:
         if not self._inline and self._fd is None and not self._start():
             self._inline = True
         if self._inline:
-            self.inner.write(rows, first, pid, c_syms)
+            self._here().write(rows, first, pid, c_syms)
             self._sent = first + len(rows) - 1
             return
         try:
@@ -130,11 +137,20 @@ class SpoolWriter:
             # program; the rows still in the pipe are lost, the rest is written from here. Ended
             # on a write error of its own (disk full): the tool's failure, raised to the session
             self._take_over()
-            self.inner.write(rows, first, pid, c_syms)
+            self._here().write(rows, first, pid, c_syms)
         finally:
             if self._whole:  # in the pipe, whatever interrupted us after: never sent twice
                 self._sent = first + len(rows) - 1
         self._sent = first + len(rows) - 1
+
+    def _here(self):
+        """What writes in this process: the dump's writer, or the bounded dump around it."""
+        if not self.keep_steps or isinstance(self.inner, _Nowhere):
+            return self.inner
+        if self._bounded is None or self._bounded.inner is not self.inner:
+            from .bounded import BoundedWriter
+            self._bounded = BoundedWriter(self.inner, self.keep_steps)
+        return self._bounded
 
     def _send(self, frame: bytes) -> None:
         from .files import fault_point
@@ -202,7 +218,7 @@ class SpoolWriter:
     # ------------------------------------------------------------------ ending
     def close(self) -> None:
         if self._inline or self._proc is None:
-            self.inner.close()
+            self._here().close()
             return
         if self._fd is None and self._proc.returncode is not None:
             return  # closed already
@@ -226,6 +242,8 @@ class SpoolWriter:
         """Return when every row handed over is in the file (``stop()``: the program may read the
         dump next). The writer process ends; the next batch starts a new one, which appends."""
         if self._inline or self._proc is None:
+            if self._bounded is not None and self._bounded.inner is self.inner:
+                self._bounded.flush_held()  # the held steps are on disk when stop() returns
             return
         self.close()
         self._proc = None
@@ -235,7 +253,7 @@ class SpoolWriter:
         """A failure stopped tracing: end the stream without raising; what reached the file stays."""
         try:
             if self._inline or self._proc is None:
-                self.inner.close()
+                self._here().close()
             else:
                 self.close()
         except Exception:
@@ -290,10 +308,21 @@ def serve(argv) -> None:
     files.ROLE = "writer"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is for the program
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    kind, target, _lock = argv  # the lock descriptor stays open until this process exits
+    kind, target, _lock = argv[:3]  # the lock descriptor stays open until this process exits
+    extra = json.loads(argv[3]) if len(argv) > 3 else {}
+    sys.path.extend(extra.get("path") or ())  # zstandard's folder (the rest of site-packages unused)
     writer = None
     try:
-        writer = CsvWriter.attach(int(target)) if kind == "csv" else DbWriter.attach(target)
+        if kind == "csv":
+            writer = CsvWriter.attach(int(target))
+        elif kind == "csv.zst":
+            from .writers import ZstdCsvWriter
+            writer = ZstdCsvWriter.attach(int(target), extra.get("level") or 3)
+        else:
+            writer = DbWriter.attach(target)
+        if extra.get("keep_steps"):
+            from .bounded import BoundedWriter
+            writer = BoundedWriter(writer, extra["keep_steps"])
         while True:
             head = _read_exact(0, _LEN)
             if head is None:

@@ -113,14 +113,44 @@ def _attr_number_too_big(attr: pl.Series) -> pl.Series:
     return suspect & attr.map_elements(over, return_dtype=pl.Boolean, skip_nulls=False).fill_null(False)
 
 
-def check_rows(df: pl.DataFrame, path: str) -> None:
+def _repeated(ids: pl.Series) -> pl.Series:
+    """Rows whose ID an earlier row has (in ID order, the rows equal to the one before)."""
+    if ids.is_sorted():
+        return (ids.diff() == 0).fill_null(False)
+    return ~ids.is_first_distinct()
+
+
+TEXT_CHECKED = ("event", "event_type", "name", "device", "ptr")
+_ORIGINAL_ATTR = r"^\{\s*allocation_id\s*:"
+
+
+def row_flags(df: pl.DataFrame) -> pl.DataFrame:
+    """What ``check_rows`` looks for in each row's text, as bool columns (``_nul_<column>``,
+    ``_attr_big``, ``_attr_original``): for a reader that parses a dump in batches and keeps the
+    text as categoricals, so that the checks of the whole file still see every row's text."""
+    mem = df["event"].is_in(["MALLOC", "FREE"])
+    out = {f"_nul_{c}": df[c].str.contains("\x00", literal=True).fill_null(False)
+           for c in TEXT_CHECKED if c in df.columns}
+    if "attr" in df.columns:
+        attr = df.select(pl.when(mem).then(pl.col("attr")))[:, 0]  # only MALLOC/FREE rows are looked at
+        out["_attr_big"] = _attr_number_too_big(attr)
+        out["_attr_original"] = attr.str.contains(_ORIGINAL_ATTR).fill_null(False) & mem
+    return pl.DataFrame(out)
+
+
+def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -> None:
     """Rows that parse but cannot be true: an error naming the first one in our dumps, one counted
-    warning in the original's (see the module's text). ``df`` has the reader's columns."""
-    if df.height == 0:
+    warning in the original's (see the module's text). ``df`` has the reader's columns; it holds
+    at least every MALLOC/FREE row of the file. ``every``: all the file's rows (their ID and text
+    columns) when ``df`` holds only some, for the checks that look at every row."""
+    every = df if every is None else every
+    if every.height == 0:
         raise _error(f"{path}: no rows after the header (nothing was recorded)")
     mem_mask = pl.col("event").is_in(["MALLOC", "FREE"])
     mem = df.filter(mem_mask)
-    original = bool(mem.height) and bool(mem["attr"].head(1000).str.contains(r"^\{\s*allocation_id\s*:").any())
+    flags = "_attr_big" in df.columns  # the text checked batch by batch (row_flags)
+    original = bool(mem.height) and bool(mem["_attr_original"].head(1000).any() if flags else
+                                         mem["attr"].head(1000).str.contains(_ORIGINAL_ATTR).any())
     problems = []  # (row id, what)
 
     def found(mask: pl.Series, frame: pl.DataFrame, what):
@@ -128,14 +158,17 @@ def check_rows(df: pl.DataFrame, path: str) -> None:
             r = _first(frame, mask)
             problems.append((int(mask.sum()), r["id"], what(r) if callable(what) else what))
 
-    found(~df["id"].is_first_distinct(), df, lambda r: f"ID {r['id']} appears more than once")
-    for c in ("event", "event_type", "name", "device", "ptr"):
-        if c in df.columns:
-            found(df[c].str.contains("\x00", literal=True).fill_null(False), df,
+    found(_repeated(every["id"]), every, lambda r: f"ID {r['id']} appears more than once")
+    for c in TEXT_CHECKED:
+        if f"_nul_{c}" in every.columns:
+            found(every[f"_nul_{c}"], every, lambda r, c=c: f"row ID {r['id']} has a NUL character in its "
+                                                           f"{c.replace('_', ' ')}")
+        elif c in every.columns:
+            found(every[c].str.contains("\x00", literal=True).fill_null(False), every,
                   lambda r, c=c: f"row ID {r['id']} has a NUL character in its {c.replace('_', ' ')}")
     if mem.height:
         found(mem["size"] < 0, mem, lambda r: f"{r['event']} row ID {r['id']} has a negative size ({r['size']})")
-        found(_attr_number_too_big(mem["attr"]), mem,
+        found(mem["_attr_big"] if flags else _attr_number_too_big(mem["attr"]), mem,
               lambda r: f"{r['event']} row ID {r['id']} has a number too large for 64 bits in Attr")
         mallocs = mem.filter(pl.col("event") == "MALLOC").select("id", "alloc_id").drop_nulls()
         frees = mem.filter(pl.col("event") == "FREE").select("id", "alloc_id").drop_nulls()

@@ -108,7 +108,8 @@ class CsvWriter:
         self._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         return self
 
-    def write(self, rows, first, pid, c_syms=None) -> None:
+    def write(self, rows, first, pid, c_syms=None, ids=None) -> None:
+        """Rows numbered ``first, first + 1, ...``, or ``ids`` (a bounded dump leaves gaps)."""
         # One f-string per row, specialised for the frequent kinds; op names and
         # stacks repeat, so their CSV text is cached. This loop is the cost of a
         # flush, paid at every step: keep it lean.
@@ -121,6 +122,8 @@ class CsvWriter:
         add = out.append
         i = first
         for n, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows):
+            if ids is not None:
+                i = ids[n]
             nm = esc.get(name)
             if nm is None:
                 nm = esc[name] = _csv_text(name)
@@ -133,7 +136,7 @@ class CsvWriter:
             cs = _csv_text(c_syms[n]) if n in c_syms else ""
             if ev == "OP_LAUNCH":
                 add(f"{i},OP_LAUNCH,{et},{nm},{ts},{pid},{tid},{dev},N/A,,{st},{cs}\n")
-            elif type(attr) is tuple and ev == "MALLOC" and _plain(attr[5]):
+            elif type(attr) is tuple and ev == "MALLOC" and len(attr) == 6 and _plain(attr[5]):
                 ow = attr[5]
                 add(f'{i},MALLOC,{et},{nm},{ts},{pid},{tid},{dev},0x{ptr:016x},"{{""allocation_id"":{attr[0]},'
                     f'""addr"":""0x{attr[1]:016x}"",""size"":{attr[2]},""used"":{attr[3]},""total"":{attr[4]},'
@@ -149,7 +152,10 @@ class CsvWriter:
                     "N/A" if ptr is None else "0x%016x" % ptr,
                     '"' + a.replace('"', '""') + '"' if a else "", st, cs))
             i += 1
-        self._f.write("".join(out))
+        self._put("".join(out))
+
+    def _put(self, text: str) -> None:
+        self._f.write(text)
         self._f.flush()  # reaches the kernel: survives SIGKILL of this process
 
     def last_id(self) -> int:
@@ -162,6 +168,108 @@ class CsvWriter:
         if not self._f.closed:
             self._f.flush()
             self._f.close()
+
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+class ZstdCsvWriter(CsvWriter):
+    """The CSV dump compressed with zstd (``--compress=zstd[:LEVEL]``, ``memscope_dump_*.csv.zst``):
+    each write (one flush of rows, about a step) is one whole zstd frame, written and flushed at
+    once, so a run killed at any moment leaves a file whose complete frames hold complete rows
+    (a frame cut in the middle by a kill is the only loss; the readers stop before it)."""
+    suffix = ".csv.zst"
+
+    def __init__(self, path: str, level: int = 3):
+        import zstandard
+        self.path = path
+        self.level = level
+        self._z = zstandard.ZstdCompressor(level=level)
+        self._f = create_new(path, binary=True)
+        self._esc = {}
+        self._put(HEADER + "\n")
+
+    @classmethod
+    def attach(cls, fd: int, level: int = 3) -> "ZstdCsvWriter":
+        import zstandard
+        w = cls.__new__(cls)
+        w._f = os.fdopen(fd, "ab")
+        w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        w._esc = {}
+        w.level = level
+        w._z = zstandard.ZstdCompressor(level=level)
+        return w
+
+    def reopen(self) -> "ZstdCsvWriter":
+        """Append after the last complete frame (a frame cut short by a killed writer is dropped)."""
+        fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            frames = zstd_frames(f)
+        end = frames[-1][1] if frames else 0
+        if end != os.lseek(fd, 0, os.SEEK_END):
+            os.ftruncate(fd, end)
+        os.lseek(fd, 0, os.SEEK_END)
+        self._f = os.fdopen(fd, "ab")
+        return self
+
+    def _put(self, text: str) -> None:
+        self._f.write(self._z.compress(text.encode("utf-8", "backslashreplace")))
+        self._f.flush()  # a whole frame reaches the kernel: survives SIGKILL of this process
+
+
+def zstd_frames(f) -> list[tuple[int, int]]:
+    """(start, end) offsets of the complete zstd frames at the start of the binary file ``f``, read
+    from the frame and block headers only (nothing is decompressed). Stops at the first frame cut
+    short or at anything that is not a zstd frame."""
+    out = []
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    pos = 0
+    while pos + 6 <= size:
+        f.seek(pos)
+        head = f.read(18)
+        if head[:4] != ZSTD_MAGIC:
+            break
+        fhd = head[4]
+        did = (0, 1, 2, 4)[fhd & 3]
+        single = (fhd >> 5) & 1
+        fcs = (0 if not single else 1, 2, 4, 8)[fhd >> 6]
+        p = pos + 5 + (0 if single else 1) + did + fcs
+        while True:
+            f.seek(p)
+            bh = f.read(3)
+            if len(bh) < 3:
+                return out
+            v = bh[0] | (bh[1] << 8) | (bh[2] << 16)
+            last, btype, bsize = v & 1, (v >> 1) & 3, v >> 3
+            p += 3 + (1 if btype == 1 else bsize)
+            if p > size:
+                return out
+            if last:
+                break
+        if (fhd >> 2) & 1:  # content checksum
+            p += 4
+        if p > size:
+            break
+        out.append((pos, p))
+        pos = p
+    return out
+
+
+def _zstd_tail(path: str) -> bytes:
+    """The decompressed text of the last complete frames of a ``.csv.zst`` dump: enough of them
+    to hold two line ends (the last complete row and the one before it)."""
+    import zstandard
+    d = zstandard.ZstdDecompressor()
+    with open(path, "rb") as f:
+        frames = zstd_frames(f)
+        tail = b""
+        for start, end in reversed(frames):
+            f.seek(start)
+            tail = d.decompressobj().decompress(f.read(end - start)) + tail
+            if tail.count(b"\n") >= 2:
+                break
+    return tail
 
 
 class DbWriter:
@@ -198,9 +306,12 @@ class DbWriter:
         self._db.close()
         self._db = None
 
-    def write(self, rows, first, pid, c_syms=None) -> None:
+    def write(self, rows, first, pid, c_syms=None, ids=None) -> None:
         fault_point()
-        self._db.executemany(self._insert, table_rows(rows, first, pid, c_syms))
+        t = table_rows(rows, first, pid, c_syms)
+        if ids is not None:
+            t = [(i,) + r[1:] for i, r in zip(ids, t)]
+        self._db.executemany(self._insert, t)
         self._db.commit()
 
     def last_id(self) -> int:
@@ -223,6 +334,12 @@ def last_id_in(path: str) -> int:
                 return con.execute(f"SELECT MAX(ID) FROM {SQL_TABLE}").fetchone()[0] or 0
             finally:
                 con.close()
+        if path.endswith(".zst"):
+            text = _zstd_tail(path)
+            end = text.rfind(b"\n")
+            i = text.rfind(b"\n", 0, end) if end >= 0 else -1
+            head = text[i + 1:end].split(b",", 1)[0] if end >= 0 else b""
+            return int(head) if head.isdigit() else 0
         with open(path, "rb") as f:
             pos = f.seek(0, os.SEEK_END)
             tail = b""
@@ -240,13 +357,24 @@ def last_id_in(path: str) -> int:
                 return 0
         head = tail.split(b",", 1)[0]
         return int(head) if head.isdigit() else 0
-    except (OSError, ValueError, sqlite3.Error):
+    except (OSError, ValueError, ImportError, sqlite3.Error):
+        return 0
+    except Exception:  # a corrupt zstd frame (zstandard.ZstdError)
         return 0
 
 
-def open_writer(data_format: str, path_without_suffix: str):
+def compress_level(compress: str) -> int | None:
+    """The zstd level of a ``--compress`` value (``"zstd:3"`` -> 3), None for a plain dump."""
+    kind, _, level = (compress or "none").partition(":")
+    return (int(level) if level else 3) if kind == "zstd" else None
+
+
+def open_writer(data_format: str, path_without_suffix: str, compress: str = "none"):
     """A writer on a new dump file (the session wraps it in io/spool.py's SpoolWriter, whose rows
     are written by a process of its own)."""
-    cls = DbWriter if data_format == "db" else CsvWriter
     from .files import unique_path
+    level = compress_level(compress)
+    if data_format != "db" and level is not None:
+        return ZstdCsvWriter(unique_path(path_without_suffix + ZstdCsvWriter.suffix), level)
+    cls = DbWriter if data_format == "db" else CsvWriter
     return cls(unique_path(path_without_suffix + cls.suffix))

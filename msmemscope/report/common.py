@@ -7,7 +7,7 @@ import warnings
 
 import polars as pl
 
-from ..io.reader import DEFAULT_COLUMNS, DumpError, TruncatedDumpWarning, find_dumps, read_dump
+from ..io.reader import DEFAULT_COLUMNS, DumpError, TruncatedDumpWarning, find_dumps, read_dump, read_dump_batched
 
 
 class ReportError(Exception):
@@ -44,15 +44,23 @@ def locate(path: str) -> tuple[list[str], str | None]:
     return dumps, folder
 
 
-def read_all(dumps: list[str]) -> pl.DataFrame:
-    """Read one or more dumps of one run (one per device) into one frame ordered by time."""
+#: the columns the HTML report reads (read_all(batched=True))
+REPORT_COLUMNS = ("id", "event", "event_type", "name", "ts", "tid", "device", "attr", "py_stack", "alloc_id",
+                  "size", "used", "total", "owner", "step", "op", "module")
+
+
+def read_all(dumps: list[str], batched: bool = False) -> pl.DataFrame:
+    """Read one or more dumps of one run (one per device) into one frame ordered by time.
+    ``batched``: parsed a batch at a time, text columns as categoricals, Attr only on the rows
+    other than MALLOC/FREE/ACCESS (``read_dump_batched``: the HTML report of a long run)."""
     frames = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         warnings.simplefilter("default", TruncatedDumpWarning)  # a dump cut short is said, once
         for d in dumps:
             try:
-                frames.append(read_dump(d, columns=DEFAULT_COLUMNS + ("op",)))
+                frames.append(read_dump_batched(d, columns=REPORT_COLUMNS) if batched
+                              else read_dump(d, columns=DEFAULT_COLUMNS + ("op",)))
             except DumpError as e:
                 raise ReportError(str(e)) from None
     if len(frames) == 1:
@@ -69,6 +77,14 @@ def with_op(df: pl.DataFrame) -> pl.DataFrame:
         df = df.with_columns(_enclosing_op(df))
     own = pl.col("name")
     has_own = own.is_not_null() & (own != "N/A") & (own != "")
+    if df.schema["name"] == pl.Categorical or df.schema["op"] == pl.Categorical:
+        # categoricals (a batched read): the same on the few distinct names, not on every row
+        name, enc = own.cast(pl.Categorical), pl.col("op").cast(pl.Categorical)
+        df = df.with_columns(op=pl.when(has_own).then(name).otherwise(enc))
+        df = df.with_columns(op=pl.when(pl.col("op") == "").then(None).otherwise(pl.col("op")))
+        names = df["op"].unique().drop_nulls().cast(pl.String).to_list()
+        short = {n: n[len("torch._ops."):] for n in names if n.startswith("torch._ops.")}
+        return df.with_columns(pl.col("op").replace(short)) if short else df
     op = pl.when(has_own).then(own).otherwise(pl.col("op"))
     return df.with_columns(op=pl.when(op == "").then(None).otherwise(op).str.replace(r"^torch\._ops\.", ""))
 

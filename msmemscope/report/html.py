@@ -111,7 +111,7 @@ def build(path: str, buckets: int = BUCKETS, prog=None) -> dict:
     stage = prog.stage if prog is not None else (lambda s: None)
     stage("reading dump")
     dumps, folder = locate(path)
-    df = read_all(dumps)
+    df = read_all(dumps, batched=True)
     if not df.height:
         raise ReportError(f"{path}: the dump holds no rows")
     return build_frame(df, dumps, folder, buckets, stage)
@@ -124,8 +124,16 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     path = folder or dumps[0]
     stage("memory series")
     marks_df = df.filter(pl.col("event") == "MSTX")
+    if "module" not in df.columns and "attr" in df.columns:  # module attribution (format 2), for the live view
+        has = pl.col("attr").str.contains('"module":', literal=True)
+        if df.select(has.any()).item():
+            df = df.with_columns(module=pl.when(has).then(pl.col("attr").str.extract(r'"module":"([^"]*)"', 1)))
     # the text columns no view reads: dropped before the frame is copied by the steps below
     df = with_op(df.drop([c for c in ("attr", "c_stack", "ptr") if c in df.columns]))
+    # the text columns the views group, join and filter on, as categoricals: each row holds a
+    # number, the text once per value (millions of rows, tens of distinct values)
+    df = df.with_columns(pl.col(c).cast(pl.Categorical) for c in ("event", "event_type", "device", "name", "op",
+                                                                   "py_stack", "owner") if c in df.columns)
     ts = df["ts"].drop_nulls()
     # the axis starts at the first recorded activity, not at START_TRACE or at
     # a mark made before it (the program's imports would otherwise take most of
@@ -217,7 +225,7 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                          note="a SYSTEM/STEP row ends its step; rows before the first are step 1"))
     if mallocs.height:
         top = (mallocs.group_by("op").agg(bytes=pl.col("size").sum(), count=pl.len(), largest=pl.col("size").max())
-               .sort("bytes", descending=True))
+               .sort("bytes", "op", descending=[True, False]))
         tables.append(_table(["op", "bytes allocated", "allocations", "largest block"],
                              [[o or "(outside any op)", b, c, m_] for o, b, c, m_ in top.head(50).iter_rows()],
                              "Top ops by bytes allocated", fmt={"1": "bytes", "3": "bytes"}))
@@ -260,8 +268,7 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         ctx["row_t"] = {int(i): us(t) for i, t in ids.iter_rows()} if ids.height <= 2_000_000 else {}
     found = views.findings(folder, ctx)
 
-    freed = set(frees["alloc_id"].drop_nulls().to_list())
-    live = mallocs.filter(~pl.col("alloc_id").is_in(list(freed)))
+    live = mallocs.filter(~pl.col("alloc_id").is_in(frees["alloc_id"].drop_nulls().unique().implode()))
     summary = {
         "events": df.height, "steps": len(steps), "mallocs": mallocs.height, "frees": frees.height,
         "ops": int(df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")).height),
@@ -378,7 +385,7 @@ def write_rank_report(root: str, rds, output: str | None = None) -> str:
         for rd in rds:
             p.stage(f"{rd.label}")
             try:
-                data = build_frame(read_all([rd.path]), [rd.path], rd.folder)
+                data = build_frame(read_all([rd.path], batched=True), [rd.path], rd.folder)
             except ReportError as e:  # one unreadable rank: said in its row, the others are shown
                 ranks.append({"label": rd.label, "rank": rd.rank, "host": rd.host, "dump": os.path.abspath(rd.path),
                               "href": None, "error": str(e), "peak": 0, "events": 0, "steps": 0, "t": [], "hi": [],

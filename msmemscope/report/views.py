@@ -84,7 +84,28 @@ def final_owners(df: pl.DataFrame) -> pl.DataFrame | None:
         # an update row names the allocation only: it applies to the block of that id on any pool
         upd = upd.join(mal, on="alloc_id", how="inner").select("id", "alloc_id", "device", "pool", "owner")
         first = pl.concat([first, upd], how="vertical_relaxed")
+    if not upd.height and first["alloc_id"].is_unique().all():
+        return first.select("device", "pool", "alloc_id", "owner")  # one owner per block: no grouping
     return (first.sort("id").group_by("device", "pool", "alloc_id").agg(owner=pl.col("owner").last()))
+
+
+def last_row_of(keys: pl.Series, query: pl.Series) -> pl.Series:
+    """For each value of ``query``, the index in ``keys`` of the last row holding it (null where
+    none; a null never matches). Allocation ids are small numbers: a table indexed by id (numpy)
+    does it in one pass each way; other ids go through a join."""
+    kn = keys.fill_null(-1).to_numpy()
+    qn = query.fill_null(-1).to_numpy()
+    lo = min(int(kn.min(initial=0)), int(qn.min(initial=0)))
+    hi = max(int(kn.max(initial=-1)), int(qn.max(initial=-1)))
+    if lo >= -1 and hi <= 8 * (len(kn) + len(qn)) + (1 << 20):
+        table = np.full(hi + 2, -1, dtype=np.int64)
+        np.maximum.at(table, kn + 1, np.arange(len(kn), dtype=np.int64))  # the last row wins
+        table[0] = -1  # null keys
+        pos = table[qn + 1]
+        return pl.Series(pos).set(pl.Series(pos < 0), None) if (pos < 0).any() else pl.Series(pos)
+    k = pl.DataFrame({"k": keys}).with_row_index("i").drop_nulls("k").unique("k", keep="last")
+    return (pl.DataFrame({"k": query}).join(k, on="k", how="left", maintain_order="left")["i"]
+            .cast(pl.Int64))
 
 
 def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.DataFrame, list[str], str]:
@@ -94,22 +115,22 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     mem = mem.with_row_index("r")
     mal = mem.filter(pl.col("event") == "MALLOC")
     by = "op"
-    base = mal.select("alloc_id", msize=pl.col("size"), lab=pl.col("op").fill_null("(outside any op)"))
+    lab = mal["op"].cast(pl.Categorical).fill_null("(outside any op)")
     if owners is not None:
         dev, pool = mem["device"][0], mem["event_type"][0]
         own = owners.filter((pl.col("device") == dev) & (pl.col("pool") == pool))
         if own.height:
             by = "owner"
-            names = {o: layer_of_owner(o) for o in own["owner"].unique().to_list()}
-            own = own.select("alloc_id", lab=pl.col("owner").replace_strict(names, default=None,
-                                                                             return_dtype=pl.String))
-            base = (base.drop("lab").join(own, on="alloc_id", how="left", maintain_order="left")
-                    .with_columns(pl.col("lab").fill_null("temporaries")))
-    lab = base.unique("alloc_id", keep="last", maintain_order=True)
-    m = (mem.join(lab, on="alloc_id", how="left", maintain_order="left")
-         .with_columns(lab=pl.col("lab").fill_null("temporaries" if by == "owner" else OTHER_OPS),
-                       signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size"))
-                       .otherwise(-pl.coalesce("size", "msize")).fill_null(0)))
+            names = {o: layer_of_owner(o) for o in own["owner"].cast(pl.String).unique().to_list()}
+            own_lab = (own["owner"].cast(pl.String).replace_strict(names, default=None, return_dtype=pl.String)
+                       .cast(pl.Categorical))
+            lab = own_lab.gather(last_row_of(own["alloc_id"], mal["alloc_id"])).fill_null("temporaries")
+    # every row takes the label and the size of its block's last MALLOC row
+    at = last_row_of(mal["alloc_id"], mem["alloc_id"])
+    m = mem.with_columns(lab=lab.gather(at).fill_null("temporaries" if by == "owner" else OTHER_OPS)
+                         .cast(pl.Categorical), msize=mal["size"].gather(at))
+    m = m.with_columns(signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size"))
+                       .otherwise(-pl.coalesce("size", "msize")).fill_null(0)).drop("msize")
     # the layers, largest peak first; the rest of the ops folded into one
     m = m.with_columns(lv=pl.col("signed").cum_sum().over("lab"))
     peaks = m.group_by("lab").agg(p=pl.col("lv").max()).sort("p", "lab", descending=[True, False])
@@ -251,14 +272,18 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
     Leaves: (Python stack, op, layer) of each block; ``values`` of leaf i are change
     points ``[moment index, bytes live from that moment on, ...]``."""
     mal = m.filter(pl.col("event") == "MALLOC")
-    stacks = mal["py_stack"].cast(pl.String).drop_nulls() if "py_stack" in m.columns else pl.Series([], dtype=pl.String)
+    stacks = mal["py_stack"].drop_nulls() if "py_stack" in m.columns else pl.Series([], dtype=pl.String)
     has_stacks = bool(stacks.filter((stacks != "N/A") & (stacks != "")).len())
-    key = (mal.select("alloc_id", stack=pl.col("py_stack").cast(pl.String) if has_stacks else pl.lit(None, pl.String),
-                      op=pl.col("op").fill_null("(outside any op)"), layer="layer")
-           .unique("alloc_id", keep="last"))
-    leaf_keys = key.select("stack", "op", "layer").unique(maintain_order=True).with_row_index("leaf")
-    key = key.join(leaf_keys, on=["stack", "op", "layer"], how="left", nulls_equal=True)
-    ev = m.select("r", "alloc_id", "signed").join(key.select("alloc_id", "leaf"), on="alloc_id", how="left")
+    # the module each block was made in (format 2 dumps with module attribution): the page can group by it
+    has_modules = "module" in mal.columns and bool(mal["module"].drop_nulls().len())
+    cols = mal.select(stack=pl.col("py_stack").cast(pl.Categorical) if has_stacks else pl.lit(None, pl.Categorical),
+                      op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer",
+                      module=pl.col("module").cast(pl.Categorical) if has_modules else pl.lit(None, pl.Categorical))
+    # leaves in the order their first block was made; each row counts for its block's last MALLOC
+    leaf_keys = cols.unique(maintain_order=True).with_row_index("leaf")
+    mal_leaf = cols.join(leaf_keys, on=["stack", "op", "layer", "module"], how="left", nulls_equal=True,
+                         maintain_order="left")["leaf"]
+    ev = m.select("r", "signed").with_columns(leaf=mal_leaf.gather(last_row_of(mal["alloc_id"], m["alloc_id"])))
     ev = ev.filter(pl.col("leaf").is_not_null())
 
     # moments: level-0-like bucket peaks, step ends, the peak
@@ -267,10 +292,17 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
     span = max(1, int(ts.max()) - int(ts.min()) + 1)
     tmin = int(ts.min())
 
+    # the peak row of each of LIVE_SAMPLES time buckets, in one pass; a coarser bucketing (k a
+    # power-of-two fraction of it) is the finer one's buckets taken in runs of LIVE_SAMPLES // k
+    g = (m.select(b=((pl.col("ts") - tmin) * LIVE_SAMPLES // span).clip(0, LIVE_SAMPLES - 1), r="r", used="used")
+         .group_by("b").agg(r=pl.col("r").get(pl.col("used").arg_max()), hi=pl.col("used").max()))
+    gb, gr, ghi = g["b"].to_numpy(), g["r"].to_numpy(), g["hi"].to_numpy()
+
     def sample_rows(k):
-        g = (m.with_columns(b=((pl.col("ts") - tmin) * k // span).clip(0, k - 1))
-             .group_by("b").agg(r=pl.col("r").get(pl.col("used").arg_max())))
-        rows = set(g["r"].to_list())
+        cb = gb // (LIVE_SAMPLES // k)
+        order = np.lexsort((gr, -ghi, cb))  # per coarse bucket: the highest, the first row of a tie
+        first = order[np.r_[True, cb[order][1:] != cb[order][:-1]]]
+        rows = set(gr[first].tolist())
         rows.add(peak_r)
         rows.add(n - 1)
         step_sel = step_rows[-MAX_STEP_SAMPLES:]
@@ -278,16 +310,23 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         return sorted(rows)
 
     k = LIVE_SAMPLES
+    ev_r, ev_leaf = ev["r"].to_numpy(), ev["leaf"].to_numpy().astype(np.int64)
     while True:
         rows = sample_rows(k)
         srows = np.asarray(rows, dtype=np.int64)
-        j = np.searchsorted(srows, ev["r"].to_numpy(), side="left")
-        cp = (ev.with_columns(j=pl.Series(j, dtype=pl.Int64)).filter(pl.col("j") < len(rows))
-              .group_by("leaf", "j").agg(d=pl.col("signed").sum()).sort("leaf", "j")
-              .with_columns(v=pl.col("d").cum_sum().over("leaf")))
-        if cp.height <= LIVE_BUDGET or k <= 30:
+        j = np.searchsorted(srows, ev_r, side="left")
+        inside = j < len(rows)
+        # change points this sampling makes: the (leaf, moment) pairs, counted before they are built
+        pairs = pl.Series(ev_leaf[inside] * (len(rows) + 1) + j[inside]).n_unique()
+        if pairs <= LIVE_BUDGET or k <= 30:
             break
         k //= 2
+    # one integer key per (leaf, moment): a single-column group_by, sorted by leaf then moment
+    width = len(rows) + 1
+    cp = (pl.DataFrame({"k": ev_leaf[inside] * width + j[inside], "signed": ev["signed"].to_numpy()[inside]})
+          .group_by("k").agg(d=pl.col("signed").sum()).sort("k")
+          .select(leaf=(pl.col("k") // width).cast(ev["leaf"].dtype), j=pl.col("k") % width, d="d")
+          .with_columns(v=pl.col("d").cum_sum().over("leaf")))
     # the biggest leaves only; the rest folded into one leaf per layer
     big = cp.group_by("leaf").agg(p=pl.col("v").max()).sort("p", descending=True)
     keep = set(big.head(MAX_LEAVES)["leaf"].to_list())
@@ -304,7 +343,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         return i
 
     out_leaves, remap = [], {}
-    for leaf, stack, op, layer in leaves.select("leaf", "stack", "op", "layer").iter_rows():
+    for leaf, stack, op, layer, module in leaves.select("leaf", "stack", "op", "layer", "module").iter_rows():
         path = []
         if has_stacks:
             fr = split_stack(stack)
@@ -313,7 +352,8 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             path = [fid(names[layer], "")]
         path.append(fid(short_op(op), ""))
         remap[leaf] = len(out_leaves)
-        out_leaves.append({"path": path, "layer": int(layer), "line": user_line(stack) if stack else None})
+        out_leaves.append({"path": path, "layer": int(layer), "line": user_line(stack) if stack else None,
+                           "module": module})
     if small:
         cp_small = cp.filter(~pl.col("leaf").is_in(list(keep))).join(
             leaf_keys.select("leaf", "layer"), on="leaf").group_by("layer", "j").agg(d=pl.col("d").sum()).sort(
@@ -321,7 +361,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         for layer in cp_small["layer"].unique().sort().to_list():
             remap[("small", layer)] = len(out_leaves)
             out_leaves.append({"path": [fid(names[layer], ""), fid("(small blocks)", "")], "layer": int(layer),
-                               "line": None})
+                               "line": None, "module": None})
     values = [[] for _ in out_leaves]
     for leaf, jj, v in cp.filter(pl.col("leaf").is_in(list(keep))).select("leaf", "j", "v").iter_rows():
         values[remap[leaf]].extend((jj, int(v)))
@@ -330,9 +370,8 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             values[remap[("small", layer)]].extend((jj, int(v)))
     for lf, v in zip(out_leaves, values):
         lf["v"] = v
-    at = m.select("r", "ts", "used", "step")
-    srow = pl.DataFrame({"r": pl.Series(rows, dtype=pl.UInt32)}).join(at, on="r", how="left")
-    return {"has_stacks": has_stacks, "by": by, "frames": frames, "leaves": out_leaves,
+    srow = m.select("ts", "used", "step")[np.asarray(rows, dtype=np.int64)]  # r is the row's index
+    return {"has_stacks": has_stacks, "has_modules": has_modules, "by": by, "frames": frames, "leaves": out_leaves,
             "t": ((srow["ts"] - t0) // 1000).to_list(), "used": srow["used"].fill_null(0).to_list(),
             "step": srow["step"].fill_null(0).to_list(),
             "peak": rows.index(peak_r),

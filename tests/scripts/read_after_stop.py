@@ -1,5 +1,7 @@
 """The Python API in a notebook's order: train, stop(), read the dump in the same process,
-start() again, train, stop(), read again. Prints the row counts it sees."""
+start() again, train, stop(), read again. Prints the row counts it sees. argv: output folder
+[config() keywords as JSON]."""
+import json
 import sys
 
 import torch
@@ -9,7 +11,7 @@ import msmemscope
 from msmemscope import capture
 from msmemscope.io.reader import read_dump
 
-msmemscope.config(output=sys.argv[1])
+msmemscope.config(output=sys.argv[1], **(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -276,6 +276,20 @@
     return ans < 0 ? 0 : v[2 * ans + 1];
   }
   function liveAt(lv, j) { return lv.leaves.map(function (lf) { return leafValue(lf.v, j); }); }
+  // grouped by module: the module's path from its root (GPT, GPT.blocks, GPT.blocks.0, ...), then the op
+  function modulePath(lv, lf) {
+    if (lf.mpath) { return lf.mpath; }
+    if (!lv.moduleFrames) { lv.moduleFrames = {}; }
+    var ids = [], parts = lf.module ? String(lf.module).split('.') : ['(outside modules)'];
+    for (var i = 0; i < parts.length; i++) {
+      var full = parts.slice(0, i + 1).join('.'), id = lv.moduleFrames[full];
+      if (id === undefined) { id = lv.moduleFrames[full] = lv.frames.length; lv.frames.push([i ? parts[i] : full, full]); }
+      ids.push(id);
+    }
+    ids.push(lf.path[lf.path.length - 1]);
+    lf.mpath = ids;
+    return ids;
+  }
   function buildTree(lv, names, values) {
     var root = { name: 'all', full: '', value: 0, children: {}, layer: {}, depth: 0 };
     var maxDepth = 0;
@@ -284,11 +298,11 @@
       if (v <= 0) { return; }
       var node = root; root.value += v;
       root.layer[lf.layer] = (root.layer[lf.layer] || 0) + v;
-      lf.path.forEach(function (fid, d) {
+      (LV.group === 'module' && lv.has_modules ? modulePath(lv, lf) : lf.path).forEach(function (fid, d, path) {
         var key = String(fid), c = node.children[key];
         if (!c) { c = node.children[key] = { name: lv.frames[fid][0], full: lv.frames[fid][1], value: 0, children: {}, layer: {}, depth: d + 1 }; }
         c.value += v; c.layer[lf.layer] = (c.layer[lf.layer] || 0) + v;
-        if (d === lf.path.length - 1 && lf.line) { c.line = lf.line; }
+        if (d === path.length - 1 && lf.line) { c.line = lf.line; }
         node = c;
         maxDepth = Math.max(maxDepth, d + 1);
       });
@@ -358,7 +372,20 @@
     sel.value = String(D.main || 0);
     var peakBtn = el('button', { type: 'button', id: 'live-peak' }, 'the peak');
     var title = el('span', { 'class': 'moment', id: 'live-title' });
-    add(bar, el('span', null, 'series'), sel, peakBtn, title);
+    add(bar, el('span', null, 'series'), sel, peakBtn);
+    LV.group = 'stack';
+    if (D.series.some(function (s) { return s.live.has_modules; })) {
+      // the dump says which nn.Module made each block: the flame graph can be grouped by module
+      var gsel0 = el('select', { id: 'live-group' });
+      gsel0.appendChild(el('option', { value: 'stack' }, D.series[D.main || 0].live.has_stacks ? 'Python stack' : 'what it is'));
+      gsel0.appendChild(el('option', { value: 'module' }, 'module'));
+      gsel0.addEventListener('change', function () {
+        LV.group = gsel0.value;
+        if (M.moment) { setMoment(M.moment.series, M.moment.index); }
+      });
+      add(bar, el('span', null, 'group by'), gsel0);
+    }
+    add(bar, title);
     add(sec, bar);
     LV.div = chartDiv(sec, 'flame');
     LV.div.id = 'live-flame';

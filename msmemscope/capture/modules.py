@@ -1,0 +1,342 @@
+"""Module attribution: which ``nn.Module`` was running, forward or backward, when a block was made.
+
+Global module hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)
+and autograd multi-grad hooks on each module call's inputs and outputs keep, per thread, the
+stack of modules running now; each change of its top is one *mark* ``(ts, state)`` on that
+thread (``state``: ``(path, phase)`` or None), on the clock and thread ids of the rows
+(``time.time_ns``, ``threading.get_ident``: the native source's records use the same).
+Nothing is done per allocation while the program runs: at each flush, ``attribute(buf)`` gives
+every MALLOC row in the buffer the state of its thread at its timestamp (a bisect in that
+thread's marks) by appending ``module`` and ``phase`` to its Attr tuple (``events.MALLOC_ATTR_M``).
+So both sources get the same attribution.
+
+Backward of a module, as PyTorch's ``ModTracker`` detects it: it begins when the gradient of
+any of its forward outputs is computed (a multi-grad hook in ``any`` mode on the outputs that
+require grad), and ends when the gradients of all its inputs that require grad are (a
+multi-grad hook on those inputs); a module whose inputs need no gradient (the first layer, an
+embedding of token ids) ends its backward with the backward pass (an autograd engine
+callback). The backward hooks run on the thread that runs that part of the graph, so the marks
+land on the thread whose rows they attribute.
+
+Names: the path of a module is its root's class name followed by the name
+``root.named_modules()`` gives it (``GPT.blocks.3.qkv``), the fully qualified name PyTorch's
+``MemTracker`` prints; a root is a module whose forward runs when no forward is running on the
+thread. A module met inside a forward that no known root names gets its parent's path and its
+class name.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import weakref
+from time import time_ns
+
+import torch
+
+from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, EVENT_TYPE, TID, TS, Event
+
+FORWARD, BACKWARD = "forward", "backward"
+ENV = "MSMEMSCOPE_MODULES"   # 1: attribute in any run; 0: never (default: with --analysis=decompose)
+_BAD = str.maketrans({c: "_" for c in ',"{}\\\n\r\t '})
+
+
+def wanted(opts) -> bool:
+    v = os.environ.get(ENV, "").strip().lower()
+    if v in ("1", "on", "yes", "true"):
+        return True
+    if v in ("0", "off", "no", "false"):
+        return False
+    return "decompose" in opts.analysis
+
+
+def _grad_tensors(obj, out, depth=0):
+    """Tensors that require grad in a module's inputs or outputs (tuples, lists, dicts, a few levels)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for x in obj:
+                _grad_tensors(x, out, depth + 1)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                _grad_tensors(x, out, depth + 1)
+    return out
+
+
+class ModuleTracker:
+    def __init__(self, session):
+        self.s = session
+        self.paths = weakref.WeakKeyDictionary()   # module -> path
+        self.roots = {}                            # root name -> weakref to the root
+        self.stacks = {}                           # tid -> [[path, phase], ...] open now, innermost last
+        self.marks = {}                            # tid -> ([ts, ...], [state, ...]) since the cut
+        self.base = {}                             # tid -> state before its first mark
+        self.lock = threading.Lock()
+        self._handles = []
+        self._cut = 0                              # marks older than this are folded into base
+        self._callback_queued = False
+        self.attributed = 0
+        self.optimizers = weakref.WeakSet()
+
+    # ------------------------------------------------------------ install / remove
+    def install(self):
+        from torch.nn.modules import module as nn_module
+        if self._handles:
+            return self
+        from torch.optim import optimizer as optim
+        self._handles.append(optim.register_optimizer_step_pre_hook(self._opt))
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
+        try:
+            self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
+        except TypeError:
+            self._handles.append(nn_module.register_module_forward_hook(self._post))
+        return self
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        # what is still open is closed now: rows made after stop carry no module
+        with self.lock:
+            ts = time_ns()
+            for tid, st in self.stacks.items():
+                if st:
+                    st.clear()
+                    self._mark(tid, ts, None)
+
+    # ------------------------------------------------------------ names
+    def path_of(self, module):
+        p = self.paths.get(module)
+        if p is None:
+            p = self._name(module)
+        return p
+
+    def _name(self, module, parent=None):
+        cls = type(module).__name__
+        if parent is not None:
+            p = f"{parent}.{cls}".translate(_BAD)
+            self.paths[module] = p
+            return p
+        name, n = cls, 1
+        while name in self.roots and self.roots[name]() not in (None, module):
+            n += 1
+            name = f"{cls}#{n}"
+        name = name.translate(_BAD)
+        self.roots[name] = weakref.ref(module)
+        try:
+            for sub_name, sub in module.named_modules():
+                if sub not in self.paths:
+                    self.paths[sub] = f"{name}.{sub_name}".translate(_BAD) if sub_name else name
+        except Exception:
+            self.paths[module] = name
+        return self.paths.get(module, name)
+
+    # ------------------------------------------------------------ marks
+    def _mark(self, tid, ts, state):
+        m = self.marks.get(tid)
+        if m is None:
+            m = self.marks[tid] = ([], [])
+        m[0].append(ts)
+        m[1].append(state)
+
+    def _push(self, path, phase):
+        tid = threading.get_ident()
+        with self.lock:
+            st = self.stacks.get(tid)
+            if st is None:
+                st = self.stacks[tid] = []
+            i = len(st)
+            if phase == BACKWARD:
+                # hooks on one tensor fire in registration order: a parent whose output is its last
+                # child's output (GPT and GPT.head) enters after it; it still encloses it
+                pre = path + "."
+                while i and st[i - 1][1] == BACKWARD and st[i - 1][0].startswith(pre):
+                    i -= 1
+            st.insert(i, (path, phase))
+            self._mark(tid, time_ns(), st[-1])
+
+    def _pop(self, path, phase):
+        tid = threading.get_ident()
+        with self.lock:
+            st = self.stacks.get(tid)
+            if not st:
+                return
+            for i in range(len(st) - 1, -1, -1):
+                if st[i][0] == path and st[i][1] == phase:
+                    del st[i]
+                    break
+            else:
+                return
+            self._mark(tid, time_ns(), st[-1] if st else None)
+
+    # ------------------------------------------------------------ hooks
+    def _opt(self, opt, args, kwargs):
+        self.optimizers.add(opt)
+
+    def _pre(self, module, args):
+        try:
+            if not self.s.active:
+                return
+            p = self.paths.get(module)
+            if p is None:
+                st = self.stacks.get(threading.get_ident())
+                fwd = [e for e in st if e[1] == FORWARD] if st else None
+                p = self._name(module, fwd[-1][0] if fwd else None)
+            in_bw = torch._C._current_graph_task_id() != -1
+            # a forward run again inside backward (activation checkpointing) serves the backward
+            self._push(p, BACKWARD if in_bw else FORWARD)
+            if not in_bw and torch.is_grad_enabled():
+                ins = _grad_tensors(args, [])
+                done = self._bw_exit(p)
+                if ins:  # else it ends with the backward pass (_bw_done)
+                    torch.autograd.graph.register_multi_grad_hook(ins, done)
+        except Exception:
+            pass
+
+    def _post(self, module, args, out):
+        try:
+            p = self.paths.get(module)
+            if p is None:
+                return
+            in_bw = torch._C._current_graph_task_id() != -1
+            self._pop(p, BACKWARD if in_bw else FORWARD)
+            if not in_bw and torch.is_grad_enabled() and self.s.active:
+                outs = _grad_tensors(out, [])
+                if outs:
+                    torch.autograd.graph.register_multi_grad_hook(outs, self._bw_enter(p), mode="any")
+        except Exception:
+            pass
+
+    def _bw_enter(self, path):
+        def enter(*_):
+            try:
+                if not self._callback_queued:
+                    self._callback_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._bw_done)
+                self._push(path, BACKWARD)
+            except Exception:
+                pass
+        return enter
+
+    def _bw_exit(self, path):
+        def done(*_):
+            try:
+                self._pop(path, BACKWARD)
+            except Exception:
+                pass
+        return done
+
+    def _bw_done(self):
+        """The backward pass ended: every module still in backward (no input needed a gradient) ends."""
+        self._callback_queued = False
+        with self.lock:
+            ts = time_ns()
+            for tid, st in self.stacks.items():
+                kept = [e for e in st if e[1] != BACKWARD]
+                if len(kept) != len(st):
+                    st[:] = kept
+                    self._mark(tid, ts, kept[-1] if kept else None)
+
+    # ------------------------------------------------------------ flush time
+    def owned_blocks(self):
+        """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
+        modules seen (by the sources' ``alloc_id_of``): what a run without owner labels (no
+        ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
+        s, out, by_param = self.s, {}, {}
+
+        def add(t, path, cat):
+            try:
+                st = t.untyped_storage()
+            except Exception:
+                return
+            aid = s.alloc_id_of(st)
+            if aid is not None and aid not in out:
+                out[aid] = (path, cat)
+        for name, ref in list(self.roots.items()):
+            root = ref()
+            if root is None:
+                continue
+            for sub_name, sub in root.named_modules():
+                path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
+                for p in sub.parameters(recurse=False):
+                    by_param.setdefault(id(p), path)
+                    add(p, path, "weight")
+                    if p.grad is not None:
+                        add(p.grad, path, "gradient")
+                for b in sub.buffers(recurse=False):
+                    add(b, path, "weight")
+        for opt in list(self.optimizers):
+            for p, st in opt.state.items():
+                path = by_param.get(id(p))
+                if path is not None and isinstance(st, dict):
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            add(v, path, "optimizer_state")
+        return out
+
+    def attribute(self, buf, owned=None):
+        """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
+        ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
+        optimizer state: capture/owners.py), which wins over the running module."""
+        with self.lock:
+            marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
+            base = dict(self.base)
+        cats = {}
+        if owned is None:  # no owner labels: the owning modules and their categories from here
+            try:
+                found = self.owned_blocks() if any(r[EVENT] == Event.MALLOC for r in buf) else {}
+            except Exception:
+                found = {}
+            owned = {k: v[0] for k, v in found.items()}
+            cats = {k: v[1] for k, v in found.items()}
+        n = 0
+        for i in range(len(buf)):
+            r = buf[i]
+            if r[EVENT] != Event.MALLOC:
+                continue
+            a = r[ATTR]
+            if type(a) is tuple:
+                if len(a) != 6:
+                    continue
+                aid = a[A_ALLOC_ID]
+            elif isinstance(a, dict) and "module" not in a:
+                aid = a.get("allocation_id")
+            else:
+                continue
+            m = marks.get(r[TID])
+            if m is None:
+                state = base.get(r[TID])
+            else:
+                j = bisect.bisect_right(m[0], r[TS]) - 1
+                state = m[1][j] if j >= 0 else base.get(r[TID])
+            own = owned.get(aid)
+            if state is None and own is None:
+                continue
+            mod = own if own is not None else state[0]
+            phase = state[1] if state is not None else None
+            if type(a) is tuple:
+                if own is not None and not a[A_OWNER] and aid in cats:
+                    a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
+                buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
+            else:
+                extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
+                buf[i] = r[:ATTR] + ({**a, **extra},) + r[ATTR + 1:]
+            n += 1
+        self.attributed += n
+        self._prune()
+        return n
+
+    def _prune(self):
+        """Keep the marks since the previous flush (rows of a source drained one flush late still
+        find theirs); older ones fold into each thread's base state."""
+        cut, self._cut = self._cut, time_ns()
+        with self.lock:
+            for tid, (ts, st) in list(self.marks.items()):
+                k = bisect.bisect_left(ts, cut)
+                if k:
+                    self.base[tid] = st[k - 1]
+                    del ts[:k], st[:k]
+                if not ts:
+                    del self.marks[tid]

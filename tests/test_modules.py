@@ -1,0 +1,209 @@
+"""Memory by nn.Module (issue 25): module attribution in the dump, the per-module table online and
+offline, checked against PyTorch's MemTracker and against the model's own tensors.
+
+The truth program (tests/progs/modules_truth.py) runs the same model and steps once under
+MemTracker and once plainly under msmemscope. Per module: parameters, gradients and optimizer
+state equal the bytes of the module's own tensors; the forward and backward peaks equal
+MemTracker's Peak-Forward / Peak-Backward totals within 2%, except where docs/decompose.md says
+the definitions differ (a module whose inputs need no gradient; a tied parameter)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FULL, check_invariants, dump_of, env_for_tests, read, run_cli, run_folders
+
+PROGS = os.path.join(os.path.dirname(__file__), "progs")
+TRUTH = os.path.join(PROGS, "modules_truth.py")
+
+
+def native_built():
+    from msmemscope.capture import native
+    return native.load_module() is not None
+
+
+STEPS = ["--steps", "2", "--step", "2"]
+
+
+def run_truth(kind, mode, out_dir=None, source="python"):
+    env = env_for_tests()
+    if mode == "memtracker":
+        r = subprocess.run([sys.executable, TRUTH, kind, "memtracker", *STEPS], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), None
+    env["MSMEMSCOPE_SOURCE"] = source
+    args = ["--analysis=decompose"] if source == "python" else []
+    if source == "native":
+        env["MSMEMSCOPE_MODULES"] = "1"  # module attribution without decompose (which needs the dispatch mode)
+    r = run_cli([*args, "--output", str(out_dir), TRUTH, kind, "plain", *STEPS], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (folder,) = run_folders(out_dir)
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["source"] == {"python": "dispatch"}.get(source, source), cfg.get("source_note")
+    assert cfg["format_version"] == 2
+    return json.loads(r.stdout.strip().splitlines()[-1]), folder
+
+
+def table_of(folder, step):
+    from msmemscope.analysis.decompose import EVENTS, MODULE_COLUMNS_READ, module_table
+    from msmemscope.io.reader import read_dump
+    t = module_table(read_dump(dump_of(folder), columns=MODULE_COLUMNS_READ, events=EVENTS), step)
+    return t["cpu"]
+
+
+def compare(mine, truth, tied=()):
+    """Every difference found, as text (empty: all agree)."""
+    rows = {r["module"]: r for r in mine["modules"]}
+    bad = []
+    for name, t in truth["modules"].items():
+        r = rows.get(name)
+        if r is None:
+            if t["has_params"]:
+                bad.append(f"{name}: missing")
+            continue  # ran without allocating (a dropout in eval-like mode): nothing to say
+        if name not in tied:
+            for col in ("parameters", "gradients", "optimizer_state"):
+                if r["held"][col] != t[col]:
+                    bad.append(f"{name}: {col} {r['held'][col]} != {t[col]}")
+        m = t.get("memtracker")
+        if m is None:
+            continue
+        if name not in tied and r["held"]["parameters"] != m["parameters"]:
+            bad.append(f"{name}: parameters {r['held']['parameters']} != MemTracker {m['parameters']}")
+        for k in ("forward_peak", "backward_peak"):
+            ours, theirs = r[k], m[k]
+            if theirs is None:
+                continue
+            if ours is None:
+                bad.append(f"{name}: no {k}")
+            elif k == "backward_peak" and not t["inputs_need_grad"]:
+                # its backward window stays open to the end of the pass; ours attributes what is made
+                # there to the module running (docs/decompose.md): never more than MemTracker's
+                if ours > theirs * 1.02:
+                    bad.append(f"{name}: {k} {ours} > MemTracker {theirs}")
+            elif abs(ours - theirs) > 0.02 * theirs:
+                bad.append(f"{name}: {k} {ours} vs MemTracker {theirs} ({(ours - theirs) / theirs:+.2%})")
+    return bad
+
+
+# make test: the transformer on both sources (one MemTracker run); make test-full adds GPT-2
+CASES = [("transformer", "python")]  # make test; the native source and GPT-2 in make test-full
+if FULL:
+    CASES += [("transformer", "native"), ("gpt2", "python"), ("gpt2", "native")]
+_memtracker = {}
+
+
+@pytest.mark.parametrize("kind,source", CASES)
+def test_per_module_table_against_memtracker(kind, source, tmp_path):
+    if kind == "gpt2":
+        pytest.importorskip("transformers")
+    if source == "native" and not native_built():
+        pytest.skip("the native source is not built (make native)")
+    if kind not in _memtracker:
+        _memtracker[kind] = run_truth(kind, "memtracker")[0]
+    mt = _memtracker[kind]
+    truth, folder = run_truth(kind, "plain", tmp_path / "out", source)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    # the model's own tensors are the same in both runs (same seed, same program)
+    assert {k: v["parameters"] for k, v in truth["modules"].items()} == \
+           {k: v["parameters"] for k, v in mt["modules"].items()}
+    for name, v in mt["modules"].items():
+        truth["modules"][name]["memtracker"] = v.get("memtracker")
+    tied = ("GPT2LMHeadModel.lm_head",) if kind == "gpt2" else ()
+    mine = table_of(folder, 2)
+    assert mine["step"] == 2
+    bad = compare(mine, truth, tied)
+    assert not bad, "\n".join(bad)
+    # a tied weight (GPT-2's wte = lm_head) is attributed once, to the first module that registers it
+    if kind == "gpt2":
+        rows = {r["module"]: r for r in mine["modules"]}
+        assert rows["GPT2LMHeadModel.transformer.wte"]["held"]["parameters"] == \
+            truth["modules"]["GPT2LMHeadModel.transformer.wte"]["parameters"]
+        assert rows["GPT2LMHeadModel.lm_head"]["held"]["parameters"] == 0
+    # rows of the dump carry the module and phase; activations belong to the forward that made them
+    mal = df.filter(df["event"] == "MALLOC")
+    from msmemscope.io.reader import read_dump
+    cols = read_dump(dump_of(folder), columns=("event", "owner", "module", "phase"), events=("MALLOC",))
+    assert set(cols["phase"].drop_nulls().unique()) == {"forward", "backward"}
+    act = cols.filter(cols["owner"].str.contains("@activation", literal=True))
+    if source == "python":  # (the loss, computed outside the model, saves its own: no module)
+        inside = act.filter(act["module"].is_not_null())
+        assert inside.height > act.height // 2 and (inside["phase"] == "forward").all()
+    assert cols["module"].drop_nulls().len() > mal.height // 3
+    if source == "python":  # the online table is the offline one (one implementation)
+        res = json.load(open(os.path.join(folder, "analysis", "decompose.json")))
+        online = res["modules"]["cpu"]
+        assert online == table_of(folder, online["step"])
+
+
+def test_module_hooks_removed_at_stop_and_cli(tmp_path):
+    """In one process: the global hooks exist only while tracing; then the offline command on the
+    dump: --depth folds, --json parses, bad input is one line; a version-1 dump still reads."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import json, torch, msmemscope\n"
+        "from torch.nn.modules import module as M\n"
+        "from torch import nn\n"
+        "def counts():\n"
+        "    return [len(M._global_forward_pre_hooks), len(M._global_forward_hooks)]\n"
+        "before = counts()\n"
+        "m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)\n"
+        "x = torch.randn(8, 32, requires_grad=True)\n"
+        "msmemscope.config(analysis='decompose', output=%r)\n"
+        "msmemscope.start()\n"
+        "during = counts()\n"
+        "for _ in range(2):\n"
+        "    opt.zero_grad()\n"
+        "    m(x).square().sum().backward()\n"
+        "    opt.step()\n"
+        "msmemscope.stop()\n"
+        "after = counts()\n"
+        "m(x).sum().backward()\n"  # untraced: no hook runs, nothing breaks
+        "print(json.dumps([before, during, after]))\n" % str(tmp_path / "out"))
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = "python"
+    r = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, during, after = json.loads(r.stdout.strip().splitlines()[-1])
+    assert after == before and during[0] > before[0] and during[1] > before[1]
+    (folder,) = run_folders(tmp_path / "out")
+    dump = dump_of(folder)
+    check_invariants(read(dump))
+    r = run_cli(["decompose", "--by=module", "--depth=2", "--json", dump])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["cpu"]
+    names = [x["module"] for x in res["modules"]]
+    assert "Sequential.2" in names and "Sequential.2.0" not in names and "Sequential" in names
+    totals = [x["total"] for x in res["modules"]]
+    assert totals == sorted(totals, reverse=True)
+    top = {x["module"]: x for x in res["modules"]}["Sequential"]
+    # the parameters: 32*64+64 + 64*64+64 + 64*4+4 floats; SGD momentum the same
+    n = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4) * 4
+    assert top["held"]["parameters"] == n and top["held"]["gradients"] == n and top["held"]["optimizer_state"] == n
+    r = run_cli(["decompose", "--by=module", "--depth=3", dump])
+    assert r.returncode == 0 and "Sequential.2.0" in r.stdout and "memory by module" in r.stdout
+    for bad, why in ((["--by=layer"], "--by=layer"), (["--depth=0"], "--depth=0"), (["--depth=x"], "whole number"),
+                     (["--step=9"], "no MALLOC row carries a module in step 9")):
+        r = run_cli(["decompose", "--by=module", *bad, dump])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "msmemscope: error:" in r.stderr, r.stderr
+        assert why in r.stderr, r.stderr
+    # a dump written before module attribution (format 1): reads, has no modules, says so in one line
+    old = tmp_path / "old.csv"
+    import re
+    with open(dump) as f:
+        old.write_text(re.sub(r',""module"":""[^"]*""(,""phase"":""[^"]*"")?', "", f.read()))
+    df = read(str(old))
+    check_invariants(df)
+    from msmemscope.io.reader import read_dump
+    assert read_dump(str(old), columns=("module",))["module"].null_count() == df.height
+    r = run_cli(["decompose", str(old)])
+    assert r.returncode == 0 and "PTA@weight" in r.stdout
+    r = run_cli(["decompose", "--by=module", str(old)])
+    assert r.returncode == 2 and "no MALLOC row carries a module" in r.stderr and r.stderr.count("\n") == 1
