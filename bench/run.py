@@ -31,6 +31,8 @@ CONFIGS = {
     "default-dispatch": "msmemscope, default events, the dispatch-mode source (MSMEMSCOPE_SOURCE=python)",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
+    "access-dispatch": "--analysis=inefficient on the dispatch-mode source (where it ran before the native access events)",
+    "stack-dispatch": "--call-stack=python:10 on the dispatch-mode source (where it ran before the native stacks)",
     "profiler": "torch.profiler(profile_memory=True): the with-block, collection and its stop (what every user pays)",
     "profiler-collect": "torch.profiler(profile_memory=True), collection only: its stop left out of the timing (no user gets this)",
     "profiler+read": "torch.profiler(profile_memory=True) and key_averages() at the end: the cost to see the data",
@@ -39,7 +41,8 @@ CONFIGS = {
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
-TRACED = ("default", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose")
+TRACED = ("default", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+          "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
 import json, os, sys, time, tempfile
@@ -83,13 +86,13 @@ def build():
 
 tmp = tempfile.mkdtemp()
 if config in {traced!r}:
-    if config == "default-dispatch": os.environ["MSMEMSCOPE_SOURCE"] = "python"
+    if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
     if config == "modules": os.environ["MSMEMSCOPE_MODULES"] = "1"
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
-    if config == "access": kw["analysis"] = "inefficient"
-    if config == "stack": kw["call_stack"] = "python:10"
+    if config.startswith("access"): kw["analysis"] = "inefficient"
+    if config.startswith("stack"): kw["call_stack"] = "python:10"
     if config.startswith("decompose"): kw["analysis"] = "decompose"
     msmemscope.config(**kw)
 model, step = build()
@@ -105,6 +108,7 @@ for _ in range(2):
     step()
     if config == "memtracker": ctx.reset_mod_stats()  # it refuses a second iteration otherwise
 t0 = time.perf_counter()
+c0 = time.process_time()
 for _ in range(steps):
     step()
     if config == "memtracker": ctx.reset_mod_stats()
@@ -114,14 +118,18 @@ if config in ("profiler", "profiler+read"):
         ctx.key_averages()
     ctx = None
 dt = time.perf_counter() - t0
+cpu = time.process_time() - c0
 if ctx is not None:
     ctx.__exit__(None, None, None)
 source = None
 if config in {traced!r}:
     from msmemscope import capture
     source = capture.current().config["source"]
-json.dump({{"seconds": dt, "source": source}}, open(out, "w"))
+json.dump({{"seconds": dt, "cpu_seconds": cpu, "source": source}}, open(out, "w"))
 ''')
+
+
+CPU_TIME = False  # --cpu-time: the traced process's CPU time (user+sys), steadier on a loaded machine
 
 
 def run_one(workload, config, steps, env=None):
@@ -133,12 +141,13 @@ def run_one(workload, config, steps, env=None):
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "modules": "native", "default-dispatch": "dispatch", "access": "dispatch",
-            "stack": "dispatch", "decompose": "dispatch", "decompose-nomodules": "dispatch"}.get(config)
+    want = {"default": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+            "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
+            "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":
         # the native source is not built for this checkout: the figure would be the other source's
         raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")
-    return res["seconds"]
+    return res["cpu_seconds"] if CPU_TIME else res["seconds"]
 
 
 def main(argv=None):
@@ -151,7 +160,12 @@ def main(argv=None):
     p.add_argument("--stable-malloc", action="store_true",
                    help="fix glibc malloc's mmap and trim thresholds in every run (GLIBC_TUNABLES), so that "
                         "page faults from its adaptive heuristics do not move the figures")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time the loop by the process's CPU time instead of the wall clock (a loaded, shared "
+                        "machine; leaves out the writer process's share)")
     a = p.parse_args(argv)
+    global CPU_TIME
+    CPU_TIME = a.cpu_time
     results = {}
     env = None
     if a.stable_malloc:
@@ -164,7 +178,7 @@ def main(argv=None):
                 except RuntimeError as e:
                     print(f"  skipped: {e}", file=sys.stderr)
                     results.setdefault((w, c), [])
-    print(f"| workload | config | median s/{a.steps} steps | ratio to plain |")
+    print(f"| workload | config | median {'CPU ' if CPU_TIME else ''}s/{a.steps} steps | ratio to plain |")
     print("|---|---|---|---|")
     rows = []
     for w in a.workloads.split(","):

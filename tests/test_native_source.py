@@ -193,9 +193,9 @@ def test_native_buffer_drains_without_steps(tmp_path):
 def test_source_choice_and_fallbacks(out_dir, tmp_path):
     prog = os.path.join(EXAMPLES, "mlp.py")
     # options that need the dispatch mode choose it, and MSMEMSCOPE_SOURCE=native says why
-    r, folder = _run(out_dir / "a", ["--analysis=inefficient", prog, "--steps", "2"], "native")
+    r, folder = _run(out_dir / "a", ["--call-stack=c:5", prog, "--steps", "2"], "native")
     assert config_of(folder)["source"] == "dispatch"
-    assert "access events need the dispatch-mode source" in r.stdout + r.stderr
+    assert "C call stacks are taken by the dispatch-mode source" in r.stdout + r.stderr
     # not built (an empty build folder): the dispatch-mode source, and the log says why
     r, folder = _run(out_dir / "b", [prog, "--steps", "2"], "auto", MSMEMSCOPE_NATIVE_DIR=str(tmp_path / "none"))
     assert config_of(folder)["source"] == "dispatch"

@@ -97,7 +97,8 @@ def run_program(prog, out, source):
         capture._session = None
     os.environ["MSMEMSCOPE_SOURCE"] = source
     # framework hooks imported by an earlier decompose example would keep the native source off
-    # (native.unsupported_by): a native example runs without them, and without decompose
+    # (native.unsupported_by): a native example runs without them, and without decompose (a
+    # Python-API session labels owners through the dispatch-mode source)
     hidden = sys.modules.pop("msmemscope.integrations", None) if source == "native" else None
     if source == "native":
         prog = {**prog, "analysis": "leaks"}

@@ -75,7 +75,7 @@ def test_sources_behind_one_interface(session_factory, source):
     # what a source can see: the dispatch-mode one everything, the native one the default events
     assert {"alloc", "free", "launch", "access", "storages", "stacks"} <= s.dispatch.sees
     if source == "native":
-        assert s.native.sees == {"alloc", "free", "launch"}
+        assert s.native.sees == {"alloc", "free", "launch", "access", "stacks"}
 
 
 @pytest.mark.parametrize("source", ["python", "native"])

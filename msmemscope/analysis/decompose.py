@@ -405,10 +405,10 @@ def write_result(folder: str, res: dict) -> str:
 
 class DecomposeSink:
     def __init__(self, session):
-        from ..capture.owners import Labeler
+        from ..capture.owners import labeler_for
         self.dec = Decomposition()
         self.mods = ModuleTable()
-        self.labeler = Labeler(session)
+        self.labeler = labeler_for(session)
         session.labeler = self.labeler
         self.labeler.install()
 
@@ -421,6 +421,8 @@ class DecomposeSink:
         self.mods.end_step(step)
 
     def close(self, session):
+        if session.labeler is not None:
+            self.labeler = session.labeler  # the dispatch source's, after a handover (watch)
         self.labeler.remove()
         if self.dec.rows_since_step:
             self.dec.end_step(None)

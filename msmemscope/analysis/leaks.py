@@ -288,40 +288,109 @@ class StepLeakTracker:
 
     def consume(self, rows, first_id, ids=None):
         """Raw rows (``events`` field order) with IDs ``first_id, first_id + 1, ...`` (or ``ids``).
-        Returns the block findings of the step ends among them."""
+        Returns the block findings of the step ends among them.
+
+        The hot loop of the online leak analysis (every MALLOC/FREE row of a run): ``malloc`` and
+        ``free`` inlined for the tuple attrs the sources make, with the step's state in locals
+        (refreshed at each STEP row); dict attrs and every other event take the general path."""
         found = []
-        malloc, free = self.malloc, self.free
         MALLOC, FREE, MSTX, SYSTEM, STEP = Event.MALLOC, Event.FREE, Event.MSTX, Event.SYSTEM, System.STEP
-        quiet = (Event.OP_LAUNCH, Event.ACCESS)  # most rows: nothing to do
+        OP_LAUNCH, ACCESS = Event.OP_LAUNCH, Event.ACCESS
+        sites, blocks, pending, level, fluct = self._sites, self._blocks, self.pending, self.level, self.fluct
+        new_site = self.growth.site
+        line_of, lines, labels = self._line, self._lines, self.labels
+        step = self.step
+        cur: dict = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
         for i, r in enumerate(rows):
             ev = r[EVENT]
-            if ev in quiet:
+            if ev == OP_LAUNCH or ev == ACCESS:  # most rows: nothing to do
                 continue
-            if ev == MALLOC:
-                a = r[ATTR]
-                row_id = first_id + i if ids is None else ids[i]
-                if type(a) is tuple:
-                    malloc(row_id, r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID], a[A_ADDR], a[A_SIZE], a[A_USED],
-                           r[NAME], r[PY_STACK], r[TID], a[A_OWNER] if len(a) > A_OWNER else None)
+            a = r[ATTR]
+            if ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS:
+                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
+                pk = (device, pool)
+                if step >= 2:
+                    mm = cur.get(pk)
+                    if mm is None:
+                        self._used(pk, used)
+                        mm = cur[pk] = fluct[pk][step]
+                    elif used < mm[0]:
+                        mm[0] = used
+                    elif used > mm[1]:
+                        mm[1] = used
+                level[pk] = used
+                stack = r[PY_STACK]
+                python = (lines[stack] if stack in lines else line_of(stack)) if stack else None
+                label = None
+                if python is None:
+                    owner = a[A_OWNER] if len(a) > A_OWNER else None
+                    if owner and owner.count("@") >= 2:  # <pool>@<category>@<labels...>: describe labels
+                        label = owner.split("@", 2)[2]
+                    else:
+                        label = labels.get(r[TID])
+                op, aid, size = r[NAME], a[A_ALLOC_ID], a[A_SIZE] or 0
+                site = sites.get((device, pool, op, python, label))
+                if site is None:
+                    site = new_site(device, pool, op, python, label)
+                site.live += size
+                site.last_aid = aid
+                key = (device, pool, aid)
+                blocks[key] = (site, size)
+                if step >= 2:
+                    pending[key] = (step, first_id + i if ids is None else ids[i], a[A_ADDR], size, op, stack)
+            elif ev == FREE and type(a) is tuple:
+                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
+                pk = (device, pool)
+                if step >= 2:
+                    mm = cur.get(pk)
+                    if mm is None:
+                        self._used(pk, used)
+                        mm = cur[pk] = fluct[pk][step]
+                    elif used < mm[0]:
+                        mm[0] = used
+                    elif used > mm[1]:
+                        mm[1] = used
+                level[pk] = used
+                aid = a[A_ALLOC_ID]
+                key = (device, pool, aid)
+                v = blocks.pop(key, None)
+                if v is not None:
+                    site = v[0]
+                    site.live -= v[1]
+                    if site.last_aid == aid:
+                        site.last_aid = None
+                if pending.pop(key, None) is None and self.reported:
+                    rec = self.reported.pop(key, None)
+                    if rec is not None:
+                        rec["freed_at_step"] = step
+            elif ev == MALLOC:
+                if type(a) is tuple:  # the cached segments' pool
+                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID],
+                                a[A_ADDR], a[A_SIZE], a[A_USED], r[NAME], r[PY_STACK], r[TID],
+                                a[A_OWNER] if len(a) > A_OWNER else None)
                 else:
                     a = a or {}
-                    malloc(row_id, r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("addr"),
-                           a.get("size"), a.get("used"), r[NAME], r[PY_STACK], r[TID], a.get("owner"))
+                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE],
+                                a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used"), r[NAME],
+                                r[PY_STACK], r[TID], a.get("owner"))
+                cur.clear()
             elif ev == FREE:
-                a = r[ATTR]
-                if type(a) is tuple:
-                    free(r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID], a[A_USED])
-                else:
-                    a = a or {}
-                    free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
+                a = a or {}
+                self.free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
+                cur.clear()
             elif ev == MSTX:
-                self.mstx(r[EVENT_TYPE], r[TID], r[NAME], r[ATTR])
+                self.mstx(r[EVENT_TYPE], r[TID], r[NAME], a)
             elif ev == SYSTEM and r[EVENT_TYPE] == STEP:
-                a = r[ATTR] or {}
+                a = a or {}
                 n = a.get("step", self.step) if isinstance(a, dict) else self.step
                 found.extend(self.end_step(n))
+                step = self.step
+                fluct = self.fluct  # _bound_fluct may have replaced it
+                cur.clear()
             elif ev == SYSTEM and r[EVENT_TYPE] == System.STEP_SUMMARY:
-                self.summary(r[ATTR])
+                self.summary(a)
+                fluct = self.fluct
+                cur.clear()
         return found
 
     def summary(self, attr):

@@ -9,11 +9,24 @@
 //    are attributed to the top-level op running on their thread. RecordFunctions named by a
 //    string (the autograd engine's per-node wrappers) are not ops: the ops inside them are.
 //
+//  * access events (when asked at install): the inputs of each top-level op (READ, or WRITE where
+//    the schema's alias info says the op writes that argument) and the outputs it allocated
+//    (WRITE), each resolved to its block through the side table;
+//  * Python call stacks (when asked): taken once per top-level op, on a thread Python knows, by
+//    walking the interpreter's frames with the GIL; (code object, instruction) pairs and whole
+//    stacks are interned, so a record holds a stack id and the text is built once, at drain.
+//
 // Records go into one vector under a mutex; Python drains it (at step boundaries, before each
 // Python-side row so that the order holds, and from the op exit when it grows past a bound)
 // into row tuples shaped like the Python source's.
+// libtorch is built with NDEBUG, and RecordFunction's layout depends on it (a debug-only field
+// before its inputs): built without it, inputs() would read the wrong member.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
 #include <torch/extension.h>
 #include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <Python.h>
 #include <pthread.h>
@@ -27,19 +40,32 @@
 
 namespace {
 
+inline bool py_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // FREE_UNTRACED: a counted block freed while the session does not record (stopped, or a step
 // outside --steps): its FREE row is still written, flagged, so that `used` stays the running sum.
-enum Kind : int32_t { OP_START = 0, OP_END = 1, MALLOC = 2, FREE = 3, ALLOC_FAILED = 4, FREE_UNTRACED = 5 };
+// MALLOC_BEFORE_OP: a block allocated outside the traced window, counted when a traced op first
+// reads it (access events on), as the dispatch-mode source registers it ("origin": "before_op").
+enum Kind : int32_t { OP_START = 0, OP_END = 1, MALLOC = 2, FREE = 3, ALLOC_FAILED = 4, FREE_UNTRACED = 5,
+                      MALLOC_BEFORE_OP = 6, ACCESS_READ = 7, ACCESS_WRITE = 8 };
 
 struct Rec {
   int64_t ts;
   uint64_t tid;
   uint64_t ptr;
   int64_t size;
-  int64_t used;
+  int64_t used;   // ACCESS: the absolute offset of the tensor's shape in `shapes`
   int64_t aid;
   int32_t kind;
-  int32_t op;  // index into op names, -1 outside any op
+  int32_t op;     // index into op names, -1 outside any op
+  int32_t stack;  // MALLOC, OP_START: interned Python stack, -1 none
+  int32_t extra;  // ACCESS: scalar type | ndim << 8
 };
 
 struct Block {
@@ -62,11 +88,26 @@ std::unordered_map<const char*, std::unordered_map<const char*, int32_t>>& op_in
 std::unordered_map<std::string, int32_t>& op_index_by_text = *new std::unordered_map<std::string, int32_t>();
 std::vector<std::string>& op_names = *new std::vector<std::string>();  // "torch._ops.aten.add.Tensor"
 std::vector<PyObject*>& op_strs = *new std::vector<PyObject*>();  // Python names made so far
+// per op index, from its schema: the argument positions it writes (alias info with a write), and
+// whether it is a view (every return aliases an input, nothing written): no access rows then,
+// as the dispatch-mode source does
+struct OpInfo {
+  uint64_t writes;
+  bool is_view;
+};
+std::vector<OpInfo>& op_info = *new std::vector<OpInfo>();
+// shapes of the ACCESS records' tensors; a record holds the absolute offset of its shape
+// (shape_base + index), so draining the head keeps the offsets of the rest valid
+std::vector<int64_t>& shapes = *new std::vector<int64_t>();
+int64_t shape_base = 0;
 
 std::atomic<bool> recording{false};   // ops tracked, allocation failures noted
 // count: new blocks are counted (their MALLOC row is in the dump when emit_alloc); emit_free: a
 // counted block's free is recorded as traced; free_untraced: otherwise it is recorded flagged.
 bool count_new = false, emit_alloc = false, emit_free = false, free_untraced = false, emit_launch = false;
+bool emit_access = false;  // ACCESS records (only when the callback was installed with inputs/outputs)
+bool with_io = false;      // the installed callback asks for inputs and outputs
+int py_depth = 0;          // Python frames per stack, 0: no stacks
 // top-level ops whose OP_START was recorded and whose OP_END is not yet: thread -> op. Closed (an
 // OP_END recorded now) when the source stops or hands over, so a dump never has an op left open.
 std::unordered_map<uint64_t, int32_t>& in_flight = *new std::unordered_map<uint64_t, int32_t>();
@@ -84,6 +125,24 @@ thread_local int nest = 0;         // RecordFunctions (FUNCTION scope) open on t
 thread_local int top_nest = 0;     // the nesting level of the top-level op, 0 when none runs
 thread_local int32_t top_op = -1;  // its name index
 thread_local bool in_drain_call = false;
+thread_local int32_t top_stack = -1;   // the running top-level op's Python stack
+// owner labels: the user labels / framework component open on this thread (an id the Python
+// labeler gives, 0: none); the blocks counted under one are listed for it (alloc id, tag)
+thread_local int32_t owner_tag = 0;
+std::vector<std::pair<int64_t, int32_t>>& tagged = *new std::vector<std::pair<int64_t, int32_t>>();
+thread_local bool top_access = false;  // the running top-level op records accesses at its exit
+thread_local int64_t top_first_aid = 0;  // allocation ids above this one were made by that op
+// the accesses noted at the op's start (its inputs), emitted at its exit with its outputs'
+struct Acc {
+  uint64_t ptr;
+  int64_t size;
+  int64_t aid;
+  bool write;
+  int32_t extra;                // scalar type | ndim << 8
+  size_t shape_at;              // offset in acc_shapes
+};
+thread_local std::vector<Acc> acc;
+thread_local std::vector<int64_t> acc_shapes;
 
 inline int64_t now_ns() {
   // the clock of Python's time.time_ns(): rows from both sources sort together
@@ -99,6 +158,26 @@ std::string python_name(const std::string& name, const std::string& overload) {
   auto sep = n.find("::");
   if (sep != std::string::npos) n.replace(sep, 2, ".");
   return "torch._ops." + n + "." + (overload.empty() ? "default" : overload);
+}
+
+OpInfo schema_info(const at::RecordFunction& fn) {
+  // once per op (the schema is copied): which arguments it writes, and whether it is a view
+  OpInfo info{0, false};
+  auto schema = fn.operator_schema();
+  if (!schema.has_value()) return info;
+  const auto& args = schema->arguments();
+  for (size_t i = 0; i < args.size() && i < 64; ++i) {
+    const c10::AliasInfo* a = args[i].alias_info();
+    if (a != nullptr && a->isWrite()) info.writes |= uint64_t(1) << i;
+  }
+  const auto& rets = schema->returns();
+  bool all_alias = !rets.empty();
+  for (const auto& r : rets) {
+    const c10::AliasInfo* a = r.alias_info();
+    if (a == nullptr || a->isWrite()) all_alias = false;
+  }
+  info.is_view = all_alias && info.writes == 0;
+  return info;
 }
 
 int32_t add_name(std::string text) {
@@ -121,7 +200,13 @@ int32_t intern(const at::RecordFunction& fn) {
   if (!fn.operator_name().has_value()) return -1;  // a string name: nothing to copy or keep
   std::string text = python_name(name, overload ? overload : "");
   auto t = op_index_by_text.find(text);
-  int32_t i = t != op_index_by_text.end() ? t->second : (op_index_by_text[text] = add_name(text));
+  int32_t i;
+  if (t != op_index_by_text.end()) {
+    i = t->second;
+  } else {
+    i = op_index_by_text[text] = add_name(text);
+    op_info.push_back(schema_info(fn));
+  }
   op_index[name][overload] = i;  // schema-owned strings: stable pointers
   return i;
 }
@@ -146,18 +231,244 @@ void maybe_ask_drain() {
   in_drain_call = false;
 }
 
+// ---------------------------------------------------------------- Python stacks
+// Touched only with the GIL held (capture and drain): no lock of ours is needed for them.
+struct Frame {
+  PyObject* code;  // strong reference: a (code, instruction) key never dangles
+  int line;
+  bool skip;       // the tracer's own frames (and torch's dispatch-mode glue) are left out
+};
+struct FrameKey {
+  PyObject* code;
+  int lasti;
+  bool operator==(const FrameKey& o) const { return code == o.code && lasti == o.lasti; }
+};
+struct FrameKeyHash {
+  size_t operator()(const FrameKey& k) const { return std::hash<void*>()(k.code) * 31 + (size_t)k.lasti; }
+};
+std::unordered_map<FrameKey, int32_t, FrameKeyHash>& frame_ids = *new std::unordered_map<FrameKey, int32_t, FrameKeyHash>();
+std::vector<Frame>& frames = *new std::vector<Frame>();
+std::vector<PyObject*>& frame_strs = *new std::vector<PyObject*>();   // "file:line(func)", made at drain
+std::unordered_map<std::string, int32_t>& stack_ids = *new std::unordered_map<std::string, int32_t>();
+std::vector<std::vector<int32_t>>& stack_frames = *new std::vector<std::vector<int32_t>>();
+std::vector<PyObject*>& stack_strs = *new std::vector<PyObject*>();   // the row's text, made at drain
+std::string& skip_prefix = *new std::string();  // the msmemscope package's folder
+std::string& skip_suffix = *new std::string();  // torch/utils/_python_dispatch.py
+
+int32_t frame_id(PyFrameObject* f) {
+  PyCodeObject* code = PyFrame_GetCode(f);  // new reference
+  FrameKey k{(PyObject*)code, PyFrame_GetLasti(f)};
+  auto it = frame_ids.find(k);
+  if (it != frame_ids.end()) {
+    Py_DECREF(code);
+    return it->second;
+  }
+  bool skip = false;
+  const char* fn = PyUnicode_AsUTF8(code->co_filename);
+  if (fn == nullptr) {
+    PyErr_Clear();
+  } else {
+    std::string name(fn);
+    skip = (!skip_prefix.empty() && name.compare(0, skip_prefix.size(), skip_prefix) == 0) ||
+           (!skip_suffix.empty() && name.size() >= skip_suffix.size() &&
+            name.compare(name.size() - skip_suffix.size(), skip_suffix.size(), skip_suffix) == 0);
+  }
+  int32_t id = (int32_t)frames.size();
+  frames.push_back({(PyObject*)code, PyFrame_GetLineNumber(f), skip});  // keeps the reference
+  frame_ids.emplace(k, id);
+  return id;
+}
+
+// With the GIL: the interned stack of this thread's Python frames, innermost first.
+int32_t walk_stack() {
+  thread_local std::vector<int32_t> ids;
+  ids.clear();
+  PyFrameObject* f = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(f);
+  while (f != nullptr && (int)ids.size() < py_depth) {
+    int32_t id = frame_id(f);
+    if (!frames[id].skip) ids.push_back(id);
+    PyFrameObject* back = PyFrame_GetBack(f);  // new reference
+    Py_DECREF(f);
+    f = back;
+  }
+  Py_XDECREF(f);
+  std::string key((const char*)ids.data(), ids.size() * sizeof(int32_t));
+  auto it = stack_ids.find(key);
+  if (it != stack_ids.end()) return it->second;
+  int32_t sid = (int32_t)stack_frames.size();
+  stack_frames.push_back(ids);
+  stack_ids.emplace(std::move(key), sid);
+  return sid;
+}
+
+// The Python stack of this thread now, or -1: only on a thread Python knows, never while the
+// interpreter shuts down. Ops run with the GIL released, so it is taken back for the walk (the
+// dispatch-mode source holds it for the whole op). Never called with our mutex held.
+int32_t take_stack() {
+  if (py_depth <= 0 || !Py_IsInitialized() || py_finalizing()) return -1;
+  if (PyGILState_GetThisThreadState() == nullptr) return -1;  // intra-op pools, the autograd engine's
+  if (PyGILState_Check()) return walk_stack();
+  PyGILState_STATE g = PyGILState_Ensure();
+  int32_t sid = walk_stack();
+  PyGILState_Release(g);
+  return sid;
+}
+
+PyObject* frame_str(int32_t id) {
+  if ((size_t)id < frame_strs.size() && frame_strs[id] != nullptr) return frame_strs[id];
+  if (frame_strs.size() <= (size_t)id) frame_strs.resize(id + 1, nullptr);
+  PyCodeObject* c = (PyCodeObject*)frames[id].code;
+  frame_strs[id] = PyUnicode_FromFormat("%U:%d(%U)", c->co_filename, frames[id].line, c->co_name);
+  return frame_strs[id];
+}
+
+// "file:line(func);..." of an interned stack, made once (with the GIL)
+PyObject* stack_str(int32_t sid) {
+  if ((size_t)sid < stack_strs.size() && stack_strs[sid] != nullptr) return stack_strs[sid];
+  const auto& ids = stack_frames[sid];
+  PyObject* parts = PyList_New((Py_ssize_t)ids.size());
+  if (parts == nullptr) return nullptr;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    PyObject* t = frame_str(ids[i]);
+    if (t == nullptr) {
+      Py_DECREF(parts);
+      return nullptr;
+    }
+    Py_INCREF(t);
+    PyList_SET_ITEM(parts, (Py_ssize_t)i, t);
+  }
+  PyObject* sep = PyUnicode_FromString(";");
+  PyObject* text = sep == nullptr ? nullptr : PyUnicode_Join(sep, parts);
+  Py_XDECREF(sep);
+  Py_DECREF(parts);
+  if (text == nullptr) return nullptr;
+  if (stack_strs.size() <= (size_t)sid) stack_strs.resize(sid + 1, nullptr);
+  stack_strs[sid] = text;
+  return text;
+}
+
+// ---------------------------------------------------------------- access events
+// Under the lock: the block behind a tensor's storage, counted now if it was allocated outside
+// the traced window (MALLOC origin before_op, as the dispatch-mode source registers it). Null for
+// a tensor without a CPU storage of ours.
+Block* block_of_locked(const at::Tensor& t, int32_t op, int32_t stack) {
+  // a Python number made a tensor for the op (wrapped number) is an argument value, not memory the
+  // program holds: the dispatch-mode source sees the number
+  if (!t.defined() || !t.unsafeGetTensorImpl()->has_storage() || !t.device().is_cpu() ||
+      t.unsafeGetTensorImpl()->is_wrapped_number())
+    return nullptr;
+  const void* data = t.storage().data();
+  if (data == nullptr) return nullptr;
+  auto it = live.find(const_cast<void*>(data));
+  if (it == live.end()) return nullptr;
+  Block& b = it->second;
+  if (!b.counted) {
+    if (!count_new || b.size == 0) return nullptr;
+    b.counted = true;
+    b.aid = ++next_aid;
+    used_bytes += b.size;
+    if (used_bytes > peak_bytes) peak_bytes = used_bytes;
+    if (emit_alloc)
+      recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, MALLOC_BEFORE_OP, op, stack, 0});
+    if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
+  }
+  return &b;
+}
+
+void note_access(const at::Tensor& t, bool write, int32_t op, int32_t stack, bool only_new) {
+  Block* b = block_of_locked(t, op, stack);
+  if (b == nullptr || (only_new && b->aid <= top_first_aid)) return;
+  auto sizes = t.sizes();
+  size_t at = acc_shapes.size();
+  acc_shapes.insert(acc_shapes.end(), sizes.begin(), sizes.end());
+  const void* data = t.storage().data();
+  acc.push_back({(uint64_t)data, b->size, b->aid, write, (int32_t)t.scalar_type() | ((int32_t)sizes.size() << 8), at});
+}
+
+// Under the lock: the tensors in op arguments or results (plain, lists, optional lists)
+template <typename F>
+void each_tensor(const c10::IValue& v, F f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toListRef())
+      if (x.isTensor()) f(x.toTensor());
+  }
+}
+
+// Under the lock, at the op's exit: one ACCESS record per block (WRITE wins over READ; the
+// first sight keeps its place), as the dispatch-mode source writes them
+void emit_accesses_locked(uint64_t t, int32_t op) {
+  if (acc.empty()) return;
+  int64_t ts = now_ns();
+  thread_local std::unordered_map<int64_t, size_t> seen;
+  thread_local std::vector<size_t> order;
+  seen.clear();
+  order.clear();
+  for (size_t i = 0; i < acc.size(); ++i) {
+    auto it = seen.find(acc[i].aid);
+    if (it == seen.end()) {
+      seen.emplace(acc[i].aid, order.size());
+      order.push_back(i);
+    } else if (acc[i].write && !acc[order[it->second]].write) {
+      order[it->second] = i;
+    }
+  }
+  for (size_t i : order) {
+    const Acc& a = acc[i];
+    int ndim = a.extra >> 8;
+    int64_t off = shape_base + (int64_t)shapes.size();
+    shapes.insert(shapes.end(), acc_shapes.begin() + a.shape_at, acc_shapes.begin() + a.shape_at + ndim);
+    recs.push_back({ts, t, a.ptr, a.size, off, a.aid, a.write ? ACCESS_WRITE : ACCESS_READ, op, -1, a.extra});
+  }
+  acc.clear();
+  acc_shapes.clear();
+}
+
+// Under the lock, at a top-level op's start: its OP_START, and the inputs it reads or writes
+void record_start_locked(const at::RecordFunction& fn, int32_t op) {
+  uint64_t t = tid();
+  if (emit_launch) {
+    recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_START, op, top_stack, 0});
+    in_flight[t] = op;
+  }
+  if (emit_access && with_io && !op_info[op].is_view) {
+    top_access = true;
+    top_first_aid = next_aid;
+    acc.clear();
+    acc_shapes.clear();
+    uint64_t writes = op_info[op].writes;
+    auto in = fn.inputs();
+    for (size_t i = 0; i < in.size(); ++i) {
+      bool w = i < 64 && ((writes >> i) & 1);
+      each_tensor(in[i], [&](const at::Tensor& x) { note_access(x, w, op, top_stack, false); });
+    }
+  }
+}
+
 std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   ++nest;
   if (top_nest != 0 || !recording.load(std::memory_order_relaxed)) return nullptr;  // inside an op
-  std::lock_guard<std::mutex> g(mu);
-  int32_t op = intern(fn);
-  if (op < 0) return nullptr;
-  top_nest = nest;
-  top_op = op;
-  if (emit_launch) {
-    uint64_t t = tid();
-    recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_START, op});
-    in_flight[t] = op;
+  int32_t op;
+  bool stacks;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    op = intern(fn);
+    if (op < 0) return nullptr;
+    top_nest = nest;
+    top_op = op;
+    top_stack = -1;
+    top_access = false;
+    stacks = py_depth > 0 && (emit_launch || emit_alloc);
+    if (!stacks) record_start_locked(fn, op);
+  }
+  if (stacks) {
+    // the stack is taken with the GIL, outside the lock (the drain takes the GIL, then the lock)
+    int32_t sid = take_stack();
+    std::lock_guard<std::mutex> g(mu);
+    top_stack = sid;
+    record_start_locked(fn, op);
   }
   return nullptr;
 }
@@ -167,15 +478,28 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   int32_t op = top_op;
   top_nest = 0;
   top_op = -1;
+  top_stack = -1;
   bool ask = false;
   {
     std::lock_guard<std::mutex> g(mu);
+    uint64_t t = tid();
+    if (top_access) {
+      top_access = false;
+      if (recording.load(std::memory_order_relaxed) && emit_access) {
+        // the outputs the op allocated were written by it (outputs it was given were inputs)
+        for (const c10::IValue& v : fn.outputs())
+          each_tensor(v, [&](const at::Tensor& x) { note_access(x, true, op, -1, true); });
+        emit_accesses_locked(t, op);
+      }
+      acc.clear();
+      acc_shapes.clear();
+    }
     // the OP_END of an op whose OP_START is recorded, whatever the flags are now (a step
     // boundary on another thread); none when stop()/handover() closed it already
     if (!in_flight.empty()) {
-      auto it = in_flight.find(tid());
+      auto it = in_flight.find(t);
       if (it != in_flight.end()) {
-        recs.push_back({now_ns(), it->first, 0, 0, 0, 0, OP_END, op});
+        recs.push_back({now_ns(), it->first, 0, 0, 0, 0, OP_END, op, -1, 0});
         in_flight.erase(it);
       }
     }
@@ -195,9 +519,9 @@ void traced_delete(void* data) {
     if (b.counted) {
       used_bytes -= b.size;
       if (emit_free)
-        recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE, top_op});
+        recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE, top_op, -1, 0});
       else if (free_untraced)
-        recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE_UNTRACED, -1});
+        recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, FREE_UNTRACED, -1, -1, 0});
     }
   }
   b.deleter(b.ctx);
@@ -214,7 +538,7 @@ struct TracingAllocator final : c10::Allocator {
       // an allocation failure: noted (the session writes an OOM snapshot there), then raised
       std::lock_guard<std::mutex> g(mu);
       if (recording.load(std::memory_order_relaxed))
-        recs.push_back({now_ns(), tid(), 0, (int64_t)n, used_bytes, peak_bytes, ALLOC_FAILED, top_op});
+        recs.push_back({now_ns(), tid(), 0, (int64_t)n, used_bytes, peak_bytes, ALLOC_FAILED, top_op, -1, 0});
       throw;
     }
     void* data = d.get();
@@ -222,6 +546,12 @@ struct TracingAllocator final : c10::Allocator {
     c10::Device dev = d.device();
     Block b{d.get_context(), d.get_deleter(), (int64_t)n, 0, false};
     d.release_context();
+    // the op's stack; outside any op, this thread's own when it holds the GIL (a tensor made by
+    // C code called from Python), never waiting for the GIL inside the allocator
+    int32_t stack = top_stack;
+    if (stack < 0 && top_nest == 0 && py_depth > 0 && count_new && !py_finalizing() &&
+        PyGILState_GetThisThreadState() != nullptr && PyGILState_Check())
+      stack = walk_stack();
     {
       std::lock_guard<std::mutex> g(mu);
       if (count_new) {
@@ -230,7 +560,8 @@ struct TracingAllocator final : c10::Allocator {
         used_bytes += b.size;
         if (used_bytes > peak_bytes) peak_bytes = used_bytes;
         if (emit_alloc)
-          recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, MALLOC, top_op});
+          recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, MALLOC, top_op, stack, 0});
+        if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
       }
       live[data] = b;
     }
@@ -265,8 +596,11 @@ void before_fork() { mu.lock(); }
 void after_fork_parent() { mu.unlock(); }
 void after_fork_child() {
   recording = false;
-  count_new = emit_alloc = emit_free = free_untraced = emit_launch = false;
+  count_new = emit_alloc = emit_free = free_untraced = emit_launch = emit_access = false;
+  py_depth = 0;
   recs.clear();
+  shape_base += (int64_t)shapes.size();
+  shapes.clear();
   in_flight.clear();
   mu.unlock();
 }
@@ -274,7 +608,7 @@ void after_fork_child() {
 // Under the lock: an OP_END now for every top-level op whose OP_START was recorded.
 void close_in_flight_locked() {
   int64_t t = now_ns();
-  for (auto& kv : in_flight) recs.push_back({t, kv.first, 0, 0, 0, 0, OP_END, kv.second});
+  for (auto& kv : in_flight) recs.push_back({t, kv.first, 0, 0, 0, 0, OP_END, kv.second, -1, 0});
   in_flight.clear();
 }
 
@@ -285,6 +619,7 @@ void stop_recording_locked() {
   count_new = false;
   emit_alloc = false;
   emit_launch = false;
+  emit_access = false;
   close_in_flight_locked();
 }
 
@@ -302,25 +637,41 @@ void detach() {
 
 }  // namespace
 
-void install(int64_t drain_rows, py::object full_callback) {
+// access: the callback asks for each op's inputs and outputs (access events; boxing them costs
+// every op, so only then); depth: Python frames per stack (0: none); skip_prefix / skip_suffix:
+// frames of files under the tracer's folder, or ending so, are left out of stacks.
+void install(int64_t drain_rows, py::object full_callback, bool access, int depth, std::string prefix,
+             std::string suffix) {
   drain_at = (size_t)drain_rows;
   Py_XDECREF(on_full);
   on_full = full_callback.is_none() ? nullptr : full_callback.release().ptr();
+  skip_prefix = std::move(prefix);  // with the GIL: the stack tables' guard
+  skip_suffix = std::move(suffix);
   if (tracing_allocator.inner == nullptr) {
     tracing_allocator.inner = c10::GetCPUAllocator();
     pthread_atfork(&before_fork, &after_fork_parent, &after_fork_child);
   }
   if (c10::GetCPUAllocator() != &tracing_allocator)
     c10::SetCPUAllocator(&tracing_allocator, ++alloc_priority);
+  if (handle != 0 && with_io != access) {
+    at::removeCallback(handle);
+    handle = 0;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu);
+    with_io = access;
+    py_depth = depth;
+  }
   if (handle == 0)
     handle = at::addGlobalCallback(
-        at::RecordFunctionCallback(on_enter, on_exit).needsInputs(false).needsOutputs(false)
+        at::RecordFunctionCallback(on_enter, on_exit).needsInputs(access).needsOutputs(access)
             .needsIds(false).scopes({at::RecordScope::FUNCTION}));
 }
 
 // rec: ops tracked; count: new blocks counted; alloc: their MALLOC recorded; free_: frees recorded
-// as traced; free_later: frees of counted blocks recorded flagged when not as traced; launch: ops.
-void set_flags(bool rec, bool count, bool alloc, bool free_, bool free_later, bool launch) {
+// as traced; free_later: frees of counted blocks recorded flagged when not as traced; launch: ops;
+// access: ACCESS records.
+void set_flags(bool rec, bool count, bool alloc, bool free_, bool free_later, bool launch, bool access) {
   std::lock_guard<std::mutex> g(mu);
   bool on = !handed_over;
   recording = rec && on;
@@ -329,6 +680,7 @@ void set_flags(bool rec, bool count, bool alloc, bool free_, bool free_later, bo
   emit_free = free_;
   free_untraced = free_later;
   emit_launch = launch && on;
+  emit_access = access && on;  // recorded where the installed callback sees inputs (with_io)
 }
 
 // stop(): one critical section ends recording (closing the ops in flight), then the hooks go.
@@ -351,11 +703,15 @@ py::tuple drain(py::list out, py::tuple names) {
   // while the tuples are built (frees on other threads) stay after the copied ones.
   int64_t failed = 0;
   std::vector<Rec> batch;
+  std::vector<int64_t> batch_shapes;
+  int64_t batch_shape_base;
   {
     std::lock_guard<std::mutex> g(mu);
     if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0);
     draining = true;
     batch.assign(recs.begin(), recs.end());
+    batch_shapes.assign(shapes.begin(), shapes.end());
+    batch_shape_base = shape_base;
   }
   struct Done {  // the drain flag is cleared on every way out
     ~Done() { std::lock_guard<std::mutex> g(mu); draining = false; }
@@ -370,9 +726,16 @@ py::tuple drain(py::list out, py::tuple names) {
   PyObject* na = names[7].ptr();
   PyObject* ev_failed = names[8].ptr();
   PyObject* untraced_key = names[9].ptr();
+  PyObject* ev_access = names[10].ptr();
+  PyObject* acc_read = names[11].ptr();
+  PyObject* acc_write = names[12].ptr();
+  PyObject* origin_key = names[13].ptr();
+  PyObject* before_op = names[14].ptr();
   py::list made;  // the tuples, appended to `out` once all are made
   PyObject* lst = made.ptr();
   py::str empty("");
+  static PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less "torch."
+  size_t shapes_used = 0;  // shapes consumed by the batch's ACCESS records
   for (const Rec& r : batch) {
     PyObject* name = r.op >= 0 ? op_str(r.op) : na;
     if (name == nullptr) throw py::error_already_set();
@@ -380,6 +743,11 @@ py::tuple drain(py::list out, py::tuple names) {
     PyObject* type;
     PyObject* ptr;
     PyObject* attr;
+    PyObject* stack = Py_None;
+    if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0) {
+      stack = stack_str(r.stack);
+      if (stack == nullptr) throw py::error_already_set();
+    }
     if (r.kind == OP_START || r.kind == OP_END) {
       ev = ev_launch;
       type = r.kind == OP_START ? ev_start : ev_end;
@@ -387,6 +755,25 @@ py::tuple drain(py::list out, py::tuple names) {
       attr = Py_None;
       Py_INCREF(ptr);
       Py_INCREF(attr);
+    } else if (r.kind == ACCESS_READ || r.kind == ACCESS_WRITE) {
+      // (dtype, shape, block size, alloc_id)
+      ev = ev_access;
+      type = r.kind == ACCESS_WRITE ? acc_write : acc_read;
+      ptr = PyLong_FromUnsignedLongLong(r.ptr);
+      int st = r.extra & 0xff, ndim = r.extra >> 8;
+      if (dtype_strs[st] == nullptr)
+        {
+        auto n = c10::getDtypeNames((at::ScalarType)st).first;
+        dtype_strs[st] = PyUnicode_FromStringAndSize(n.data(), (Py_ssize_t)n.size());
+      }
+      PyObject* shape = PyTuple_New(ndim);
+      size_t at = (size_t)(r.used - batch_shape_base);
+      if (shape != nullptr)
+        for (int k = 0; k < ndim; ++k) PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(batch_shapes[at + k]));
+      shapes_used = at + ndim;
+      attr = (shape == nullptr || dtype_strs[st] == nullptr) ? nullptr
+          : Py_BuildValue("(OOLL)", dtype_strs[st], shape, (long long)r.size, (long long)r.aid);
+      Py_XDECREF(shape);
     } else if (r.kind == ALLOC_FAILED) {
       ++failed;
       // not a dump row: the session turns it into the OOM snapshot (used and peak at the failure)
@@ -403,6 +790,14 @@ py::tuple drain(py::list out, py::tuple names) {
       attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,O:O}", "allocation_id", (long long)r.aid, "addr",
                            (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
                            "total", (long long)r.used, untraced_key, Py_True);
+    } else if (r.kind == MALLOC_BEFORE_OP) {
+      // a block allocated before the traced window, first read by a traced op: a dict with its origin
+      ev = ev_malloc;
+      type = pool;
+      ptr = PyLong_FromUnsignedLongLong(r.ptr);
+      attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,s:O,O:O}", "allocation_id", (long long)r.aid, "addr",
+                           (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
+                           "total", (long long)r.used, "owner", empty.ptr(), origin_key, before_op);
     } else {
       ev = r.kind == MALLOC ? ev_malloc : ev_free;
       type = pool;
@@ -418,7 +813,7 @@ py::tuple drain(py::list out, py::tuple names) {
     }
     PyObject* t = (ptr == nullptr || attr == nullptr) ? nullptr
         : Py_BuildValue("(OOOLKOOOOO)", ev, type, name, (long long)r.ts, (unsigned long long)r.tid, device,
-                        ptr, attr, Py_None, Py_None);
+                        ptr, attr, stack, Py_None);
     Py_XDECREF(ptr);
     Py_XDECREF(attr);
     if (t == nullptr) throw py::error_already_set();
@@ -427,9 +822,13 @@ py::tuple drain(py::list out, py::tuple names) {
     if (rc != 0) throw py::error_already_set();
   }
   {
-    // every tuple made: the records go (those appended meanwhile stay)
+    // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
     std::lock_guard<std::mutex> g(mu);
     recs.erase(recs.begin(), recs.begin() + batch.size());
+    if (shapes_used > 0) {
+      shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
+      shape_base += (int64_t)shapes_used;
+    }
   }
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
@@ -462,6 +861,9 @@ void reset() {
     handed_over = false;
     emit_free = free_untraced = false;
     recs.clear();
+    tagged.clear();
+    shape_base += (int64_t)shapes.size();
+    shapes.clear();
     used_bytes = peak_bytes = 0;
     next_aid = 0;
     for (auto& kv : live) kv.second.counted = false;
@@ -511,7 +913,31 @@ py::set live_alloc_ids() {
   return s;
 }
 
+// the owner tag of this thread's new blocks from now on (0: none)
+void set_owner_tag(int32_t tag) { owner_tag = tag; }
+
+// [(alloc_id, tag)] of the blocks counted under a tag since the last call
+py::list take_tagged() {
+  std::vector<std::pair<int64_t, int32_t>> got;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    got.swap(tagged);
+  }
+  py::list out;
+  for (auto& p : got) out.append(py::make_tuple(p.first, p.second));
+  return out;
+}
+
+// the last allocation id given
+int64_t last_alloc_id() {
+  std::lock_guard<std::mutex> g(mu);
+  return next_aid;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_owner_tag", &set_owner_tag);
+  m.def("take_tagged", &take_tagged);
+  m.def("last_alloc_id", &last_alloc_id);
   m.def("install", &install);
   m.def("uninstall", &uninstall);
   m.def("set_flags", &set_flags);

@@ -7,8 +7,11 @@ machine without a C++ compiler or ninja, or a build that failed once, falls back
 ahead of time with ``python -m msmemscope.capture.native build`` (``make`` does it).
 ``MSMEMSCOPE_NATIVE_BUILD=0`` turns the build on first use off.
 
-When it is not built, or the run needs what only the dispatch-mode
-source sees (access events, Python call stacks, watch, owner labels, an accelerator),
+It records access events (inputs and outputs of each top-level op, READ/WRITE from the op's
+schema) and Python call stacks (interned in C++) when asked; ``--analysis=decompose`` labels its
+blocks by data pointer (``owners.NativeLabeler``). When it is not built, or the run needs what
+only the dispatch-mode source sees (C call stacks, watch, the OOM analysis's op failures, FSDP2's
+storages in a distributed decompose, framework-hook labels without decompose, an accelerator),
 the session uses the dispatch-mode source (``ops.py``); ``MSMEMSCOPE_SOURCE=python``
 forces that, ``MSMEMSCOPE_SOURCE=native`` makes a run that cannot use it say why.
 """
@@ -23,14 +26,15 @@ import sys
 
 import torch
 
-from ..events import NA, TS, UNTRACED, Event, Op, Pool
+from ..events import NA, TS, UNTRACED, Access, Event, Op, Pool
+from . import stacks
 from .source import ALLOC_FAILED, Source
 
 log = logging.getLogger("msmemscope")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "_native.cpp")
 _NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED,
-          UNTRACED)
+          UNTRACED, Event.ACCESS, Access.READ, Access.WRITE, "origin", "before_op")
 
 
 def _key() -> str:
@@ -203,8 +207,10 @@ def why_not() -> str | None:
     return _why_not
 
 
-def unsupported_by(opts, kind: str) -> str | None:
-    """Why a run with these options cannot use the native source, or None when it can."""
+def unsupported_by(opts, kind: str, launched: bool = True) -> str | None:
+    """Why a run with these options cannot use the native source, or None when it can.
+    ``launched``: under the launcher, the allocator wrapper is in place before the program makes
+    its first tensor; a deferred Python-API session starts it at ``start()``, after the model exists."""
     ev = opts.effective_events()
     if kind != "cpu":
         return f"the device is {kind} (the native source wraps the CPU allocator only)"
@@ -212,16 +218,22 @@ def unsupported_by(opts, kind: str) -> str | None:
     acc = available_accelerator()
     if acc is not None:
         return f"a {acc} device is present (the native source wraps the CPU allocator only)"
-    if "access" in ev:
-        return "access events need the dispatch-mode source"
-    if "traceback" in ev or opts.python_stack or opts.c_stack:
-        return "call stacks are taken by the dispatch-mode source"
+    if not launched and opts.collect_mode != "immediate" and ("access" in ev or "decompose" in opts.analysis):
+        # the blocks made before a deferred start() (the model) are only found by their storages
+        # (immediate: the session starts at config(), before the program's tensors, as under the launcher)
+        return "access events and owner labels of a Python-API session need the dispatch-mode source"
+    if opts.c_stack:
+        return "C call stacks are taken by the dispatch-mode source"
     if opts.watch is not None:
         return "--watch needs the dispatch-mode source"
     if "oom" in opts.analysis:
         return "--analysis=oom hooks op failures through the dispatch-mode source"
-    if "decompose" in opts.analysis or "msmemscope.integrations" in sys.modules:
-        return "owner labels (decompose, framework hooks) need the dispatch-mode source"
+    if "decompose" in opts.analysis and int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        # FSDP2's unsharded parameters live only inside a step, in storages it resizes: their
+        # labels are caught through the storages
+        return "owner labels of a distributed run (FSDP2 storages) need the dispatch-mode source"
+    if "msmemscope.integrations" in sys.modules and "decompose" not in opts.analysis:
+        return "owner labels of framework hooks need the dispatch-mode source"
     return None
 
 
@@ -234,20 +246,30 @@ class NativeSource(Source):
     the side table of the blocks it counted, the CPU pool's bytes in use and peak (the session
     reads them through ``counters()`` and moves them through ``account()``)."""
     name = "native"
-    sees = frozenset({"alloc", "free", "launch"})
+    sees = frozenset({"alloc", "free", "launch", "access", "stacks"})
     pool = Pool.PTA
 
-    def __init__(self, mod, flush_rows, on_full):
+    def __init__(self, mod, flush_rows, on_full, access=False, py_depth=0):
         self.m = mod
         self.flush_rows = flush_rows
         self.on_full = on_full     # called from the op exit (with the GIL) when the records pass flush_rows
+        self.access = access       # ops' inputs and outputs are looked at (access events)
+        self.py_depth = py_depth   # Python frames per stack, 0: none
         self.installed = False
+        self.installed_as = None   # (access, py_depth) of the installed hooks
         self.handed_over = False
         mod.reset()  # the recorder is the process's: a new session starts it clean
 
+    def configure(self, access, py_depth):
+        """What the run wants (the session's options, again after a reconfigure)."""
+        self.access, self.py_depth = bool(access), int(py_depth or 0)
+        if self.installed and self.installed_as != (self.access, self.py_depth):
+            self.start()
+
     def start(self):
-        self.m.install(self.flush_rows, self.on_full)
+        self.m.install(self.flush_rows, self.on_full, self.access, self.py_depth, stacks._SKIP[0], stacks._SKIP[1])
         self.installed = True
+        self.installed_as = (self.access, self.py_depth)
 
     def stop(self):
         if self.installed:
@@ -255,7 +277,7 @@ class NativeSource(Source):
             self.installed = False
 
     def set_flags(self, f):
-        self.m.set_flags(f.recording, f.count, f.alloc, f.free, f.free_untraced, f.launch)
+        self.m.set_flags(f.recording, f.count, f.alloc, f.free, f.free_untraced, f.launch, f.access)
 
     def drain(self, buf: list) -> int:
         """Append the records as raw rows; returns how many failed-allocation markers

@@ -83,8 +83,19 @@ def _stack() -> list:
     return st
 
 
+# the native source's labeler, told of each change of this thread's open labels (its new blocks
+# carry them as a tag); None while labels are followed through the dispatch-mode source
+_on_labels_changed = None
+
+
+def _labels_changed():
+    if _on_labels_changed is not None:
+        _on_labels_changed()
+
+
 def push_label(owner: str) -> None:
     _stack().append(owner)
+    _labels_changed()
 
 
 def pop_label(owner: str) -> bool:
@@ -93,6 +104,7 @@ def pop_label(owner: str) -> bool:
     for i in range(len(st) - 1, -1, -1):
         if st[i] == owner:
             del st[i]
+            _labels_changed()
             return True
     return False
 
@@ -105,11 +117,13 @@ def current_labels() -> tuple:
 def push_component(comp: tuple):
     prev = getattr(_tls, "component", None)
     _tls.component = comp
+    _labels_changed()
     return prev
 
 
 def pop_component(prev):
     _tls.component = prev
+    _labels_changed()
 
 
 # ---------------------------------------------------------------- tensors -> storages
@@ -339,42 +353,7 @@ class Labeler:
                 if register and k not in s.live:
                     s.block_of(p, "optimizer.step")
 
-        roots = list(self.roots)
-        for m in roots:  # FSDP2 first: its storages carry the sharded/unsharded component
-            for sub in m.modules():
-                get_state = getattr(sub, "_get_fsdp_state", None)
-                if get_state is None:
-                    continue
-                try:
-                    pg = get_state()._fsdp_param_group
-                    fps = pg.fsdp_params if pg is not None else ()
-                except Exception:
-                    continue
-                for fp in fps:
-                    for t in getattr(fp, "all_gather_outputs", ()) or ():
-                        add(t, WEIGHT, ("fsdp2", "unsharded"))
-                    add(getattr(fp, "_sharded_param_data", None), WEIGHT, ("fsdp2", "sharded"))
-                    sp = getattr(fp, "sharded_param", None)
-                    if sp is not None:
-                        add(sp, WEIGHT, ("fsdp2", "sharded"))
-                        add(sp.grad, GRADIENT, ("fsdp2", "sharded"))
-        for m in roots:
-            for p in m.parameters():
-                add(p, WEIGHT)
-            for bf in m.buffers():
-                add(bf, WEIGHT)
-            for p in m.parameters():
-                add(p.grad, GRADIENT)
-        for opt in list(self.optimizers):
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    add(p, WEIGHT)
-                    add(p.grad, GRADIENT)
-            for st in opt.state.values():
-                if isinstance(st, dict):
-                    for v in st.values():
-                        if isinstance(v, torch.Tensor):
-                            add(v, OPT_STATE)
+        walk_live_objects(list(self.roots), list(self.optimizers), add)
         return out
 
     def _owning_modules(self, roots):
@@ -532,5 +511,268 @@ class Labeler:
         wrap("foreach_reduce", ("fsdp2", "reduce_scatter"), grads_arg=1)
 
 
+def walk_live_objects(roots, optimizers, add):
+    """``add(tensor, category, components)`` for every tensor the live objects say what it is:
+    FSDP2's sharded / unsharded parameter storages first, then the parameters, buffers and grads
+    of the modules that ran a forward, the parameters, grads and state of the optimizers that
+    stepped. The first category given to a storage stays."""
+    for m in roots:  # FSDP2 first: its storages carry the sharded/unsharded component
+        for sub in m.modules():
+            get_state = getattr(sub, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            try:
+                pg = get_state()._fsdp_param_group
+                fps = pg.fsdp_params if pg is not None else ()
+            except Exception:
+                continue
+            for fp in fps:
+                for t in getattr(fp, "all_gather_outputs", ()) or ():
+                    add(t, WEIGHT, ("fsdp2", "unsharded"))
+                add(getattr(fp, "_sharded_param_data", None), WEIGHT, ("fsdp2", "sharded"))
+                sp = getattr(fp, "sharded_param", None)
+                if sp is not None:
+                    add(sp, WEIGHT, ("fsdp2", "sharded"))
+                    add(sp.grad, GRADIENT, ("fsdp2", "sharded"))
+    for m in roots:
+        for p in m.parameters():
+            add(p, WEIGHT)
+        for bf in m.buffers():
+            add(bf, WEIGHT)
+        for p in m.parameters():
+            add(p.grad, GRADIENT)
+    for opt in list(optimizers):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                add(p, WEIGHT)
+                add(p.grad, GRADIENT)
+        for st in opt.state.values():
+            if isinstance(st, dict):
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        add(v, OPT_STATE)
+
+
 def _unpack(t):
     return t
+
+
+def labeler_for(session):
+    """The labeler of the source that follows the ops: the dispatch-mode source's blocks, or the
+    native source's (by data pointer)."""
+    return NativeLabeler(session) if session.native_ops else Labeler(session)
+
+
+class _NB:
+    """A native source's block as the labeler sees it (the C++ side table holds the rest)."""
+    __slots__ = ("alloc_id", "pool")
+
+    def __init__(self, alloc_id, pool):
+        self.alloc_id, self.pool = alloc_id, pool
+
+
+class NativeLabeler(Labeler):
+    """Owner labels for the native source: the same rules and the same resolution from live
+    objects, with blocks found by their storage's data pointer in the C++ side table (allocation
+    ids) instead of the dispatch-mode source's registry. The user labels and framework
+    components open on a thread reach the C++ allocator as a tag (``set_owner_tag``), so the
+    allocation need not call Python; the tagged blocks are read at each flush."""
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.nat = session.native
+        self.owner = {}        # alloc_id -> owner last written (or to be written) for a live block
+        self.tags = {}         # (users, component) -> tag
+        self.tag_info = [None]
+        # owning modules (module attribution): None lets capture/modules.py find them by data
+        # pointer itself (ModuleTracker.owned_blocks through session.alloc_id_of)
+        self.owned = None
+
+    def install(self):
+        global _on_labels_changed
+        super().install()
+        _on_labels_changed = self._labels_changed
+        self._labels_changed()
+
+    def remove(self):
+        global _on_labels_changed
+        if _on_labels_changed == self._labels_changed:
+            _on_labels_changed = None
+        try:
+            self.nat.m.set_owner_tag(0)
+        except Exception:
+            pass
+        super().remove()
+
+    def handed_over(self):
+        """The session went over to the dispatch-mode source (watch): the rows so far are labelled
+        here, then a ``Labeler`` over the dispatch source's blocks carries on with what was learnt
+        (modules, optimizers, per-block facts by allocation id). Returns it."""
+        try:
+            self.before_flush()
+        except Exception:
+            pass
+        self.remove()
+        lab = Labeler(self.s)
+        lab.roots, lab.optimizers, lab.info = self.roots, self.optimizers, self.info
+        lab.depth, lab.fwd_first_aid = self.depth, self.fwd_first_aid
+        lab.updates, lab.flushed_upto = self.updates, self.flushed_upto
+        lab.install()
+        return lab
+
+    def _labels_changed(self):
+        key = (current_labels(), getattr(_tls, "component", None) or ())
+        tag = 0
+        if key[0] or key[1]:
+            tag = self.tags.get(key)
+            if tag is None:
+                tag = self.tags[key] = len(self.tag_info)
+                self.tag_info.append(key)
+        self.nat.m.set_owner_tag(tag)
+
+    def _aid_of(self, t):
+        st = _storage(t)
+        if st is None:
+            return None
+        try:
+            hit = self.nat.counted_block(st.data_ptr())
+        except Exception:
+            return None
+        return hit[0] if hit is not None else None
+
+    def _info_aid(self, aid):
+        inf = self.info.get(aid)
+        if inf is None:
+            inf = self.info[aid] = Info()
+        return inf
+
+    def _fwd_pre(self, module, args):
+        if self.depth == 0:
+            self.roots.add(module)
+            self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
+        self.depth += 1
+
+    def _opt_post(self, opt, args, kwargs):
+        self.optimizers.add(opt)  # resolved at the flush (the native source counted its state)
+
+    def _pack(self, t):
+        try:
+            if self.s.active:
+                has_fn = t.grad_fn is not None
+                first = self.fwd_first_aid if self.depth > 0 else None
+                for p in plain_tensors(t):
+                    aid = self._aid_of(p)
+                    if aid is not None and (has_fn or (first is not None and aid >= first)):
+                        self._info_aid(aid).saved = True
+        except Exception:
+            pass
+        return t
+
+    def _relabel(self, aid, pool):
+        """The block's owner now; an OWNER row when its MALLOC row is already written."""
+        s = self.s
+        new = self.compose(_NB(aid, pool), None)
+        if self.owner.get(aid) != new:
+            self.owner[aid] = new
+            if aid <= self.flushed_upto and s.emit_alloc:
+                self.updates += 1
+                s.system(OWNER_ROW, {"allocation_id": aid, "owner": new})
+
+    def mark(self, tensors, category, comp):
+        for t in tensors:
+            for p in plain_tensors(t):
+                aid = self._aid_of(p)
+                if aid is not None:
+                    self._info_aid(aid).forced = (category, comp)
+                    self._relabel(aid, self.nat.pool)
+
+    def add_user_label(self, t, owner):
+        found = False
+        for p in plain_tensors(t):
+            aid = self._aid_of(p)
+            if aid is None:
+                continue
+            found = True
+            inf = self._info_aid(aid)
+            if owner not in inf.users:
+                inf.users = inf.users + (owner,)
+            self._relabel(aid, self.nat.pool)
+        return found
+
+    def _collect_native(self):
+        """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk)."""
+        out = {}
+        counted = self.nat.counted_block
+
+        def add(t, cat, comp=()):
+            if t is None:
+                return
+            for p in plain_tensors(t):
+                st = _storage(p)
+                if st is None:
+                    continue
+                try:
+                    hit = counted(st.data_ptr())
+                except Exception:
+                    continue
+                if hit is not None and hit[0] not in out:
+                    out[hit[0]] = (cat, comp)
+
+        walk_live_objects(list(self.roots), list(self.optimizers), add)
+        return out
+
+    def before_flush(self):
+        s = self.s
+        nat = self.nat
+        s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
+        for aid, tag in nat.m.take_tagged():
+            users, comp = self.tag_info[tag]
+            inf = self._info_aid(aid)
+            inf.users, inf.comp = users, comp
+        prev_upto, self.flushed_upto = self.flushed_upto, nat.m.last_alloc_id()
+        try:
+            cats = self._collect_native()
+        except Exception:
+            cats = {}
+        pool = nat.pool
+        live = nat.live_alloc_ids()
+        owner = self.owner
+        compose = self.compose
+        changed = []
+        for aid in live:
+            new = compose(_NB(aid, pool), cats.get(aid))
+            if owner.get(aid) != new:
+                owner[aid] = new
+                if aid <= prev_upto:
+                    changed.append(aid)
+        in_buf = set()
+        buf = s.buf
+        for i in range(len(buf)):
+            r = buf[i]
+            if r[EVENT] != Event.MALLOC:
+                continue
+            a = r[ATTR]
+            aid = a[A_ALLOC_ID] if type(a) is tuple else a.get("allocation_id") if isinstance(a, dict) else None
+            if aid is None:
+                continue
+            new = owner.get(aid)
+            if new is None:
+                if aid <= prev_upto:  # labelled at an earlier flush (a held step's rows), freed since
+                    continue
+                new = compose(_NB(aid, pool), cats.get(aid))  # freed since it was made
+            in_buf.add(aid)
+            if type(a) is tuple:
+                if a[A_OWNER] != new:
+                    buf[i] = r[:ATTR] + (a[:A_OWNER] + (new,) + a[A_OWNER + 1:],) + r[ATTR + 1:]
+            elif a.get("owner") != new:
+                buf[i] = r[:ATTR] + ({**a, "owner": new},) + r[ATTR + 1:]
+        if s.emit_alloc:
+            for aid in changed:
+                if aid not in in_buf:
+                    self.updates += 1
+                    s.system(OWNER_ROW, {"allocation_id": aid, "owner": owner[aid]})
+        # forget what we knew about blocks that are gone
+        if len(owner) > len(live):
+            self.owner = {k: v for k, v in owner.items() if k in live}
+        if self.info:
+            self.info = {k: v for k, v in self.info.items() if k in live or k > self.flushed_upto}

@@ -218,9 +218,11 @@ class Session:
             self.modules = modules.ModuleTracker(self).install()
         if self.native_ops:
             from . import native
-            why = native.unsupported_by(opts, self.kind)
+            why = native.unsupported_by(opts, self.kind, self.launched)
             if why:
                 self.use_dispatch_source(why)
+            else:
+                self.native.configure(self.want_access, self.py_depth)
         if getattr(self, "device_source", None) is not None:
             from . import cuda_source
             why = cuda_source.unsupported_by(opts)
@@ -249,7 +251,7 @@ class Session:
         if want == "python":
             return None
         from . import native
-        why = native.unsupported_by(self.opts, self.kind)
+        why = native.unsupported_by(self.opts, self.kind, self.launched)
         mod = None if why else native.load_module()
         if mod is None:
             self.native_missing = why is None
@@ -259,7 +261,7 @@ class Session:
                 from .._console import say
                 say(f"[msmemscope] MSMEMSCOPE_SOURCE=native: using the dispatch-mode source: {why}")
             return None
-        return native.NativeSource(mod, self.flush_rows, self._source_full)
+        return native.NativeSource(mod, self.flush_rows, self._source_full, self.want_access, self.py_depth)
 
     def _choose_device_source(self):
         """The one place that picks the device-memory source: on CUDA and Ascend NPU, the caching
@@ -450,6 +452,8 @@ class Session:
             self.dispatch.take_over(self.native, self.native.hand_over())
             self.native_ops = False
             self.source = self.dispatch
+            if self.labeler is not None and hasattr(self.labeler, "handed_over"):
+                self.labeler = self.labeler.handed_over()  # owner labels follow the storages now
         self.config["source"] = "native, then dispatch"
         try:
             self._write_config()

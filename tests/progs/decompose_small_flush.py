@@ -11,6 +11,8 @@ from msmemscope import capture
 
 
 def main():
+    from msmemscope.capture import session as S
+    S.FLUSH_ROWS = 40   # before the session exists: the native source's records pass it too
     msmemscope.config(analysis="decompose", output=sys.argv[1])
     msmemscope.start()
     capture.current().flush_rows = 40
