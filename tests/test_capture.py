@@ -7,7 +7,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, read, run_cli,
+from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, run_cli,
                       run_folders)
 from msmemscope.events import HEADER
 
@@ -72,8 +72,9 @@ def _losses(cmd, env):
     return r.stdout
 
 
-@pytest.mark.parametrize("script,args", [("transformer.py", ["--steps", "3", "--layers", "1"]),
-                                         ("mlp.py", ["--steps", "5"])])
+@pytest.mark.parametrize("script,args", full([("transformer.py", ["--steps", "3", "--layers", "1"])],
+                                              [("transformer.py", ["--steps", "3", "--layers", "1"]),
+                                               ("mlp.py", ["--steps", "5"])]))
 def test_losses_bit_identical(out_dir, script, args):
     path = os.path.join(EXAMPLES, script)
     env = env_for_tests()
@@ -167,7 +168,7 @@ def test_module_and_shell_programs(out_dir, tmp_path):
     assert len(run_folders(out_dir)) == 2  # the python child traced, the shell itself not
 
 
-@pytest.mark.parametrize("source", ["python", "native"])
+@pytest.mark.parametrize("source", full(["native"], ["python", "native"]))
 def test_torch_compile_under_tracing(out_dir, tmp_path, source):
     """A torch.compile'd loss under tracing: the losses are those of the plain run and the ops are
     recorded. The dispatch-mode source runs compiled code eagerly, and Dynamo never compiles the
