@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 
 import offline_golden as G  # noqa: E402  (tests/ is on sys.path under pytest)
+from conftest import full as long_or_short  # noqa: E402
 
 GOLD = G.load()
 
@@ -220,17 +221,19 @@ def test_batched_read_is_the_full_read(dump):
     from msmemscope.io.reader import DEFAULT_COLUMNS, read_dump, read_dump_batched
     from msmemscope.report import html as H
     cols = DEFAULT_COLUMNS + ("op", "step_number")
+    # make test: about 40 batches a dump; make test-full: batches of 4 KB (hundreds)
+    small = long_or_short(max(4096, os.path.getsize(dump) // 40), 4096)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = read_dump(dump, columns=cols)
-        got = read_dump_batched(dump, columns=cols, batch_bytes=4096)
+        got = read_dump_batched(dump, columns=cols, batch_bytes=small)
         for events in [("MALLOC",), ("SYSTEM", "OP_LAUNCH")]:
-            part = read_dump_batched(dump, columns=("size", "step", "op"), events=events, batch_bytes=8192)
+            part = read_dump_batched(dump, columns=("size", "step", "op"), events=events, batch_bytes=2 * small)
             want = read_dump(dump, columns=("size", "step", "op"), events=events)
             assert part.with_columns(pl.col("op").cast(pl.String)).equals(want), events
         a = H.build_frame(full, [dump], None)
         from msmemscope.report.common import REPORT_COLUMNS
-        b = H.build_frame(read_dump_batched(dump, columns=REPORT_COLUMNS, batch_bytes=4096), [dump], None)
+        b = H.build_frame(read_dump_batched(dump, columns=REPORT_COLUMNS, batch_bytes=small), [dump], None)
     assert got.columns == full.columns and got.height == full.height
     assert all(got.schema[c] == pl.Categorical for c in ("event", "name", "py_stack", "owner"))
     plain = got.with_columns(pl.col(c).cast(pl.String) for c, t in got.schema.items() if t == pl.Categorical)
