@@ -306,7 +306,9 @@ class StepLeakTracker:
             if ev == OP_LAUNCH or ev == ACCESS:  # most rows: nothing to do
                 continue
             a = r[ATTR]
-            if ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS:
+            is_malloc = ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS
+            if is_malloc or (ev == FREE and type(a) is tuple):
+                # the step's lowest and highest ``used`` (fluctuation), then the block's site
                 device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
                 pk = (device, pool)
                 if step >= 2:
@@ -319,6 +321,7 @@ class StepLeakTracker:
                     elif used > mm[1]:
                         mm[1] = used
                 level[pk] = used
+            if is_malloc:
                 stack = r[PY_STACK]
                 python = (lines[stack] if stack in lines else line_of(stack)) if stack else None
                 label = None
@@ -339,18 +342,6 @@ class StepLeakTracker:
                 if step >= 2:
                     pending[key] = (step, first_id + i if ids is None else ids[i], a[A_ADDR], size, op, stack)
             elif ev == FREE and type(a) is tuple:
-                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
-                pk = (device, pool)
-                if step >= 2:
-                    mm = cur.get(pk)
-                    if mm is None:
-                        self._used(pk, used)
-                        mm = cur[pk] = fluct[pk][step]
-                    elif used < mm[0]:
-                        mm[0] = used
-                    elif used > mm[1]:
-                        mm[1] = used
-                level[pk] = used
                 aid = a[A_ALLOC_ID]
                 key = (device, pool, aid)
                 v = blocks.pop(key, None)
