@@ -36,10 +36,13 @@ def run_truth(kind, mode, out_dir=None, source="python"):
                            timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1]), None
+    # "native+decompose": owners and modules on the native source, as --analysis=decompose runs on CPU
+    decompose = source in ("python", "native+decompose")
+    source = source.split("+")[0]
     env["MSMEMSCOPE_SOURCE"] = source
-    args = ["--analysis=decompose"] if source == "python" else []
-    if source == "native":
-        env["MSMEMSCOPE_MODULES"] = "1"  # module attribution without decompose (which needs the dispatch mode)
+    args = ["--analysis=decompose"] if decompose else []
+    if not decompose:
+        env["MSMEMSCOPE_MODULES"] = "1"  # module attribution without decompose (the owners from modules.py)
     r = run_cli([*args, "--output", str(out_dir), TRUTH, kind, "plain", *STEPS], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     (folder,) = run_folders(out_dir)
@@ -94,7 +97,8 @@ def compare(mine, truth, tied=()):
 # make test: the transformer on both sources (one MemTracker run); make test-full adds GPT-2
 CASES = [("transformer", "python")]  # make test; the native source and GPT-2 in make test-full
 if FULL:
-    CASES += [("transformer", "native"), ("gpt2", "python"), ("gpt2", "native")]
+    CASES += [("transformer", "native"), ("transformer", "native+decompose"), ("gpt2", "python"),
+              ("gpt2", "native"), ("gpt2", "native+decompose")]
 _memtracker = {}
 
 
@@ -102,7 +106,7 @@ _memtracker = {}
 def test_per_module_table_against_memtracker(kind, source, tmp_path):
     if kind == "gpt2":
         pytest.importorskip("transformers")
-    if source == "native" and not native_built():
+    if source.startswith("native") and not native_built():
         pytest.skip("the native source is not built (make native)")
     if kind not in _memtracker:
         _memtracker[kind] = run_truth(kind, "memtracker")[0]
@@ -132,11 +136,11 @@ def test_per_module_table_against_memtracker(kind, source, tmp_path):
     cols = read_dump(dump_of(folder), columns=("event", "owner", "module", "phase"), events=("MALLOC",))
     assert set(cols["phase"].drop_nulls().unique()) == {"forward", "backward"}
     act = cols.filter(cols["owner"].str.contains("@activation", literal=True))
-    if source == "python":  # (the loss, computed outside the model, saves its own: no module)
+    if source in ("python", "native+decompose"):  # (the loss, computed outside the model, saves its own: no module)
         inside = act.filter(act["module"].is_not_null())
         assert inside.height > act.height // 2 and (inside["phase"] == "forward").all()
     assert cols["module"].drop_nulls().len() > mal.height // 3
-    if source == "python":  # the online table is the offline one (one implementation)
+    if source in ("python", "native+decompose"):  # the online table is the offline one (one implementation)
         res = json.load(open(os.path.join(folder, "analysis", "decompose.json")))
         online = res["modules"]["cpu"]
         assert online == table_of(folder, online["step"])
@@ -207,3 +211,62 @@ def test_module_hooks_removed_at_stop_and_cli(tmp_path):
     assert r.returncode == 0 and "PTA@weight" in r.stdout
     r = run_cli(["decompose", "--by=module", str(old)])
     assert r.returncode == 2 and "no MALLOC row carries a module" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_node_hooks_mark_as_the_multi_grad_hooks():
+    """The module tracker's backward hooks go on the tensors' autograd nodes (one C++ call each)
+    instead of torch's register_multi_grad_hook (a hook dict and a handle per tensor, per module
+    call): the marks, in order, are those the multi-grad hooks give, on modules with several
+    inputs and outputs, a shared output, a leaf input that needs a gradient (the multi-grad hook's
+    path), a module called twice, and the transformer example."""
+    import threading
+    import types
+
+    import torch
+    from torch import nn
+
+    from msmemscope.capture import modules as M
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return self.a(x) * self.b(y), self.a(y)   # two inputs, two outputs, self.a called twice
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.two, self.head = nn.Linear(8, 8), Two(), nn.Linear(8, 1)
+
+        def forward(self, x):
+            u, v = self.two(self.pre(x), x.relu())
+            return self.head(u + v)
+
+    def marks(kind, multi_grad):
+        torch.manual_seed(0)
+        if kind == "gpt":
+            from examples.transformer import GPT
+            model, x = GPT(), torch.randint(0, 1024, (2, 16))
+        else:
+            model, x = Net(), torch.randn(4, 8, requires_grad=(kind == "leaf"))
+        saved = M._on_first_grad, M._on_all_grads
+        if multi_grad:
+            M._on_first_grad = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn, mode="any")
+            M._on_all_grads = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn)
+        tr = M.ModuleTracker(types.SimpleNamespace(active=True)).install()
+        seq = []
+        tr._mark = lambda tid, ts, state: seq.append((tid == threading.get_ident(), state))
+        try:
+            for _ in range(2):
+                model(x).float().mean().backward()
+        finally:
+            tr.remove()
+            M._on_first_grad, M._on_all_grads = saved
+        return seq
+
+    for kind in ("net", "leaf", "gpt"):
+        ours, theirs = marks(kind, False), marks(kind, True)
+        assert sum(1 for _, st in ours if st is not None and st[1] == M.BACKWARD) > 4
+        assert ours == theirs, kind

@@ -65,6 +65,71 @@ def _grad_tensors(obj, out, depth=0):
     return out
 
 
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+_will_run = torch._C._will_engine_execute_node
+
+
+def _nodes_of(tensors):
+    """The distinct autograd nodes that produce these tensors, or None when one is a leaf (no node:
+    its gradient is accumulated, a tensor hook is what sees it)."""
+    nodes = []
+    for t in tensors:
+        fn = t.grad_fn
+        if fn is None:
+            return None
+        if fn not in nodes:
+            nodes.append(fn)
+    return nodes
+
+
+# The backward hooks of a module call, as torch.autograd.graph.register_multi_grad_hook has them
+# (the same moments: a tensor's hook runs when its node is about to run, with its gradient), but
+# put on the tensors' nodes directly (Node.register_prehook, one C++ call): the multi-grad hook's
+# Tensor.register_hook costs a hook dict and a RemovableHandle per tensor, on every module call.
+# A leaf among the tensors (no node) keeps the multi-grad hook.
+def _on_first_grad(tensors, fn):
+    """``fn()`` when the first gradient of any of ``tensors`` is computed, once per backward pass."""
+    nodes = _nodes_of(tensors)
+    if nodes is None:
+        torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")
+        return
+    ran = set()
+
+    def hook(_grads):
+        gid = _graph_task_id()
+        if gid not in ran:
+            ran.add(gid)
+            fn()
+    for n in nodes:
+        n.register_prehook(hook)
+
+
+def _on_all_grads(tensors, fn):
+    """``fn()`` once the gradients of all of ``tensors`` that this backward pass computes are."""
+    nodes = _nodes_of(tensors)
+    if nodes is None:
+        torch.autograd.graph.register_multi_grad_hook(tensors, fn)
+        return
+    if len(nodes) == 1:
+        nodes[0].register_prehook(lambda _grads: fn())
+        return
+    left = {}  # backward pass -> nodes still to run
+
+    def hook(_grads):
+        gid = _graph_task_id()
+        n = left.get(gid)
+        if n is None:  # which of the nodes run is known once the pass runs (as the multi-grad hook)
+            n = sum(map(_will_run, nodes))
+        if n <= 1:
+            left.pop(gid, None)
+            fn()
+        else:
+            left[gid] = n - 1
+    for n in nodes:
+        n.register_prehook(hook)
+
+
 class ModuleTracker:
     def __init__(self, session):
         self.s = session
@@ -184,14 +249,13 @@ class ModuleTracker:
                 st = self.stacks.get(threading.get_ident())
                 fwd = [e for e in st if e[1] == FORWARD] if st else None
                 p = self._name(module, fwd[-1][0] if fwd else None)
-            in_bw = torch._C._current_graph_task_id() != -1
+            in_bw = _graph_task_id() != -1
             # a forward run again inside backward (activation checkpointing) serves the backward
             self._push(p, BACKWARD if in_bw else FORWARD)
-            if not in_bw and torch.is_grad_enabled():
+            if not in_bw and _grad_enabled():
                 ins = _grad_tensors(args, [])
-                done = self._bw_exit(p)
                 if ins:  # else it ends with the backward pass (_bw_done)
-                    torch.autograd.graph.register_multi_grad_hook(ins, done)
+                    _on_all_grads(ins, self._bw_exit(p))
         except Exception:
             pass
 
@@ -200,12 +264,12 @@ class ModuleTracker:
             p = self.paths.get(module)
             if p is None:
                 return
-            in_bw = torch._C._current_graph_task_id() != -1
+            in_bw = _graph_task_id() != -1
             self._pop(p, BACKWARD if in_bw else FORWARD)
-            if not in_bw and torch.is_grad_enabled() and self.s.active:
+            if not in_bw and _grad_enabled() and self.s.active:
                 outs = _grad_tensors(out, [])
                 if outs:
-                    torch.autograd.graph.register_multi_grad_hook(outs, self._bw_enter(p), mode="any")
+                    _on_first_grad(outs, self._bw_enter(p))
         except Exception:
             pass
 
@@ -240,20 +304,32 @@ class ModuleTracker:
                     self._mark(tid, ts, kept[-1] if kept else None)
 
     # ------------------------------------------------------------ flush time
-    def owned_blocks(self):
-        """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
-        modules seen (by the sources' ``alloc_id_of``): what a run without owner labels (no
-        ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
-        s, out, by_param = self.s, {}, {}
-
-        def add(t, path, cat):
+    def _alloc_ids(self, tensors):
+        """The allocation id of each tensor's block (None: not traced). The native source answers
+        for all of them in one call; the dispatch-mode source's blocks (after a handover) by storage."""
+        s = self.s
+        nat = getattr(s, "native", None)
+        disp = getattr(s, "dispatch", None)
+        if nat is not None and not getattr(disp, "live", None):
+            try:
+                return [i if i >= 0 else None for i in nat.block_ids(tensors)]
+            except Exception:
+                pass
+        out = []
+        for t in tensors:
             try:
                 st = t.untyped_storage()
             except Exception:
-                return
-            aid = s.alloc_id_of(st)
-            if aid is not None and aid not in out:
-                out[aid] = (path, cat)
+                out.append(None)
+                continue
+            out.append(s.alloc_id_of(st))
+        return out
+
+    def owned_blocks(self):
+        """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
+        modules seen (by the sources' allocation ids): what a run without owner labels (no
+        ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
+        tensors, meta, by_param = [], [], {}
         for name, ref in list(self.roots.items()):
             root = ref()
             if root is None:
@@ -262,18 +338,26 @@ class ModuleTracker:
                 path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
                 for p in sub.parameters(recurse=False):
                     by_param.setdefault(id(p), path)
-                    add(p, path, "weight")
+                    tensors.append(p)
+                    meta.append((path, "weight"))
                     if p.grad is not None:
-                        add(p.grad, path, "gradient")
-                for b in sub.buffers(recurse=False):
-                    add(b, path, "weight")
+                        tensors.append(p.grad)
+                        meta.append((path, "gradient"))
+                for bf in sub.buffers(recurse=False):
+                    tensors.append(bf)
+                    meta.append((path, "weight"))
         for opt in list(self.optimizers):
             for p, st in opt.state.items():
                 path = by_param.get(id(p))
                 if path is not None and isinstance(st, dict):
                     for v in st.values():
                         if isinstance(v, torch.Tensor):
-                            add(v, path, "optimizer_state")
+                            tensors.append(v)
+                            meta.append((path, "optimizer_state"))
+        out = {}
+        for aid, m in zip(self._alloc_ids(tensors), meta):
+            if aid is not None and aid not in out:  # the first module that registers a tensor owns it
+                out[aid] = m
         return out
 
     def attribute(self, buf, owned=None):
@@ -283,18 +367,20 @@ class ModuleTracker:
         with self.lock:
             marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
             base = dict(self.base)
+        malloc = Event.MALLOC
         cats = {}
         if owned is None:  # no owner labels: the owning modules and their categories from here
             try:
-                found = self.owned_blocks() if any(r[EVENT] == Event.MALLOC for r in buf) else {}
+                found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
             except Exception:
                 found = {}
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
         n = 0
+        get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
         for i in range(len(buf)):
             r = buf[i]
-            if r[EVENT] != Event.MALLOC:
+            if r[EVENT] != malloc:
                 continue
             a = r[ATTR]
             if type(a) is tuple:
@@ -305,17 +391,21 @@ class ModuleTracker:
                 aid = a.get("allocation_id")
             else:
                 continue
-            m = marks.get(r[TID])
+            tid = r[TID]
+            m = get_marks(tid)
             if m is None:
-                state = base.get(r[TID])
+                state = get_base(tid)
             else:
-                j = bisect.bisect_right(m[0], r[TS]) - 1
-                state = m[1][j] if j >= 0 else base.get(r[TID])
-            own = owned.get(aid)
+                j = right(m[0], r[TS]) - 1
+                state = m[1][j] if j >= 0 else get_base(tid)
+            own = get_own(aid)
             if state is None and own is None:
                 continue
-            mod = own if own is not None else state[0]
-            phase = state[1] if state is not None else None
+            if own is not None:
+                mod = own
+                phase = state[1] if state is not None else None
+            else:
+                mod, phase = state
             if type(a) is tuple:
                 if own is not None and not a[A_OWNER] and aid in cats:
                     a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)

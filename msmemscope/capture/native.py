@@ -312,6 +312,10 @@ class NativeSource(Source):
     def live_alloc_ids(self) -> set:
         return self.m.live_alloc_ids()
 
+    def block_ids(self, tensors) -> list:
+        """The allocation id of the counted block behind each tensor's storage, or -1 (one C++ call)."""
+        return self.m.block_ids(tensors)
+
     def alloc_id_of(self, st):
         try:
             hit = self.m.counted_block(st.data_ptr())

@@ -587,6 +587,7 @@ class NativeLabeler(Labeler):
         # owning modules (module attribution): None lets capture/modules.py find them by data
         # pointer itself (ModuleTracker.owned_blocks through session.alloc_id_of)
         self.owned = None
+        self._plain = {}       # (pool, resolved) -> owner of a block without Info (compose's answer)
 
     def install(self):
         global _on_labels_changed
@@ -660,9 +661,8 @@ class NativeLabeler(Labeler):
             if self.s.active:
                 has_fn = t.grad_fn is not None
                 first = self.fwd_first_aid if self.depth > 0 else None
-                for p in plain_tensors(t):
-                    aid = self._aid_of(p)
-                    if aid is not None and (has_fn or (first is not None and aid >= first)):
+                for aid in self.nat.m.block_ids(plain_tensors(t)):
+                    if aid >= 0 and (has_fn or (first is not None and aid >= first)):
                         self._info_aid(aid).saved = True
         except Exception:
             pass
@@ -700,26 +700,33 @@ class NativeLabeler(Labeler):
         return found
 
     def _collect_native(self):
-        """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk)."""
-        out = {}
-        counted = self.nat.counted_block
+        """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
+        tensors' blocks are looked up in one C++ call."""
+        tensors, meta = [], []
 
         def add(t, cat, comp=()):
             if t is None:
                 return
             for p in plain_tensors(t):
-                st = _storage(p)
-                if st is None:
-                    continue
-                try:
-                    hit = counted(st.data_ptr())
-                except Exception:
-                    continue
-                if hit is not None and hit[0] not in out:
-                    out[hit[0]] = (cat, comp)
+                tensors.append(p)
+                meta.append((cat, comp))
 
         walk_live_objects(list(self.roots), list(self.optimizers), add)
+        out = {}
+        for aid, cc in zip(self.nat.block_ids(tensors), meta):
+            if aid >= 0 and aid not in out:  # the first category given stays
+                out[aid] = cc
         return out
+
+    def _owner_of(self, aid, pool, resolved):
+        """``compose`` of a block; a block we know nothing particular of (most) from a cache."""
+        if aid in self.info:
+            return self.compose(_NB(aid, pool), resolved)
+        key = (pool, resolved)
+        o = self._plain.get(key)
+        if o is None:
+            o = self._plain[key] = self.compose(_NB(aid, pool), resolved)
+        return o
 
     def before_flush(self):
         s = self.s
@@ -737,19 +744,21 @@ class NativeLabeler(Labeler):
         pool = nat.pool
         live = nat.live_alloc_ids()
         owner = self.owner
-        compose = self.compose
+        owner_of = self._owner_of
+        get_cat = cats.get
         changed = []
         for aid in live:
-            new = compose(_NB(aid, pool), cats.get(aid))
+            new = owner_of(aid, pool, get_cat(aid))
             if owner.get(aid) != new:
                 owner[aid] = new
                 if aid <= prev_upto:
                     changed.append(aid)
         in_buf = set()
         buf = s.buf
+        malloc = Event.MALLOC
         for i in range(len(buf)):
             r = buf[i]
-            if r[EVENT] != Event.MALLOC:
+            if r[EVENT] != malloc:
                 continue
             a = r[ATTR]
             aid = a[A_ALLOC_ID] if type(a) is tuple else a.get("allocation_id") if isinstance(a, dict) else None
@@ -759,7 +768,7 @@ class NativeLabeler(Labeler):
             if new is None:
                 if aid <= prev_upto:  # labelled at an earlier flush (a held step's rows), freed since
                     continue
-                new = compose(_NB(aid, pool), cats.get(aid))  # freed since it was made
+                new = owner_of(aid, pool, get_cat(aid))  # freed since it was made
             in_buf.add(aid)
             if type(a) is tuple:
                 if a[A_OWNER] != new:
