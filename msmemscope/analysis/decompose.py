@@ -35,17 +35,9 @@ _COLUMN_OF = {"weight": "parameters", "gradient": "gradients", "optimizer_state"
               "activation": "activations", "ops": "temporaries"}
 
 
-_CATEGORY: dict = {}  # owner -> category: a run has few distinct owners, and every row asks
-
-
 def category(owner: str) -> str:
-    c = _CATEGORY.get(owner)
-    if c is None:
-        parts = (owner or "").split("@")
-        c = parts[1] if len(parts) > 1 else (owner or UNLABELLED)
-        if len(_CATEGORY) < 65536:
-            _CATEGORY[owner] = c
-    return c
+    parts = (owner or "").split("@")
+    return parts[1] if len(parts) > 1 else (owner or UNLABELLED)
 
 
 class Decomposition:
@@ -125,32 +117,23 @@ class Decomposition:
     # ------------------------------------------------------------ feeding
     def feed_raw(self, rows):
         """Raw session rows (online)."""
-        malloc, free, system = Event.MALLOC, Event.FREE, Event.SYSTEM
         for r in rows:
             ev = r[EVENT]
-            if ev == malloc:
+            if ev == Event.MALLOC:
                 a = r[ATTR]
                 if type(a) is tuple:
                     self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER])
                 elif a:
                     self.malloc(r[DEVICE], a.get("allocation_id"), a.get("size"), a.get("owner"))
-            elif ev == free:
+            elif ev == Event.FREE:
                 a = r[ATTR]
                 self.free(a[A_ALLOC_ID] if type(a) is tuple else (a or {}).get("allocation_id"))
-            elif ev == system and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
 
 
-_COLUMN: dict = {}
-
-
 def _column(owner):
-    c = _COLUMN.get(owner)
-    if c is None:
-        c = _COLUMN_OF.get(category(owner), "other")
-        if len(_COLUMN) < 65536:
-            _COLUMN[owner] = c
-    return c
+    return _COLUMN_OF.get(category(owner), "other")
 
 
 class ModuleTable:
@@ -283,28 +266,26 @@ class ModuleTable:
 
     def feed_raw(self, rows):
         """Raw session rows (online): MALLOC/FREE rows of the PTA pool, OWNER updates."""
-        malloc, free, system = Event.MALLOC, Event.FREE, Event.SYSTEM
         for r in rows:
             ev = r[EVENT]
-            if ev == malloc:
+            if ev == Event.MALLOC:
                 if r[EVENT_TYPE] != "PTA":
                     continue
                 a = r[ATTR]
                 if type(a) is tuple:
-                    if len(a) > A_MODULE:
-                        self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER], a[A_MODULE], a[A_PHASE], a[A_USED])
-                    else:
-                        self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER], None, None, a[A_USED])
+                    m = len(a) > A_MODULE
+                    self.malloc(r[DEVICE], a[A_ALLOC_ID], a[A_SIZE], a[A_OWNER], a[A_MODULE] if m else None,
+                                a[A_PHASE] if m else None, a[A_USED])
                 elif a:
                     self.malloc(r[DEVICE], a.get("allocation_id"), a.get("size"), a.get("owner"), a.get("module"),
                                 a.get("phase"), a.get("used"))
-            elif ev == free:
+            elif ev == Event.FREE:
                 a = r[ATTR]
                 if type(a) is tuple:
                     self.free(a[A_ALLOC_ID], a[A_USED])
                 elif a:
                     self.free(a.get("allocation_id"), a.get("used"))
-            elif ev == system and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"), r[ATTR].get("module"))
 
 
