@@ -361,3 +361,42 @@ def test_native_source_under_threads_and_concurrent_flushes(tmp_path):
     assert starts["tid"].n_unique() == 4  # the four workers (the main thread runs no op)
     assert starts.height >= 4 * 3000 * 2
     assert df.filter(df["event"] == "MSTX").height == 200
+
+
+@needs_native
+def test_block_ids_answer_as_counted_block(tmp_path):
+    """``block_ids`` (one C++ call for the tensors of a walk: owner labels, owning modules, saved
+    tensors) gives each tensor the allocation id ``counted_block`` gives its storage's address:
+    views and slices share their base's block, a parameter and its gradient have their own, a
+    tensor made before tracing and freed blocks have none (-1), and what is not a tensor is -1."""
+    code = textwrap.dedent("""
+        import json, torch, msmemscope
+        from msmemscope import capture
+        before = torch.ones(32)           # allocated through the wrapper, but before tracing: not counted
+        msmemscope.config(output=%r, collect_mode="immediate")
+        s = capture.current()
+        assert s.native is not None
+        base = torch.randn(64, 8)
+        lin = torch.nn.Linear(8, 4)
+        lin(base).sum().backward()
+        gone = torch.ones(16); gone_ptr = gone.untyped_storage().data_ptr(); del gone
+        ts = [base, base[3:], base.t(), base.view(-1), lin.weight, lin.weight.grad, lin.bias, before,
+              torch.tensor(3.0), None, "text", 7]
+        ids = s.native.block_ids(ts)
+        def one(t):
+            if not isinstance(t, torch.Tensor):
+                return -1
+            hit = s.native.counted_block(t.untyped_storage().data_ptr())
+            return hit[0] if hit is not None else -1
+        print("IDS", json.dumps([ids, [one(t) for t in ts], s.native.counted_block(gone_ptr)]))
+        msmemscope.stop()
+    """ % str(tmp_path / "o"))
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], env=_env("native"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids, expected, gone = json.loads(r.stdout.split("IDS", 1)[1])
+    assert ids == expected
+    assert ids[0] > 0 and ids[1] == ids[2] == ids[3] == ids[0]          # views: the base's block
+    assert len({ids[0], ids[4], ids[5], ids[6]}) == 4 and min(ids[4:7]) > 0
+    assert ids[7] == -1 and ids[9:] == [-1, -1, -1] and gone is None
