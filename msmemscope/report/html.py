@@ -138,28 +138,40 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     # the axis starts at the first recorded activity, not at START_TRACE or at
     # a mark made before it (the program's imports would otherwise take most of
     # the width)
-    active = df.filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "ACCESS"]))["ts"].drop_nulls()
-    t0 = int(active.min()) if active.len() else int(ts.min())
+    first = df.select(pl.col("ts").filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "ACCESS"])).min()).item()
+    t0 = int(first) if first is not None else int(ts.min())
     t1 = int(ts.max())
     span = max(1, t1 - t0 + 1)
 
     def us(t):
         return None if t is None else int((t - t0) // 1000)
 
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_not_null())
-    # a pool whose rows carry no ``used`` (the original's HAL, driver segments): its bytes in use
-    # are the running sum of its blocks
-    counted = mem.group_by("device", "event_type").agg(k=pl.col("used").is_not_null().any())
-    mem = (mem.join(counted, on=["device", "event_type"], how="left")
-           .with_columns(used=pl.when(pl.col("k")).then(pl.col("used")).otherwise(
-               pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
-               .cum_sum().over("device", "event_type")))
-           .filter(pl.col("used").is_not_null()).drop("k"))
+    mem = (df.select(c for c in df.columns if c not in ("name", "tid", "owner"))
+           .filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_not_null()))
+    if mem["used"].null_count():
+        # a pool whose rows carry no ``used`` (the original's HAL, driver segments): its bytes in use
+        # are the running sum of its blocks
+        counted = mem.group_by("device", "event_type").agg(k=pl.col("used").is_not_null().any())
+        mem = (mem.join(counted, on=["device", "event_type"], how="left")
+               .with_columns(used=pl.when(pl.col("k")).then(pl.col("used")).otherwise(
+                   pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
+                   .cum_sum().over("device", "event_type")))
+               .filter(pl.col("used").is_not_null()).drop("k"))
     step_rows_df = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).select("id", "step", "ts")
     steps = [{"step": int(st), "t": us(t)} for _, st, t in step_rows_df.iter_rows()]
     owners = views.final_owners(df)
-    parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
-                   key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+    one = False
+    if mem.height and mem.schema["device"] == pl.Categorical and mem.schema["event_type"] == pl.Categorical:
+        # one (device, pool) when each code's least and greatest are the same: no grouping of every row
+        lo_d, hi_d, lo_p, hi_p = mem.select(
+            pl.col("device").to_physical().min().alias("a"), pl.col("device").to_physical().max().alias("b"),
+            pl.col("event_type").to_physical().min().alias("c"), pl.col("event_type").to_physical().max().alias("d")).row(0)
+        one = lo_d == hi_d and lo_p == hi_p and mem["device"].null_count() == 0 and mem["event_type"].null_count() == 0
+    if one:
+        parts = [((mem["device"][0], mem["event_type"][0]), mem)]
+    else:
+        parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
+                       key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
     total_events = max(1, mem.height)
     series = []
     for (dev, pool), part in parts:
@@ -206,13 +218,24 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
 
     stage("tables")
     tables = []
-    mallocs = df.filter(pl.col("event") == "MALLOC")
-    frees = df.filter(pl.col("event") == "FREE")
-    per = (mem.group_by("step", "device", "event_type")
-           .agg(peak=pl.col("used").max(),
-                allocs=(pl.col("event") == "MALLOC").sum(), frees=(pl.col("event") == "FREE").sum(),
-                alloc_bytes=pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(0).sum(),
-                free_bytes=pl.when(pl.col("event") == "FREE").then(pl.col("size")).otherwise(0).sum())
+    # the columns the tables read, before the rows are picked (a copy of every column costs more)
+    mallocs = df.select("id", "ts", "op", "size", "alloc_id", "event").filter(pl.col("event") == "MALLOC")
+    frees = df.select("alloc_id", "event").filter(pl.col("event") == "FREE")
+    is_m = pl.col("event") == "MALLOC"
+    # grouped on the categories' codes (much cheaper than on categorical values), named after
+    keys = ["step", "device", "event_type"]
+    if one:  # one key of integers (the pool is the same on every row)
+        keys = ["step"]
+    elif mem.schema["device"] == pl.Categorical and mem.schema["event_type"] == pl.Categorical:
+        keys = ["step", pl.col("device").to_physical().alias("dc"), pl.col("event_type").to_physical().alias("pc")]
+    per = (mem.select("step", "used", "size", "device", "event_type", m=is_m)
+           .group_by(*keys)
+           .agg(*([] if keys[1:] == ["device", "event_type"] else [pl.col("device").first(), pl.col("event_type").first()]),
+                peak=pl.col("used").max(),
+                allocs=pl.col("m").sum(), frees=(~pl.col("m")).sum(),
+                alloc_bytes=pl.when(pl.col("m")).then(pl.col("size")).otherwise(0).sum(),
+                free_bytes=pl.when(~pl.col("m")).then(pl.col("size")).otherwise(0).sum())
+           .select("step", "device", "event_type", "peak", "allocs", "frees", "alloc_bytes", "free_bytes")
            .sort("step", "device", "event_type"))
     step_ops = (df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START"))
                 .group_by("step").agg(ops=pl.len()))

@@ -197,12 +197,11 @@ def _layer_values(m: pl.DataFrame, rows, nlayers: int, names: list[str]) -> list
 
 def delta(xs):
     """Delta-encode a list of ints (the page decodes with a running sum): small numbers, small JSON."""
-    out, prev = [], 0
-    for x in xs:
-        x = int(x or 0)
-        out.append(x - prev)
-        prev = x
-    return out
+    if isinstance(xs, pl.Series):
+        xs = xs.fill_null(0).to_numpy()
+    elif not isinstance(xs, np.ndarray):
+        xs = np.asarray([int(x or 0) for x in xs], dtype=np.int64)
+    return np.diff(xs.astype(np.int64, copy=False), prepend=np.int64(0)).tolist()
 
 
 # ---------------------------------------------------------------- timeline
@@ -214,13 +213,34 @@ def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int)
     index = LayerIndex(m, names)
     op_list: list[str] = []
     spent = 0
-    for _ in range(MAX_LEVELS):
-        b = ((pl.col("ts") - t0) * nb // span).clip(0, nb - 1)
-        g = (m.with_columns(b=b).group_by("b")
-             .agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
-                  r=pl.col("r").get(pl.col("used").arg_max()),
-                  total=pl.col("total").max(), n=pl.len())
-             .sort("b"))
+    # the finest level the budget can reach (spent >= 0), bucketed once over every row; a coarser
+    # level's bucket is FACTOR**k of its buckets (b // FACTOR**k, exactly, while no time is
+    # clipped), so its figures come from the finest level's, not from the rows again
+    finest = 0
+    while finest < MAX_LEVELS - 1 and min(n_events, BASE_BUCKETS * FACTOR ** (finest + 1)) <= budget:
+        finest += 1
+    rel = m.select(lo=(pl.col("ts") - t0).min(), hi=(pl.col("ts") - t0).max()).row(0)
+    fine = None
+    if rel[0] is not None and rel[0] >= 0 and rel[1] < span and finest > 0:
+        nf = BASE_BUCKETS * FACTOR ** finest
+        fine = (m.select(b=(pl.col("ts") - t0) * nf // span, used="used", r="r", total="total")
+                .group_by("b").agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
+                                   r=pl.col("r").get(pl.col("used").arg_max()),
+                                   total=pl.col("total").max(), n=pl.len()))
+    for level in range(MAX_LEVELS):
+        if fine is not None and level <= finest:
+            # the first row at the bucket's max: the least r among its finer buckets at that max
+            g = (fine.group_by(b=pl.col("b") // FACTOR ** (finest - level))
+                 .agg(lo=pl.col("lo").min(), r=pl.col("r").filter(pl.col("hi") == pl.col("hi").max()).min(),
+                      hi=pl.col("hi").max(), total=pl.col("total").max(), n=pl.col("n").sum())
+                 .sort("b"))
+        else:
+            b = ((pl.col("ts") - t0) * nb // span).clip(0, nb - 1)
+            g = (m.with_columns(b=b).group_by("b")
+                 .agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
+                      r=pl.col("r").get(pl.col("used").arg_max()),
+                      total=pl.col("total").max(), n=pl.len())
+                 .sort("b"))
         at = m.select("ts", "op")[g["r"].to_numpy()]
         vals = index.at(g["r"].to_numpy())
         total = g["total"]
@@ -231,11 +251,11 @@ def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int)
             op_list[:] = op_names
         levels.append({
             "buckets": nb, "span_us": round(span / 1000 / nb, 3),
-            "t": delta(((at["ts"] - t0) // 1000).to_list()),
-            "hi": delta(g["hi"].to_list()), "lo": delta(g["lo"].to_list()),
-            "total": delta(total.fill_null(g["hi"]).to_list()) if has_total else None,
+            "t": delta((at["ts"] - t0) // 1000),
+            "hi": delta(g["hi"]), "lo": delta(g["lo"]),
+            "total": delta(total.fill_null(g["hi"])) if has_total else None,
             "layers": [delta(v) for v in vals],
-            "op": ops, "n": g["n"].to_list(),  # op names -> indexes into "ops" below
+            "op": ops, "n": g["n"].cast(pl.Int64).to_list(),  # op names -> indexes into "ops" below
         })
         spent += g.height
         # stop when a bucket holds about one event, or the next level would pass the budget
