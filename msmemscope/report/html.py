@@ -23,6 +23,7 @@ import os
 import re
 import sys
 
+import numpy as np
 import polars as pl
 
 from .common import ReportError, check_output, human_bytes, locate, read_all, with_op
@@ -177,7 +178,8 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     for (dev, pool), part in parts:
         m, names, by = views.layer_frame(part, owners)
         budget = max(4 * views.BASE_BUCKETS, int(views.POINT_BUDGET * part.height / total_events))
-        s = views.timeline(m, names, t0, span, budget)
+        index = views.LayerIndex(m, names)  # each layer's bytes after any row: the timeline's and the peak's
+        s = views.timeline(m, names, t0, span, budget, index)
         peak_i = int(m["used"].arg_max())
         pk = m.row(peak_i, named=True)
         tot = m["total"].drop_nulls()
@@ -185,10 +187,9 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                   "peak": int(pk["used"]), "peak_t": us(pk["ts"]), "peak_step": pk["step"],
                   "peak_op": pk["op"], "peak_reserved": int(tot.max()) if tot.len() else None,
                   "events": part.height, "first_t": us(m["ts"].min()), "last_t": us(m["ts"].max())})
-        s["peak_layers"] = [v[0] for v in views._layer_values(m, pl.Series([peak_i]), len(names), names)]
+        s["peak_layers"] = [v[0] for v in index.at([peak_i])]
         # the step ends as rows of this series: the last MALLOC/FREE row at or before each STEP row
         ids = m["id"].to_numpy()
-        import numpy as np
         step_rows = [(int(st), int(np.searchsorted(ids, rid, side="right")) - 1)
                      for rid, st, _ in step_rows_df.iter_rows()]
         stage("live blocks")
@@ -222,15 +223,15 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     mallocs = df.select("id", "ts", "op", "size", "alloc_id", "event").filter(pl.col("event") == "MALLOC")
     frees = df.select("alloc_id", "event").filter(pl.col("event") == "FREE")
     is_m = pl.col("event") == "MALLOC"
-    # grouped on the categories' codes (much cheaper than on categorical values), named after
-    keys = ["step", "device", "event_type"]
+    # grouped on the categories' codes (much cheaper than on categorical values), named after them
+    keys, named = ["step", "device", "event_type"], True
     if one:  # one key of integers (the pool is the same on every row)
-        keys = ["step"]
+        keys, named = ["step"], False
     elif mem.schema["device"] == pl.Categorical and mem.schema["event_type"] == pl.Categorical:
-        keys = ["step", pl.col("device").to_physical().alias("dc"), pl.col("event_type").to_physical().alias("pc")]
+        keys, named = ["step", pl.col("device").to_physical().alias("dc"), pl.col("event_type").to_physical().alias("pc")], False
     per = (mem.select("step", "used", "size", "device", "event_type", m=is_m)
            .group_by(*keys)
-           .agg(*([] if keys[1:] == ["device", "event_type"] else [pl.col("device").first(), pl.col("event_type").first()]),
+           .agg(*([] if named else [pl.col("device").first(), pl.col("event_type").first()]),
                 peak=pl.col("used").max(),
                 allocs=pl.col("m").sum(), frees=(~pl.col("m")).sum(),
                 alloc_bytes=pl.when(pl.col("m")).then(pl.col("size")).otherwise(0).sum(),
@@ -291,7 +292,7 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         ctx["row_t"] = {int(i): us(t) for i, t in ids.iter_rows()} if ids.height <= 2_000_000 else {}
     found = views.findings(folder, ctx)
 
-    live = mallocs.filter(~pl.col("alloc_id").is_in(frees["alloc_id"].drop_nulls().unique().implode()))
+    live = mallocs.filter(mallocs["alloc_id"].is_not_null() & ~_freed(mallocs["alloc_id"], frees["alloc_id"]))
     summary = {
         "events": df.height, "steps": len(steps), "mallocs": mallocs.height, "frees": frees.height,
         "ops": int(df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")).height),
@@ -305,6 +306,18 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
             "summary": summary, "series": series, "main": main_i, "steps": steps[:views.MAX_STEP_SAMPLES * 50],
             "marks": marks, "ranges": ranges, "tables": tables, "findings": found,
             "compare": views.compare_steps(df), "compare_tables": compare_tables, "ranks": None}
+
+
+def _freed(ids: pl.Series, freed: pl.Series) -> pl.Series:
+    """Whether each of ``ids`` is among ``freed`` (nulls never are): a table indexed by id where the
+    ids are small numbers (allocation ids count from 1), else a hash set."""
+    lo = min(ids.min() or 0, freed.min() or 0)
+    hi = max(ids.max() or 0, freed.max() or 0)
+    if lo >= 0 and hi <= 8 * (ids.len() + freed.len()) + (1 << 20):
+        table = np.zeros(hi + 2, dtype=bool)
+        table[freed.drop_nulls().to_numpy()] = True
+        return pl.Series(table[ids.fill_null(hi + 1).to_numpy()])
+    return ids.is_in(freed.drop_nulls().unique().implode()).fill_null(False)
 
 
 def _peak_line(m: pl.DataFrame, i: int):

@@ -71,17 +71,18 @@ def final_owners(df: pl.DataFrame) -> pl.DataFrame | None:
     """(device, event_type, alloc_id) -> the block's last owner (MALLOC owner, then SYSTEM/OWNER updates)."""
     if "owner" not in df.columns:
         return None
+    df = df.select(c for c in ("id", "event", "event_type", "owner", "alloc_id", "device") if c in df.columns)
     rows = df.filter(pl.col("owner").is_not_null() & (pl.col("owner") != "") & pl.col("alloc_id").is_not_null()
                      & (pl.col("event").is_in(["MALLOC"]) | ((pl.col("event") == "SYSTEM")
                                                             & (pl.col("event_type") == "OWNER"))))
     if not rows.height:
         return None
-    mal = df.filter(pl.col("event") == "MALLOC").select("alloc_id", "device", pool=pl.col("event_type"))
     upd = rows.filter(pl.col("event") == "SYSTEM").select("id", "alloc_id", "owner")
     first = rows.filter(pl.col("event") == "MALLOC").select("id", "alloc_id", "device",
                                                              pool=pl.col("event_type"), owner="owner")
     if upd.height:
         # an update row names the allocation only: it applies to the block of that id on any pool
+        mal = df.filter(pl.col("event") == "MALLOC").select("alloc_id", "device", pool=pl.col("event_type"))
         upd = upd.join(mal, on="alloc_id", how="inner").select("id", "alloc_id", "device", "pool", "owner")
         first = pl.concat([first, upd], how="vertical_relaxed")
     if not upd.height and first["alloc_id"].is_unique().all():
@@ -113,7 +114,7 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     returned names) and ``signed`` (+size for MALLOC, -size for FREE); ``by`` says what the
     layers are ("owner" or "op")."""
     mem = mem.with_row_index("r")
-    mal = mem.filter(pl.col("event") == "MALLOC")
+    mal = mem.select("event", "op", "alloc_id", "size").filter(pl.col("event") == "MALLOC")
     by = "op"
     lab = mal["op"].cast(pl.Categorical).fill_null("(outside any op)")
     if owners is not None:
@@ -132,9 +133,11 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     m = m.with_columns(signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size"))
                        .otherwise(-pl.coalesce("size", "msize")).fill_null(0)).drop("msize")
     # the layers, largest peak first; the rest of the ops folded into one
-    m = m.with_columns(lv=pl.col("signed").cum_sum().over("lab"))
-    peaks = m.group_by("lab").agg(p=pl.col("lv").max()).sort("p", "lab", descending=[True, False])
+    # (grouped on the label's code: a categorical's values cost more to group on)
+    peaks = (m.group_by(code=pl.col("lab").to_physical()).agg(pl.col("lab").first(), p=pl.col("signed").cum_sum().max())
+             .sort("p", "lab", descending=[True, False]))
     names = peaks["lab"].to_list()
+    code_of = dict(zip(names, peaks["code"].to_list()))
     if by == "owner":
         rank = {n: i for i, n in enumerate(names)}
         names = sorted(names, key=lambda n: (CATEGORY_ORDER.index(n) if n in CATEGORY_ORDER else len(CATEGORY_ORDER),
@@ -148,15 +151,15 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     if fold:
         keep.append(other)
     index = {n: i for i, n in enumerate(keep)}
-    m = m.with_columns(layer=pl.col("lab").replace_strict(index, default=index.get(other, 0),
-                                                          return_dtype=pl.Int32))
+    m = m.with_columns(layer=pl.col("lab").to_physical().replace_strict(
+        {code_of[n]: i for n, i in index.items() if n in code_of}, default=index.get(other, 0), return_dtype=pl.Int32))
     # blocks made before the trace (the original's ``used`` counts them): a bottom layer of their own
     acc = m["signed"].cum_sum()
     gap = (m["used"] - acc) if "used" in m.columns else None
     if gap is not None and gap.drop_nulls().len() and int(gap.drop_nulls().abs().max() or 0) > 0:
         keep.append(UNACCOUNTED)
         m = m.with_columns(gap=gap.fill_null(0))
-    return m.drop("lv"), keep, by
+    return m, keep, by
 
 
 class LayerIndex:
@@ -205,12 +208,13 @@ def delta(xs):
 
 
 # ---------------------------------------------------------------- timeline
-def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int) -> dict:
+def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int,
+             index: LayerIndex | None = None) -> dict:
     """The zoom levels of one series (``m`` from ``layer_frame``); times in µs from ``t0``."""
     levels = []
     n_events = m.height
     nb = BASE_BUCKETS
-    index = LayerIndex(m, names)
+    index = index or LayerIndex(m, names)
     op_list: list[str] = []
     spent = 0
     # the finest level the budget can reach (spent >= 0), bucketed once over every row; a coarser
@@ -291,7 +295,8 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
 
     Leaves: (Python stack, op, layer) of each block; ``values`` of leaf i are change
     points ``[moment index, bytes live from that moment on, ...]``."""
-    mal = m.filter(pl.col("event") == "MALLOC")
+    mal = m.select(c for c in ("event", "alloc_id", "py_stack", "op", "layer", "module") if c in m.columns) \
+        .filter(pl.col("event") == "MALLOC")
     stacks = mal["py_stack"].drop_nulls() if "py_stack" in m.columns else pl.Series([], dtype=pl.String)
     has_stacks = bool(stacks.filter((stacks != "N/A") & (stacks != "")).len())
     # the module each block was made in (format 2 dumps with module attribution): the page can group by it
@@ -300,9 +305,12 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
                       op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer",
                       module=pl.col("module").cast(pl.Categorical) if has_modules else pl.lit(None, pl.Categorical))
     # leaves in the order their first block was made; each row counts for its block's last MALLOC
-    leaf_keys = cols.unique(maintain_order=True).with_row_index("leaf")
-    mal_leaf = cols.join(leaf_keys, on=["stack", "op", "layer", "module"], how="left", nulls_equal=True,
-                         maintain_order="left")["leaf"]
+    # (found on the categories' codes: cheaper to compare than their values)
+    key = ["stack", "op", "layer", "module"]
+    codes = cols.select(pl.col(c).to_physical() for c in key)
+    firsts = codes.with_row_index("i").unique(subset=key, keep="first", maintain_order=True).with_row_index("leaf")
+    leaf_keys = cols[firsts["i"]].with_row_index("leaf")
+    mal_leaf = codes.join(firsts.drop("i"), on=key, how="left", nulls_equal=True, maintain_order="left")["leaf"]
     ev = m.select("r", "signed").with_columns(leaf=mal_leaf.gather(last_row_of(mal["alloc_id"], m["alloc_id"])))
     ev = ev.filter(pl.col("leaf").is_not_null())
 
@@ -330,6 +338,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         return sorted(rows)
 
     k = LIVE_SAMPLES
+    n_leaves = leaf_keys.height
     ev_r, ev_leaf = ev["r"].to_numpy(), ev["leaf"].to_numpy().astype(np.int64)
     while True:
         rows = sample_rows(k)
@@ -337,7 +346,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         j = np.searchsorted(srows, ev_r, side="left")
         inside = j < len(rows)
         # change points this sampling makes: the (leaf, moment) pairs, counted before they are built
-        pairs = pl.Series(ev_leaf[inside] * (len(rows) + 1) + j[inside]).n_unique()
+        pairs = _distinct(ev_leaf[inside] * (len(rows) + 1) + j[inside], n_leaves * (len(rows) + 1))
         if pairs <= LIVE_BUDGET or k <= 30:
             break
         k //= 2
@@ -398,10 +407,20 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             "step_end": {str(s): rows.index(r) for s, r in step_rows[-MAX_STEP_SAMPLES:] if r in set(rows)}}
 
 
+def _distinct(keys: np.ndarray, bound: int) -> int:
+    """How many distinct values ``keys`` (integers in ``[0, bound)``) holds: a bitmap where it is
+    small, else a hash."""
+    if bound <= (256 << 20):
+        seen = np.zeros(bound, dtype=bool)
+        seen[keys] = True
+        return int(np.count_nonzero(seen))
+    return pl.Series(keys).n_unique()
+
+
 # ---------------------------------------------------------------- compare two steps
 def compare_steps(df: pl.DataFrame) -> dict | None:
     """Per op, the bytes and blocks each step allocated (the page shows two steps side by side)."""
-    mal = df.filter(pl.col("event") == "MALLOC")
+    mal = df.select("event", "step", "op", "size").filter(pl.col("event") == "MALLOC")
     if not mal.height:
         return None
     steps = mal["step"].unique().sort().to_list()
