@@ -367,16 +367,49 @@ def _attr_exprs(mem=None, acc=None) -> dict:
             "owner": f("owner"), "addr": f("addr"), "module": f("module"), "phase": f("phase")}
 
 
+def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:
+    """The Attr fields of the MALLOC/FREE rows whose text is the writer's template (``_MEM_ATTR``,
+    null on the others). The pattern only says which rows (a match without captures is several
+    times cheaper); the values are then cut at the commas, since a template's values hold no comma,
+    quote or brace and its keys come in one order: five fixed, then owner, module, phase."""
+    attr, ev = pl.col("attr"), pl.col("event")
+    body = pl.when(ev.is_in(["MALLOC", "FREE"]) & attr.str.contains(_MEM_ATTR)).then(
+        attr.str.strip_prefix("{").str.strip_suffix("}"))
+    parts = df.select(f=body.str.split_exact(",", 7)).unnest("f")
+    f = [pl.col(f"field_{i}") for i in range(8)]
+
+    def num(e, key):
+        return e.str.strip_prefix(f'"{key}":').cast(pl.Int64, strict=False)
+
+    def text(e, key):
+        return e.str.strip_prefix(f'"{key}":"').str.strip_suffix('"')
+
+    def has(e, key):
+        return e.str.starts_with(f'"{key}":"')
+
+    exprs = {"alloc_id": num(f[0], "allocation_id"), "addr": text(f[1], "addr"), "size": num(f[2], "size"),
+             "used": num(f[3], "used"), "total": num(f[4], "total"),
+             "owner": pl.when(has(f[5], "owner")).then(text(f[5], "owner")),
+             "module": pl.when(has(f[5], "module")).then(text(f[5], "module"))
+                         .when(has(f[6], "module")).then(text(f[6], "module")),
+             "phase": pl.when(has(f[6], "phase")).then(text(f[6], "phase"))
+                        .when(has(f[7], "phase")).then(text(f[7], "phase"))}
+    want = dict.fromkeys(("alloc_id", "size") + tuple(fields))
+    return parts.select(**{c: exprs[c] for c in want})
+
+
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
     """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
     is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
     attr, ev = pl.col("attr"), pl.col("event")
     # each template only on the rows of its events (a template text on another row reads alike per key)
-    fast = df.select(_m=pl.when(ev.is_in(["MALLOC", "FREE"])).then(attr).str.extract_groups(_MEM_ATTR),
-                     _a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))
-    ex = _attr_exprs(pl.col("_m"), pl.col("_a"))
-    cols = fast.select(alloc_id=ex["alloc_id"], **{c: ex[c] for c in fields if c != "alloc_id"})
-    del fast
+    mem = _mem_template(df, fields)
+    if df.select((ev == "ACCESS").any()).item():
+        acc = df.select(_a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))["_a"].struct
+        mem = mem.with_columns(alloc_id=pl.coalesce(pl.col("alloc_id"), acc.field("alloc_id").cast(pl.Int64, strict=False)),
+                               size=pl.coalesce(pl.col("size"), acc.field("size").cast(pl.Int64, strict=False)))
+    cols = mem.select("alloc_id", *(c for c in fields if c != "alloc_id"))
+    del mem
     other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
     if other.len():  # the rest, per key, on those rows only
         per = _per_key_exprs()

@@ -324,8 +324,9 @@ def _peak_line(m: pl.DataFrame, i: int):
     """The user's line of the block allocated at (or last before) the peak row."""
     if "py_stack" not in m.columns:
         return None
-    part = m.head(i + 1).filter((pl.col("event") == "MALLOC") & pl.col("py_stack").is_not_null()).tail(1)
-    return user_line(part["py_stack"][0]) if part.height else None
+    hit = (m.select("event", "py_stack").head(i + 1)
+           .select(((pl.col("event") == "MALLOC") & pl.col("py_stack").is_not_null()).arg_true().last()).item())
+    return user_line(m["py_stack"][hit]) if hit is not None else None
 
 
 # ---------------------------------------------------------------- page
