@@ -134,8 +134,7 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
                        .otherwise(-pl.coalesce("size", "msize")).fill_null(0)).drop("msize")
     # the layers, largest peak first; the rest of the ops folded into one
     # (grouped on the label's code: a categorical's values cost more to group on)
-    peaks = (m.group_by(code=pl.col("lab").to_physical()).agg(pl.col("lab").first(), p=pl.col("signed").cum_sum().max())
-             .sort("p", "lab", descending=[True, False]))
+    peaks = _label_peaks(m["lab"], m["signed"]).sort("p", "lab", descending=[True, False])
     names = peaks["lab"].to_list()
     code_of = dict(zip(names, peaks["code"].to_list()))
     if by == "owner":
@@ -160,6 +159,25 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
         keep.append(UNACCOUNTED)
         m = m.with_columns(gap=gap.fill_null(0))
     return m, keep, by
+
+
+def _label_peaks(lab: pl.Series, signed: pl.Series) -> pl.DataFrame:
+    """Per distinct value of ``lab`` (a categorical without nulls): its code, itself, and the
+    greatest running sum of ``signed`` over its rows (in row order). numpy: one stable sort by
+    label (a radix sort of small integers), one cumulative sum, a maximum per run."""
+    code = lab.to_physical()
+    dense, n = _dense(code)
+    if n >= (1 << 15) or not len(dense):
+        return (pl.DataFrame({"code": code, "lab": lab, "s": signed})
+                .group_by("code").agg(pl.col("lab").first(), p=pl.col("s").cum_sum().max()))
+    order = np.argsort(dense.astype(np.int16), kind="stable")
+    ds = dense[order]
+    starts = np.flatnonzero(np.r_[True, ds[1:] != ds[:-1]])
+    run = np.cumsum(signed.to_numpy()[order])
+    before = np.r_[0, run[starts[1:] - 1]]  # the running sum up to each label's first row
+    peak = np.maximum.reduceat(run, starts) - before
+    firsts = order[starts]
+    return pl.DataFrame({"code": code.gather(firsts), "lab": lab.gather(firsts), "p": peak})
 
 
 class LayerIndex:
@@ -305,12 +323,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
                       op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer",
                       module=pl.col("module").cast(pl.Categorical) if has_modules else pl.lit(None, pl.Categorical))
     # leaves in the order their first block was made; each row counts for its block's last MALLOC
-    # (found on the categories' codes: cheaper to compare than their values)
-    key = ["stack", "op", "layer", "module"]
-    codes = cols.select(pl.col(c).to_physical() for c in key)
-    firsts = codes.with_row_index("i").unique(subset=key, keep="first", maintain_order=True).with_row_index("leaf")
-    leaf_keys = cols[firsts["i"]].with_row_index("leaf")
-    mal_leaf = codes.join(firsts.drop("i"), on=key, how="left", nulls_equal=True, maintain_order="left")["leaf"]
+    leaf_keys, mal_leaf = _leaves(cols)
     ev = m.select("r", "signed").with_columns(leaf=mal_leaf.gather(last_row_of(mal["alloc_id"], m["alloc_id"])))
     ev = ev.filter(pl.col("leaf").is_not_null())
 
@@ -392,11 +405,17 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             out_leaves.append({"path": [fid(names[layer], ""), fid("(small blocks)", "")], "layer": int(layer),
                                "line": None, "module": None})
     values = [[] for _ in out_leaves]
-    for leaf, jj, v in cp.filter(pl.col("leaf").is_in(list(keep))).select("leaf", "j", "v").iter_rows():
-        values[remap[leaf]].extend((jj, int(v)))
+
+    def pairs(frame, by):
+        # each leaf's (moment, bytes) change points, flattened in moment order
+        g = (frame.select(by, p=pl.concat_list(pl.col("j").cast(pl.Int64), pl.col("v").cast(pl.Int64)))
+             .group_by(by, maintain_order=True).agg(pl.col("p").list.explode(keep_nulls=False, empty_as_null=False)))
+        return zip(g[by].to_list(), g["p"].to_list())
+    for leaf, vs in pairs(cp.filter(pl.col("leaf").is_in(list(keep))), "leaf"):
+        values[remap[leaf]] = vs
     if small:
-        for layer, jj, v in cp_small.select("layer", "j", "v").iter_rows():
-            values[remap[("small", layer)]].extend((jj, int(v)))
+        for layer, vs in pairs(cp_small, "layer"):
+            values[remap[("small", layer)]] = vs
     for lf, v in zip(out_leaves, values):
         lf["v"] = v
     srow = m.select("ts", "used", "step")[np.asarray(rows, dtype=np.int64)]  # r is the row's index
@@ -405,6 +424,51 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             "step": srow["step"].fill_null(0).to_list(),
             "peak": rows.index(peak_r),
             "step_end": {str(s): rows.index(r) for s, r in step_rows[-MAX_STEP_SAMPLES:] if r in set(rows)}}
+
+
+def _dense(s: pl.Series) -> tuple[np.ndarray, int]:
+    """Small integers ``0..n-1`` standing for the values of ``s`` (a categorical's codes or
+    integers; null one value of its own), and ``n``."""
+    c = (s.to_physical() if s.dtype == pl.Categorical else s).cast(pl.Int64)
+    lo = c.min()
+    if lo is None:
+        return np.zeros(len(c), dtype=np.int64), 1
+    c = c.fill_null(lo - 1).to_numpy()
+    lo, hi = int(c.min()), int(c.max())
+    if hi - lo > 8 * len(c) + (1 << 20):
+        uniq, inv = np.unique(c, return_inverse=True)
+        return inv.astype(np.int64), len(uniq)
+    present = np.zeros(hi - lo + 1, dtype=bool)
+    present[c - lo] = True
+    lut = np.cumsum(present) - 1
+    return lut[c - lo], int(present.sum())
+
+
+def _leaves(cols: pl.DataFrame) -> tuple[pl.DataFrame, pl.Series]:
+    """The distinct rows of ``cols`` in the order of their first row, numbered (``leaf``), and
+    each row's number. On one integer key made of the columns' dense codes (a bitmap-sized table
+    where the combinations are few), else a hash of the codes."""
+    key = list(cols.columns)
+    dense = [_dense(cols[c]) for c in key]
+    bound = 1
+    for _, n in dense:
+        bound *= n
+    if bound <= (64 << 20):
+        k = np.zeros(cols.height, dtype=np.int64)
+        for codes, n in dense:
+            k = k * n + codes
+        first = np.full(bound, cols.height, dtype=np.int64)
+        np.minimum.at(first, k, np.arange(cols.height, dtype=np.int64))
+        seen = np.flatnonzero(first < cols.height)
+        order = seen[np.argsort(first[seen], kind="stable")]
+        number = np.full(bound, -1, dtype=np.int64)
+        number[order] = np.arange(len(order), dtype=np.int64)
+        return (cols[first[order]].with_row_index("leaf"),
+                pl.Series("leaf", number[k]).cast(pl.UInt32))
+    codes = cols.select(pl.col(c).to_physical() for c in key)
+    firsts = codes.with_row_index("i").unique(subset=key, keep="first", maintain_order=True).with_row_index("leaf")
+    return (cols[firsts["i"]].with_row_index("leaf"),
+            codes.join(firsts.drop("i"), on=key, how="left", nulls_equal=True, maintain_order="left")["leaf"])
 
 
 def _distinct(keys: np.ndarray, bound: int) -> int:
