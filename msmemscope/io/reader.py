@@ -678,10 +678,11 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
     need = _source_columns(want, keep) | {"attr"}
-    parts, row0 = [], 0
+    parts, rows = [], 0
     with open(path, "rb") as f:
         header = f.readline()  # each batch is parsed under the header, as read_dump parses the file
-    for text in _line_batches(path, complete, batch_bytes):
+
+    def parse(text: bytes, row0: int):
         try:
             raw = pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
                               schema_overrides={n: pl.String for n in NAMES}, infer_schema=False, quote_char="\"")
@@ -689,9 +690,34 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
             raise DumpError(_locate_csv_error(path)) from None
         if raw.width != len(NAMES):
             raise DumpError(_locate_csv_error(path))
-        parts.append(_batch(raw, path, row0, want, keep, need))
-        row0 += raw.height
-        del raw
+        return raw.height, _batch(raw, path, row0, want, keep, need)
+
+    # batches on as many threads as there are cores (most string work of polars runs on one
+    # thread per column), at most one more in flight than threads; taken in file order. The row
+    # numbers in a batch's errors need the rows before it: a batch that fails is parsed again
+    # once those are known, so it says what a read in order says.
+    workers = max(1, min(2, os.cpu_count() or 1))
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque = deque()
+
+        def settle():
+            nonlocal rows
+            fut, text = pending.popleft()
+            try:
+                height, part = fut.result()
+            except DumpError:
+                height, part = parse(text, rows)  # raises, with this batch's true line numbers
+            parts.append(part)
+            rows += height
+
+        for text in _line_batches(path, complete, batch_bytes):
+            pending.append((pool.submit(parse, text, 0), text))
+            if len(pending) > workers:
+                settle()
+        while pending:
+            settle()
     out = pl.concat(parts, how="vertical_relaxed", rechunk=False)  # chunked: never two copies at once
     del parts
     if not out["id"].is_sorted():
