@@ -78,16 +78,25 @@ def final_owners(df: pl.DataFrame) -> pl.DataFrame | None:
     if not rows.height:
         return None
     upd = rows.filter(pl.col("event") == "SYSTEM").select("id", "alloc_id", "owner")
-    first = rows.filter(pl.col("event") == "MALLOC").select("id", "alloc_id", "device",
-                                                             pool=pl.col("event_type"), owner="owner")
+    only_malloc = not rows.select((pl.col("event") == "SYSTEM").any()).item()
+    first = (rows if only_malloc else rows.filter(pl.col("event") == "MALLOC")).select(
+        "id", "alloc_id", "device", pool=pl.col("event_type"), owner="owner")
     if upd.height:
         # an update row names the allocation only: it applies to the block of that id on any pool
         mal = df.filter(pl.col("event") == "MALLOC").select("alloc_id", "device", pool=pl.col("event_type"))
         upd = upd.join(mal, on="alloc_id", how="inner").select("id", "alloc_id", "device", "pool", "owner")
         first = pl.concat([first, upd], how="vertical_relaxed")
-    if not upd.height and first["alloc_id"].is_unique().all():
+    if not upd.height and _all_distinct(first["alloc_id"]):
         return first.select("device", "pool", "alloc_id", "owner")  # one owner per block: no grouping
     return (first.sort("id").group_by("device", "pool", "alloc_id").agg(owner=pl.col("owner").last()))
+
+
+def _all_distinct(ids: pl.Series) -> bool:
+    """No value twice (``ids`` has no nulls): a count per id where ids are small numbers."""
+    lo, hi = ids.min(), ids.max()
+    if lo is not None and lo >= 0 and hi <= 8 * ids.len() + (1 << 20):
+        return bool(np.bincount(ids.to_numpy()).max() <= 1)
+    return bool(ids.is_unique().all())
 
 
 def last_row_of(keys: pl.Series, query: pl.Series) -> pl.Series:
@@ -353,19 +362,30 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
     k = LIVE_SAMPLES
     n_leaves = leaf_keys.height
     ev_r, ev_leaf = ev["r"].to_numpy(), ev["leaf"].to_numpy().astype(np.int64)
+    # Every coarser sampling's moments are some of the finest one's (each coarse bucket's peak is
+    # one of its fine buckets' peaks), so the events are summed once per (leaf, finest moment) and
+    # each try maps those sums to its own moments: the first of its moments at or after a fine
+    # one is the first at or after each of that moment's events.
+    fine_rows = np.asarray(sample_rows(k), dtype=np.int64)
+    fw = len(fine_rows) + 1
+    fine = (pl.DataFrame({"k": ev_leaf * fw + np.searchsorted(fine_rows, ev_r, side="left"),
+                          "signed": ev["signed"].to_numpy()})
+            .group_by("k").agg(d=pl.col("signed").sum()))
+    f_key = fine["k"].to_numpy()
+    f_leaf, f_j, f_d = f_key // fw, f_key % fw, fine["d"].to_numpy()
     while True:
         rows = sample_rows(k)
         srows = np.asarray(rows, dtype=np.int64)
-        j = np.searchsorted(srows, ev_r, side="left")
+        j = np.r_[np.searchsorted(srows, fine_rows, side="left"), len(rows)][f_j]
         inside = j < len(rows)
         # change points this sampling makes: the (leaf, moment) pairs, counted before they are built
-        pairs = _distinct(ev_leaf[inside] * (len(rows) + 1) + j[inside], n_leaves * (len(rows) + 1))
+        pairs = _distinct(f_leaf[inside] * (len(rows) + 1) + j[inside], n_leaves * (len(rows) + 1))
         if pairs <= LIVE_BUDGET or k <= 30:
             break
         k //= 2
     # one integer key per (leaf, moment): a single-column group_by, sorted by leaf then moment
     width = len(rows) + 1
-    cp = (pl.DataFrame({"k": ev_leaf[inside] * width + j[inside], "signed": ev["signed"].to_numpy()[inside]})
+    cp = (pl.DataFrame({"k": f_leaf[inside] * width + j[inside], "signed": f_d[inside]})
           .group_by("k").agg(d=pl.col("signed").sum()).sort("k")
           .select(leaf=(pl.col("k") // width).cast(ev["leaf"].dtype), j=pl.col("k") % width, d="d")
           .with_columns(v=pl.col("d").cum_sum().over("leaf")))
