@@ -1,7 +1,9 @@
 """The HTML report on a long dump: time to write it (``msmemscope report``, reading the CSV
-included), its size, and the time headless Chromium takes to draw it.
+included), its size, and the time headless Chromium takes to draw it. Two reports, each in a
+process of its own: cold (the CSV alone: the dump's columnar companion deleted first) and warm
+(reading the companion the cold one left); ``--warm-only`` keeps the companion and times the warm one.
 
-    python bench/report_bench.py --events 10000000 [--keep DIR]
+    python bench/report_bench.py --events 10000000 [--keep DIR] [--warm-only]
 
 The dump is synthetic but shaped like training: weights and optimizer state made once,
 gradients and activations made and freed every step, temporaries inside ops, a STEP row
