@@ -355,16 +355,9 @@ def _per_key_exprs() -> dict:
             "module": _attr_field("module", False), "phase": _attr_field("phase", False)}
 
 
-def _attr_exprs(mem=None, acc=None) -> dict:
-    """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
-    if mem is None:
-        return _per_key_exprs()
-    f = mem.struct.field
-    g = acc.struct.field
-    return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
-            "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
-            "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
-            "owner": f("owner"), "addr": f("addr"), "module": f("module"), "phase": f("phase")}
+def _attr_exprs() -> dict:
+    """Expressions for the Attr columns, key by key (any Attr text)."""
+    return _per_key_exprs()
 
 
 def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:

@@ -220,11 +220,6 @@ class LayerIndex:
         return out
 
 
-def _layer_values(m: pl.DataFrame, rows, nlayers: int, names: list[str]) -> list[list[int]]:
-    """Live bytes of each layer just after each of the given rows (``r`` values)."""
-    return LayerIndex(m, names).at(np.asarray(rows))
-
-
 def delta(xs):
     """Delta-encode a list of ints (the page decodes with a running sum): small numbers, small JSON."""
     if isinstance(xs, pl.Series):
