@@ -10,7 +10,6 @@ import os
 import shutil
 import warnings
 
-import polars as pl
 import pytest
 
 import offline_golden as G  # noqa: E402  (tests/ is on sys.path under pytest)
