@@ -97,3 +97,99 @@ def test_decomposition_summarize_reads_the_dump_columns():
     assert json.dumps(got) == json.dumps(per_row(rows))
     assert got["devices"]["cpu"]["owners"]["PTA@gradient"] == {"peak": 50, "current": 50}
     assert [s["step"] for s in got["steps"]] == [1, None, None]
+
+
+# ------------------------------------------------------------------ inefficient memory
+from msmemscope.analysis import inefficient as I  # noqa: E402
+
+
+@st.composite
+def traces(draw):
+    """A well-formed op timeline: ops (some nested one level) and rows outside any op; MALLOCs of new
+    ids (some first seen as an op input, ``before``), FREEs and ACCESSes of live ids or of ids the
+    trace never allocated (blocks made before tracing began)."""
+    rows, live, nxt = [], [], [0]
+
+    def mem():
+        c = draw(st.sampled_from("MMFAAA"))
+        if c == "M":
+            rows.append((I.K_MALLOC, "alloc", nxt[0], draw(st.booleans())))
+            live.append(nxt[0])
+            nxt[0] += 1
+        elif c == "F":
+            aid = live.pop(draw(st.integers(0, len(live) - 1))) if live and draw(st.integers(0, 4)) else 1000
+            rows.append((I.K_FREE, None, aid, None))
+        else:
+            aid = draw(st.sampled_from(live)) if live and draw(st.integers(0, 4)) else 1001
+            rows.append((I.K_ACCESS, None, aid, None))
+
+    def op(level):
+        rows.append((I.K_START, draw(st.sampled_from(["aten::mm", "aten::add", None])), None, None))
+        for _ in range(draw(st.integers(0, 3))):
+            if level == 0 and draw(st.integers(0, 3)) == 0:
+                op(1)
+            else:
+                mem()
+        rows.append((I.K_END, None, None, None))
+    for _ in range(draw(st.integers(1, 14))):
+        if draw(st.integers(0, 2)):
+            op(0)
+        else:
+            mem()
+    return rows
+
+
+def inefficient_per_row(rows, thr):
+    """The definitions of analysis/inefficient.py's docstring, block by block over the row list."""
+    op = depth = 0
+    pos_slot = []
+    for kind, *_ in rows:
+        if kind == I.K_START:
+            op += 1
+            depth += 1
+        pos_slot.append((op, 2 * op if depth > 0 else 2 * op + 1))
+        if kind == I.K_END:
+            depth -= 1
+    out = {}
+    for i, (kind, name, aid, before) in enumerate(rows):
+        if kind != I.K_MALLOC:
+            continue
+        aop, sa = pos_slot[i]
+        acc = [j for j, r in enumerate(rows) if r[0] == I.K_ACCESS and r[2] == aid]
+        counted = [pos_slot[j][0] for j in acc if before or pos_slot[j][1] != sa]
+        free = next((j for j, r in enumerate(rows) if r[0] == I.K_FREE and r[2] == aid), None)
+
+        def after(j0, s0, j):  # row j lies after the op of slot s0 (or after row j0 outside any op)
+            return pos_slot[j][1] > s0 if s0 % 2 == 0 else j > j0
+        early = bool(counted) and any(r[0] == I.K_FREE and after(i, sa, j) and pos_slot[j][1] < 2 * counted[0]
+                                      for j, r in enumerate(rows))
+        late = False
+        if free is not None:
+            lj = acc[-1] if acc else i
+            ls, fs = pos_slot[lj][1], pos_slot[free][1]
+            late = any(r[0] == I.K_MALLOC and after(lj, ls, j) and (pos_slot[j][1] < fs if fs % 2 == 0 else j < free)
+                       for j, r in enumerate(rows))
+        gaps = [b - a - 1 for a, b in zip(counted, counted[1:])]
+        gap = max(gaps) if gaps else -1
+        bits = early * 1 + late * 2 + (gap > thr) * 4
+        if bits:
+            inside = sa % 2 == 0
+            opname = next((rows[j][1] for j in range(i, -1, -1) if rows[j][0] == I.K_START and rows[j][1]), None)
+            out[i + 1] = (bits, gap, counted[0] if counted else -1, aop, opname if inside and opname else name)
+    return out
+
+
+@settings(**SETTINGS)
+@given(traces(), st.integers(0, 2), st.lists(st.integers(1, 12), max_size=4))
+def test_inefficient_tracker_is_the_per_row_definitions(rows, thr, cuts):
+    ch = pl.DataFrame([{"pos": i + 1, "kind": k, "name": nm, "alloc_id": aid, "size": 16,
+                        "before": b, "stack": None} for i, (k, nm, aid, b) in enumerate(rows)],
+                      schema=I.CHUNK_SCHEMA)
+    want = inefficient_per_row(rows, thr)
+    tr = I.Tracker(thr)
+    at = 0
+    for n in cuts + [ch.height]:  # the online path: the same rows in several chunks
+        tr.feed(ch.slice(at, n))
+        at += n
+    got = {r["mpos"]: (r["bits"], r["max_gap"], r["first_op"], r["aop"], r["op"]) for r in tr.finish().to_dicts()}
+    assert got == want
