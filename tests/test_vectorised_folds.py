@@ -193,3 +193,101 @@ def test_inefficient_tracker_is_the_per_row_definitions(rows, thr, cuts):
         at += n
     got = {r["mpos"]: (r["bits"], r["max_gap"], r["first_op"], r["aop"], r["op"]) for r in tr.finish().to_dicts()}
     assert got == want
+
+
+# ------------------------------------------------------------------ compare
+import numpy as np  # noqa: E402
+
+from msmemscope.analysis import compare as C  # noqa: E402
+
+
+def lcs_per_cell(a, b):
+    """The textbook LCS table, one cell at a time."""
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+_seqs = st.integers(1, 5).flatmap(lambda v: st.tuples(st.lists(st.integers(0, v), max_size=90),
+                                                        st.lists(st.integers(0, v), max_size=90)))
+
+
+@settings(**SETTINGS)
+@given(_seqs)
+def test_edit_distance_is_the_lcs_table(ab):
+    a, b = (np.asarray(x, dtype=np.int64) for x in ab)
+    assert C.edit_distance(a, b) == len(a) + len(b) - 2 * lcs_per_cell(ab[0], ab[1])
+
+
+@settings(**SETTINGS)
+@given(_seqs)
+def test_alignment_past_the_quick_search_is_the_same(monkeypatch_ab):
+    """With the short first search cut to one edit, the exact distance decides and the full search
+    gives the very pairs (and gives up at the very limit) of the search without the shortcut."""
+    a, b = (np.asarray(x, dtype=np.int64) for x in monkeypatch_ab)
+    D = len(a) + len(b) - 2 * lcs_per_cell(*monkeypatch_ab)
+    want = [C.align(a, b, max_edits=e) for e in (max(D - 1, 0), D)]
+    quick = C.QUICK_EDITS
+    C.QUICK_EDITS = 1
+    try:
+        got = [C.align(a, b, max_edits=e) for e in (max(D - 1, 0), D)]
+    finally:
+        C.QUICK_EDITS = quick
+    for (ga, gb, gm), (wa, wb, wm) in zip(got, want):
+        assert gm == wm and ga.tolist() == wa.tolist() and gb.tolist() == wb.tolist()
+    assert want[1][2]
+
+
+@st.composite
+def threaded_ops(draw):
+    """Rows of two or three threads, interleaved: each thread's ops nest properly (a few left open
+    at the end), MALLOCs inside and outside ops, some in the HAL pool (not counted)."""
+    n_threads = draw(st.integers(1, 3))
+    open_ = {t: 0 for t in range(n_threads)}
+    rows = []
+    for _ in range(draw(st.integers(0, 50))):
+        t = draw(st.integers(0, n_threads - 1))
+        c = draw(st.sampled_from("SSEMMH"))
+        if c == "E" and not open_[t]:
+            c = "M"
+        if c == "S":
+            open_[t] += 1
+            rows.append(("OP_LAUNCH", "ATEN_START", draw(st.sampled_from(["mm", "add"])), t, None))
+        elif c == "E":
+            open_[t] -= 1
+            rows.append(("OP_LAUNCH", "ATEN_END", "x", t, None))
+        else:
+            rows.append(("MALLOC", "HAL" if c == "H" else "PTA", "m", t, draw(st.integers(1, 99))))
+    return rows
+
+
+def op_bytes_per_row(rows):
+    """Each ATEN_START's bytes: the MALLOCs (not HAL) while it is the innermost open op of its thread."""
+    stacks, out = {}, {}
+    for i, (ev, et, name, tid, size) in enumerate(rows):
+        st_ = stacks.setdefault(tid, [])
+        if et == "ATEN_START":
+            st_.append(i + 1)
+            out[i + 1] = 0
+        elif et == "ATEN_END":
+            st_.pop()
+        elif et != "HAL" and st_:
+            out[st_[-1]] += size
+    return out
+
+
+@settings(**SETTINGS)
+@given(threaded_ops())
+def test_compare_op_bytes_are_the_per_thread_stacks(rows):
+    df = pl.DataFrame([{"id": i + 1, "event": ev, "event_type": et, "name": nm, "tid": tid, "device": "0",
+                        "py_stack": None, "size": size, "step": 1, "step_number": 1}
+                       for i, (ev, et, nm, tid, size) in enumerate(rows)],
+                      schema={"id": pl.Int64, "event": pl.String, "event_type": pl.String, "name": pl.String,
+                              "tid": pl.Int64, "device": pl.String, "py_stack": pl.String, "size": pl.Int64,
+                              "step": pl.Int32, "step_number": pl.Int64})
+    seq = C.sequence(df, "op", None, "x")
+    assert dict(zip(seq["id"].to_list(), seq["bytes"].to_list())) == op_bytes_per_row(rows)
