@@ -133,14 +133,18 @@ class Tracker:
         op = self.k + cs
         slot = 2 * op + ((self.depth + cs - ce + en) <= 0)
         names = ch["name"]
-        # the op name of each row: the last START row (with a name) up to it, else the chunk before's
-        last_start = np.maximum.accumulate(np.where(st & names.is_not_null().to_numpy(), np.arange(n), -1))
+        # the op name of a row: the last START row (with a name) up to it, else the chunk before's
+        named_starts = np.flatnonzero(st & names.is_not_null().to_numpy())
+
+        def last_start(rows):
+            j = np.searchsorted(named_starts, rows, side="right") - 1
+            return np.where(j >= 0, named_starts[np.maximum(j, 0)] if len(named_starts) else -1, -1)
         op_before = self.op_name
         n_start, n_end = int(cs[-1]), int(ce[-1])
         self.k += n_start
         self.depth = max(0, self.depth + n_start - n_end)
-        if last_start[-1] >= 0:
-            self.op_name = names[int(last_start[-1])]
+        if len(named_starts):
+            self.op_name = names[int(named_starts[-1])]
         self.counts["ops"] += n_start
 
         aid_col = ch["alloc_id"]
@@ -176,14 +180,23 @@ class Tracker:
         nb = len(b["alloc_id"])
         if nb == 0:
             return
-        order = np.argsort(b["alloc_id"], kind="stable")
-        ids_sorted = b["alloc_id"][order]
+        lo, hi = int(b["alloc_id"].min()), int(b["alloc_id"].max())
+        if hi - lo < 8 * nb + 4096:  # ids are mostly dense: a table indexed by id
+            table = np.full(hi - lo + 1, -1, dtype=np.int64)
+            table[b["alloc_id"] - lo] = np.arange(nb)
 
-        def block_of(rows):
-            """The block index of each of ``rows`` (chunk positions with an id), -1 where none."""
-            j = np.searchsorted(ids_sorted, aid[rows])
-            jc = np.minimum(j, nb - 1)
-            return np.where(ids_sorted[jc] == aid[rows], order[jc], -1)
+            def block_of(rows):
+                """The block index of each of ``rows`` (chunk positions with an id), -1 where none."""
+                v = aid[rows] - lo
+                ok = (v >= 0) & (v <= hi - lo)
+                return np.where(ok, table[np.where(ok, v, 0)], -1)
+        else:
+            order = np.argsort(b["alloc_id"], kind="stable")
+            ids_sorted = b["alloc_id"][order]
+
+            def block_of(rows):
+                j = np.minimum(np.searchsorted(ids_sorted, aid[rows]), nb - 1)
+                return np.where(ids_sorted[j] == aid[rows], order[j], -1)
 
         newly = np.zeros(nb, bool)
         ak = ai[has_aid[ai]]
@@ -252,7 +265,7 @@ class Tracker:
             if len(nw):
                 rows = mk[nw]
                 inside = slot[rows] % 2 == 0
-                ls = last_start[rows]
+                ls = last_start(rows)
                 src = np.where(inside & (ls >= 0), ls, rows)
                 opn = names.gather(src)
                 if op_before is not None:  # inside an op opened in an earlier chunk
