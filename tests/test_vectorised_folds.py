@@ -217,10 +217,16 @@ _seqs = st.integers(1, 5).flatmap(lambda v: st.tuples(st.lists(st.integers(0, v)
 
 
 @settings(**SETTINGS)
-@given(_seqs)
-def test_edit_distance_is_the_lcs_table(ab):
+@given(_seqs, st.integers(0, 30), st.integers(1, 12))
+def test_edit_distance_is_the_lcs_table(ab, band, block):
+    """Exact without a band; with one (rows in blocks of any size), exact up to the band and
+    above it past the band: what ``align`` needs to decide whether to search."""
     a, b = (np.asarray(x, dtype=np.int64) for x in ab)
-    assert C.edit_distance(a, b) == len(a) + len(b) - 2 * lcs_per_cell(ab[0], ab[1])
+    D = len(a) + len(b) - 2 * lcs_per_cell(ab[0], ab[1])
+    assert C.edit_distance(a, b) == D
+    got = C.edit_distance(a, b, band=band, block=block)
+    assert got >= D
+    assert got == D if D <= band else got > band
 
 
 @settings(**SETTINGS)

@@ -339,34 +339,76 @@ def _backtrack(trace, D, n, m):
 
 #: the first, short Myers search of ``align``; past it the exact distance decides
 QUICK_EDITS = 256
-#: the bit-parallel LCS runs where len(a) * len(b) is at most this (about a second)
+#: the banded bit-parallel LCS runs where len(b) * (3 * limit + 1024) is at most this (about a second)
 LCS_BITS_BUDGET = 10**10
 
 
-def edit_distance(a: np.ndarray, b: np.ndarray) -> int:
+def edit_distance(a: np.ndarray, b: np.ndarray, band: int | None = None, block: int | None = None) -> int:
     """The number of insertions and deletions of a minimal script, ``len(a) + len(b) - 2 * LCS``;
     the LCS by the bit-parallel row recurrence (one bit per item of ``a``, Python integers as
-    bit vectors: ``len(b)`` rounds of four word-parallel operations)."""
-    n = len(a)
-    if n == 0 or len(b) == 0:
-        return n + len(b)
+    bit vectors: ``len(b)`` rounds of four word-parallel operations).
+
+    With ``band``: matches only between items at most about ``band`` positions apart (rows in
+    blocks of ``block``, each block a window of ``2 * band + block`` bits): the result is exact
+    when the distance is at most ``band`` and above ``band`` otherwise (a script of at most
+    ``band`` edits never leaves the band; a banded script is a script), so ``> band`` decides
+    whether one within ``band`` exists, at a cost that does not grow with ``len(a)``."""
+    n, m = len(a), len(b)
+    if n == 0 or m == 0:
+        return n + m
     masks = {}
     for c in np.unique(a).tolist():  # bit i of masks[c]: a[i] == c
         packed = np.packbits((a == c)[::-1].astype(np.uint8))
         masks[c] = int.from_bytes(packed.tobytes(), "big") >> ((-n) % 8)
-    full = (1 << n) - 1
-    v = full
     get = masks.get
-    for i, ch in enumerate(b.tolist()):
-        m = get(ch)
-        if m is None:
-            continue
-        u = v & m
-        v = (v + u) | (v - u)
-        if i & 63 == 63:  # the carries out of the top bit are dropped now and then
-            v &= full
-    lcs = n - (v & full).bit_count()
-    return n + len(b) - 2 * lcs
+    bl = b.tolist()
+    if band is None or band >= max(n, m):
+        full = (1 << n) - 1
+        v = full
+        for i, ch in enumerate(bl):
+            mk = get(ch)
+            if mk is None:
+                continue
+            u = v & mk
+            v = (v + u) | (v - u)
+            if i & 63 == 63:  # the carries out of the top bit are dropped now and then
+                v &= full
+        return n + m - 2 * (n - (v & full).bit_count())
+    w = int(band)
+    step = int(block or max(w, 1024))
+    lo = hi = -w     # the window holds the bits of positions [lo, hi) of a; below it, bits are final
+    v = 0
+    zeros = 0        # final zero bits (matched items of a) below the window
+
+    def zeros_in(v, lo, s, e):  # zero bits of positions [s, e) in a window starting at lo
+        s, e = max(s, 0), min(e, n)
+        if e <= s:
+            return 0
+        return (e - s) - ((v >> (s - lo)) & ((1 << (e - s)) - 1)).bit_count()
+    for j0 in range(0, m, step):
+        j1 = min(j0 + step, m)
+        new_lo, new_hi = j0 - w, j1 + w
+        zeros += zeros_in(v, lo, lo, new_lo)  # no later row can match below j0 - w: final
+        v >>= new_lo - lo
+        width = new_hi - new_lo
+        # the positions entering from above: never matched yet, all ones
+        v |= ((1 << width) - 1) ^ ((1 << max(hi - new_lo, 0)) - 1)
+        lo, hi = new_lo, new_hi
+        full = (1 << width) - 1
+        wm = {}
+        for ch in set(bl[j0:j1]):
+            mk = get(ch)
+            if mk is not None:
+                wm[ch] = ((mk << -lo) if lo < 0 else (mk >> lo)) & full
+        wget = wm.get
+        for ch in bl[j0:j1]:
+            mk = wget(ch)
+            if mk is None:
+                continue
+            u = v & mk
+            v = ((v + u) | (v - u)) & full  # a carry out of the window would be or-ed back to one
+    lcs = zeros + zeros_in(v, lo, lo, hi)
+    return n + m - 2 * lcs
 
 
 def align(a, b, max_edits: int = MAX_EDITS, max_seconds: float = MAX_SECONDS
@@ -394,7 +436,7 @@ def align(a, b, max_edits: int = MAX_EDITS, max_seconds: float = MAX_SECONDS
                 raise
             # many edits: the exact distance (bit-parallel LCS) says at once whether a script
             # within the limit exists, instead of thousands of Myers rounds that end in giving up
-            if len(ma) * len(mb_) <= LCS_BITS_BUDGET and edit_distance(ma, mb_) > limit:
+            if len(mb_) * (3 * limit + 1024) <= LCS_BITS_BUDGET and edit_distance(ma, mb_, band=limit) > limit:
                 raise
             segs = _myers(ma, mb_, limit, max(0.0, max_seconds - (time.monotonic() - t0)))
     except AlignmentTooLong:
