@@ -34,7 +34,8 @@ browser:
 
 # three workers, a test file each (files share module fixtures: a Ray cluster, traced runs); on 2 cores
 # the third fills the time the others wait on subprocesses (589 s with two, 500 s with three)
-test: venv native browser
+test: venv
+	@$(MAKE) --no-print-directory -j2 native browser  # the C++ build and the apt install side by side
 	$(BIN)/python -m pytest tests -n 3 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	  exit $$rc
 

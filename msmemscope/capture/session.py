@@ -32,6 +32,7 @@ import torch
 
 from .. import __version__
 from ..events import C_STACK, FORMAT_VERSION, Event, Mstx, System, NA
+from ..io.errors import why_write_failed
 from ..io.files import create_new, make_dirs, unique_path
 from ..io.spool import SpoolWriter
 from ..io.writers import open_writer
@@ -68,8 +69,8 @@ FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
 
 def _why(exc) -> str:
     """A failure in a few words: 'No space left on device (/out/x.csv)'."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    if isinstance(exc, OSError) or type(exc).__module__ == "sqlite3":
+        return why_write_failed(exc)
     return str(exc) or type(exc).__name__
 
 

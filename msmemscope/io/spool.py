@@ -339,8 +339,8 @@ def serve(argv) -> None:
     except Exception as e:
         # a write refused (disk full, I/O error): no traceback on the program's stderr; the
         # reason goes to the traced process (our stdout), which stops tracing and says it once
-        why = (e.strerror + (f" ({e.filename})" if e.filename else "")
-               if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}")
+        from .errors import why_write_failed
+        why = why_write_failed(e)
         try:
             if writer is not None:
                 writer.close()
