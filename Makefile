@@ -36,7 +36,7 @@ browser:
 # the third fills the time the others wait on subprocesses (589 s with two, 500 s with three)
 test: venv
 	@$(MAKE) --no-print-directory -j2 native browser  # the C++ build and the apt install side by side
-	$(BIN)/python -m pytest tests -n 3 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	  exit $$rc
 
 # the long forms of the tests (conftest.full): more steps, examples and repetitions

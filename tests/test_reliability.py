@@ -34,8 +34,10 @@ def _fault_cases():
     for mode in STATUS:
         rng = random.Random(f"fault-{mode}")
         cases.append((mode, rng.randint(2, 50), rng.choice(["start", "forward", "backward", "optimizer"])))
-    cases += [(m, 13, "backward") for m in ("exception", "sigterm", "alloc", "sigkill")]
-    cases += [("sigterm", 9, "flush"), ("exit", 4, "flush")]
+    # make test: every fault once, and a signal inside a flush; the long form adds every fault
+    # inside backward and an exit inside a flush
+    cases += full([], [(m, 13, "backward") for m in ("exception", "sigterm", "alloc", "sigkill")])
+    cases += [("sigterm", 9, "flush")] + full([], [("exit", 4, "flush")])
     return cases
 
 

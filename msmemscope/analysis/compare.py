@@ -140,16 +140,30 @@ def step_numbers(df: pl.DataFrame) -> pl.Series:
     return _step_number(df)
 
 
-def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.DataFrame:
+def sequence(df: pl.DataFrame, level: str, step: int | None, where: str, cache: dict | None = None) -> pl.DataFrame:
     """The ops (or kernels) of a dump in ID order with the bytes each allocated.
 
-    Columns: ``device, event, name, bytes, id, py_stack``."""
-    df = df.with_columns(step=step_numbers(df))
+    Columns: ``device, event, name, bytes, id, py_stack``. ``cache``: a dict kept between the
+    two sides of a compare, so that two steps of one dump share the work on the whole dump."""
+    key = (id(df), level)
+    if cache is not None and key in cache:
+        ops, present = cache[key][1:]
+    else:
+        ops, present = _all_ops(df, level)
+        if cache is not None:
+            cache[key] = (df, ops, present)  # df held: its id stays its own while cached
     if step is not None:
-        present = sorted(set(df["step"].unique().to_list()))
         if step not in present:
             rng = f"{present[0]}-{present[-1]}" if present else "none"
             raise CompareError(f"{where}: no step {step} (the dump has steps {rng})")
+        ops = ops.filter(pl.col("step") == step)
+    return ops.select("device", "event", "name", "bytes", "id", "py_stack")
+
+
+def _all_ops(df: pl.DataFrame, level: str):
+    """Every op (or kernel) of the dump with its bytes and step, and the steps the dump has."""
+    df = df.with_columns(step=step_numbers(df))
+    present = sorted(set(df["step"].unique().to_list()))
     mem = (pl.col("event") == "MALLOC") & ~pl.col("event_type").is_in(UNCOUNTED_POOLS)
     if level == "op":
         is_start = (pl.col("event") == "OP_LAUNCH") & pl.col("event_type").is_in(OP_STARTS)
@@ -157,25 +171,31 @@ def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.D
     else:
         is_start = pl.col("event") == "KERNEL_LAUNCH"
         is_end = pl.lit(False)
-    # narrow columns only through the per-thread work; the strings stay where they are
-    rows = (df.lazy().filter(is_start | is_end | mem)
-            .select("id", "tid", "size", _start=is_start, _end=is_end, _mem=mem)
-            .sort("tid", "id"))
+    # the row kinds once (string compares on every row), then narrow integer columns only
+    kind = df.select(k=pl.when(is_start).then(pl.lit(1, pl.Int8)).when(is_end).then(pl.lit(2, pl.Int8))
+                     .when(mem).then(pl.lit(3, pl.Int8)))["k"]
+    rows = df.select("id", "tid", "size").with_columns(k=kind).filter(pl.col("k").is_not_null())
+    one_thread = rows["tid"].n_unique() <= 1
+    if not one_thread:
+        rows = rows.sort("tid", "id", maintain_order=True)
+
+    def per(e, *by):  # a window per thread (the whole column when the dump has one thread)
+        by = tuple(c for c in by if c != "tid") if one_thread else by
+        return e.over(*by) if by else e
+    k = pl.col("k")
     if level == "op":
         # depth after each row on its thread; a MALLOC belongs to the last START that
         # opened its depth on that thread (the innermost open op)
         rows = (rows.with_columns(
-            _depth=pl.when(pl.col("_start")).then(1).when(pl.col("_end")).then(-1).otherwise(0)
-            .cum_sum().over("tid"))
-            .filter(~pl.col("_end"))
-            .with_columns(_owner=pl.when(pl.col("_start")).then(pl.col("id")).forward_fill()
-                          .over("tid", "_depth")))
+            _depth=per(pl.when(k == 1).then(1).when(k == 2).then(-1).otherwise(0).cum_sum(), "tid"))
+            .filter(k != 2))
+        rows = rows.with_columns(_owner=per(pl.when(k == 1).then(pl.col("id")).forward_fill(), "tid", "_depth"))
     else:
         # a kernel owns the MALLOCs on its thread since the previous kernel launch there
-        rows = rows.with_columns(_owner=pl.when(pl.col("_start")).then(pl.col("id")).backward_fill().over("tid"))
-    owned = (rows.filter(pl.col("_mem") & pl.col("_owner").is_not_null())
-             .group_by("_owner").agg(bytes=pl.col("size").sum()).collect())
-    ops = df.filter(is_start).select(pl.col("device").fill_null("N/A"), "event", "name", "id", "step", "py_stack")
+        rows = rows.with_columns(_owner=per(pl.when(k == 1).then(pl.col("id")).backward_fill(), "tid"))
+    owned = (rows.filter((k == 3) & pl.col("_owner").is_not_null())
+             .group_by("_owner").agg(bytes=pl.col("size").sum()))
+    ops = df.filter(kind == 1).select(pl.col("device").fill_null("N/A"), "event", "name", "id", "step", "py_stack")
     if not ops["id"].is_sorted():
         ops = ops.sort("id")
     ids = ops["id"].to_numpy()
@@ -183,10 +203,7 @@ def sequence(df: pl.DataFrame, level: str, step: int | None, where: str) -> pl.D
     if owned.height and len(ids):
         pos = np.searchsorted(ids, owned["_owner"].to_numpy())
         nbytes[pos] = owned["bytes"].fill_null(0).to_numpy()
-    ops = ops.with_columns(bytes=pl.Series(nbytes))
-    if step is not None:
-        ops = ops.filter(pl.col("step") == step)
-    return ops.select("device", "event", "name", "bytes", "id", "py_stack")
+    return ops.with_columns(bytes=pl.Series(nbytes)), present
 
 
 # ---------------------------------------------------------------------------
@@ -320,6 +337,80 @@ def _backtrack(trace, D, n, m):
     return segs
 
 
+#: the first, short Myers search of ``align``; past it the exact distance decides
+QUICK_EDITS = 256
+#: the banded bit-parallel LCS runs where len(b) * (3 * limit + 1024) is at most this (about a second)
+LCS_BITS_BUDGET = 10**10
+
+
+def edit_distance(a: np.ndarray, b: np.ndarray, band: int | None = None, block: int | None = None) -> int:
+    """The number of insertions and deletions of a minimal script, ``len(a) + len(b) - 2 * LCS``;
+    the LCS by the bit-parallel row recurrence (one bit per item of ``a``, Python integers as
+    bit vectors: ``len(b)`` rounds of four word-parallel operations).
+
+    With ``band``: matches only between items at most about ``band`` positions apart (rows in
+    blocks of ``block``, each block a window of ``2 * band + block`` bits): the result is exact
+    when the distance is at most ``band`` and above ``band`` otherwise (a script of at most
+    ``band`` edits never leaves the band; a banded script is a script), so ``> band`` decides
+    whether one within ``band`` exists, at a cost that does not grow with ``len(a)``."""
+    n, m = len(a), len(b)
+    if n == 0 or m == 0:
+        return n + m
+    masks = {}
+    for c in np.unique(a).tolist():  # bit i of masks[c]: a[i] == c
+        packed = np.packbits((a == c)[::-1].astype(np.uint8))
+        masks[c] = int.from_bytes(packed.tobytes(), "big") >> ((-n) % 8)
+    get = masks.get
+    bl = b.tolist()
+    if band is None or band >= max(n, m):
+        full = (1 << n) - 1
+        v = full
+        for i, ch in enumerate(bl):
+            mk = get(ch)
+            if mk is None:
+                continue
+            u = v & mk
+            v = (v + u) | (v - u)
+            if i & 63 == 63:  # the carries out of the top bit are dropped now and then
+                v &= full
+        return n + m - 2 * (n - (v & full).bit_count())
+    w = int(band)
+    step = int(block or max(w, 1024))
+    lo = hi = -w     # the window holds the bits of positions [lo, hi) of a; below it, bits are final
+    v = 0
+    zeros = 0        # final zero bits (matched items of a) below the window
+
+    def zeros_in(v, lo, s, e):  # zero bits of positions [s, e) in a window starting at lo
+        s, e = max(s, 0), min(e, n)
+        if e <= s:
+            return 0
+        return (e - s) - ((v >> (s - lo)) & ((1 << (e - s)) - 1)).bit_count()
+    for j0 in range(0, m, step):
+        j1 = min(j0 + step, m)
+        new_lo, new_hi = j0 - w, j1 + w
+        zeros += zeros_in(v, lo, lo, new_lo)  # no later row can match below j0 - w: final
+        v >>= new_lo - lo
+        width = new_hi - new_lo
+        # the positions entering from above: never matched yet, all ones
+        v |= ((1 << width) - 1) ^ ((1 << max(hi - new_lo, 0)) - 1)
+        lo, hi = new_lo, new_hi
+        full = (1 << width) - 1
+        wm = {}
+        for ch in set(bl[j0:j1]):
+            mk = get(ch)
+            if mk is not None:
+                wm[ch] = ((mk << -lo) if lo < 0 else (mk >> lo)) & full
+        wget = wm.get
+        for ch in bl[j0:j1]:
+            mk = wget(ch)
+            if mk is None:
+                continue
+            u = v & mk
+            v = ((v + u) | (v - u)) & full  # a carry out of the window would be or-ed back to one
+    lcs = zeros + zeros_in(v, lo, lo, hi)
+    return n + m - 2 * lcs
+
+
 def align(a, b, max_edits: int = MAX_EDITS, max_seconds: float = MAX_SECONDS
           ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Align two integer sequences by a minimal edit script.
@@ -335,11 +426,24 @@ def align(a, b, max_edits: int = MAX_EDITS, max_seconds: float = MAX_SECONDS
     s = _common_prefix(a[p:][::-1], b[p:][::-1])
     ma, mb_ = a[p:n - s], b[p:m - s]
     minimal = True
+    limit = max(0, min(max_edits, len(ma) + len(mb_)))
     try:
-        segs = _myers(ma, mb_, max(0, min(max_edits, len(ma) + len(mb_))), max_seconds)
+        t0 = time.monotonic()
+        try:  # most compares need few edits: a short first try, the same path as the full search
+            segs = _myers(ma, mb_, min(limit, QUICK_EDITS), max_seconds)
+        except AlignmentTooLong:
+            if limit <= QUICK_EDITS:
+                raise
+            # many edits: the exact distance (bit-parallel LCS) says at once whether a script
+            # within the limit exists, instead of thousands of Myers rounds that end in giving up
+            if len(mb_) * (3 * limit + 1024) <= LCS_BITS_BUDGET and edit_distance(ma, mb_, band=limit) > limit:
+                raise
+            segs = _myers(ma, mb_, limit, max(0.0, max_seconds - (time.monotonic() - t0)))
     except AlignmentTooLong:
-        minimal = False
-        segs = [("-", i) for i in range(len(ma))] + [("+", j) for j in range(len(mb_))]
+        # the middle part: every item of a removed, then every item of b added
+        ar = np.arange
+        return (np.concatenate([ar(p), ar(p, n - s), np.full(len(mb_), -1), ar(n - s, n)]).astype(np.int64),
+                np.concatenate([ar(p), np.full(len(ma), -1), ar(p, m - s), ar(m - s, m)]).astype(np.int64), False)
     ai_parts = [np.arange(p, dtype=np.int64)]
     bi_parts = [np.arange(p, dtype=np.int64)]
     pending_a, pending_b = [], []
@@ -431,10 +535,10 @@ def compare(a, b, level="op", output: str | None = None) -> CompareResult:
     dump_b = dump_a
     if df_b is None:
         df_b, dump_b = _read(sb.path)
-    parts, stacks, minimal = [], {}, True
+    parts, stacks, minimal, cache = [], {}, True, {}
     for lv in levels:
-        seq_a = sequence(df_a, lv, sa.step, sa.label)
-        seq_b = sequence(df_b, lv, sb.step, sb.label)
+        seq_a = sequence(df_a, lv, sa.step, sa.label, cache)
+        seq_b = sequence(df_b, lv, sb.step, sb.label, cache)
         what = "ATEN_START (op)" if lv == "op" else "KERNEL_LAUNCH"
         for side, seq in (("base", seq_a), ("compare", seq_b)):
             if seq.height == 0:

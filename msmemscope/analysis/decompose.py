@@ -40,6 +40,18 @@ def category(owner: str) -> str:
     return parts[1] if len(parts) > 1 else (owner or UNLABELLED)
 
 
+def _category_expr(owner):
+    """``category`` as a column expression (on owners that are never empty)."""
+    import polars as pl
+    parts = owner.str.split("@")
+    return pl.when(parts.list.len() > 1).then(parts.list.get(1, null_on_oob=True)).otherwise(owner)
+
+
+#: row kinds of ``Decomposition.feed_frame`` (F_LIVE: a block live before the frame, internal)
+F_MALLOC, F_FREE, F_OWNER, F_STEP, F_LIVE = 1, 2, 3, 4, 5
+_NO_DEVICE = "\x00no device"  # a null device while devices are codes
+
+
 class Decomposition:
     def __init__(self):
         self.blocks = {}   # alloc_id -> [device, owner, size]
@@ -113,6 +125,116 @@ class Decomposition:
             d = devices.setdefault(dev, {"owners": {}, "categories": {}})
             d["categories"][c] = {"peak": p, "current": self.cat_cur.get((dev, c), 0)}
         return {"devices": devices, "steps": self.steps}
+
+    # ------------------------------------------------------------ columns (offline, and online batches)
+    def feed_frame(self, rows) -> None:
+        """Fold a frame of rows in dump order (columns ``kind`` = one of ``F_MALLOC``, ``F_FREE``,
+        ``F_OWNER``, ``F_STEP``; ``device``, ``alloc_id``, ``size``, ``owner``, ``stepno``) with
+        column operations: the same state and result as ``malloc``/``free``/``relabel``/``end_step``
+        row by row. Python work is per (step, owner) touched, not per row."""
+        import polars as pl
+        if rows.height == 0:
+            return
+        k = pl.col("kind")
+        rows = rows.select("kind", "device", "alloc_id", "size", "owner", "stepno").with_row_index("i").with_columns(
+            pl.col("i").cast(pl.Int64))
+        is_step = (k == F_STEP).cast(pl.Int64)
+        rows = rows.with_columns(seg=is_step.cum_sum() - is_step)
+        stepnos = rows.filter(k == F_STEP)["stepno"].to_list()
+        ok_malloc = (k == F_MALLOC) & pl.col("alloc_id").is_not_null() & pl.col("size").is_not_null()
+        # rows that count towards rows_since_step: valid MALLOC rows and every FREE row
+        per_seg = dict(rows.filter(ok_malloc | (k == F_FREE)).group_by("seg").len().iter_rows())
+        x = rows.filter(pl.col("alloc_id").is_not_null() & (ok_malloc | (k == F_FREE) | (
+            (k == F_OWNER) & pl.col("owner").is_not_null() & (pl.col("owner") != ""))))
+        x = x.select("i", "seg", "kind", "alloc_id", "device", "size",
+                     owner=pl.when(k == F_MALLOC).then(
+                         pl.when(pl.col("owner") != "").then("owner").otherwise(pl.lit(UNLABELLED)))
+                     .otherwise("owner").fill_null(pl.lit(UNLABELLED)).cast(pl.String))
+        live = [(a, *b) for a, b in self.blocks.items()]
+        # devices and owners as small integer codes (few distinct values): the sorts and groups
+        # below move and compare integers, the strings come back per (step, owner) at the end
+        x = x.with_columns(device=pl.col("device").fill_null(_NO_DEVICE))
+        devs = list(dict.fromkeys([b[1] if b[1] is not None else _NO_DEVICE for b in live]
+                                  + x["device"].unique(maintain_order=True).to_list()))
+        owns = list(dict.fromkeys([b[2] for b in live] + x["owner"].unique(maintain_order=True).to_list()))
+        dcode, ocode = {d: i for i, d in enumerate(devs)}, {o: i for i, o in enumerate(owns)}
+        nd = max(len(devs), 1)
+        x = x.with_columns(device=pl.col("device").cast(pl.Enum(devs)).to_physical().cast(pl.Int64),
+                           owner=pl.col("owner").cast(pl.Enum(owns)).to_physical().cast(pl.Int64))
+        devs = [None if d == _NO_DEVICE else d for d in devs]
+        if live:  # the live blocks open their instance before every row of this frame
+            lf = pl.DataFrame({"i": [-1] * len(live), "seg": [-1] * len(live), "kind": [F_LIVE] * len(live),
+                               "alloc_id": [b[0] for b in live],
+                               "device": [dcode[b[1] if b[1] is not None else _NO_DEVICE] for b in live],
+                               "size": [b[3] for b in live], "owner": [ocode[b[2]] for b in live]})
+            x = pl.concat([lf.cast(x.schema), x], how="vertical")
+        x = x.sort("alloc_id", maintain_order=True)  # stable: each alloc_id's rows stay in dump order
+        opens = k.is_in([F_MALLOC, F_LIVE])
+        is_free = (k == F_FREE).cast(pl.Int64)
+        # one instance per MALLOC (or live block): the rows of its alloc_id up to the next MALLOC;
+        # rows before an instance opens, and after its first FREE, change nothing (the dict's pop)
+        x = x.with_columns(
+            _oaid=pl.when(opens).then("alloc_id").forward_fill(),
+            _cf=is_free.cum_sum() - is_free,
+        ).with_columns(
+            _cf0=pl.when(opens).then("_cf").forward_fill(),
+            device=pl.when(opens).then("device").forward_fill(),
+            size=pl.when(opens).then("size").forward_fill(),
+            own=pl.when(opens | (k == F_OWNER)).then("owner").forward_fill(),
+        ).filter((pl.col("_oaid") == pl.col("alloc_id")) & (pl.col("_cf") == pl.col("_cf0")))
+        x = x.with_columns(prev=pl.col("own").shift(1))
+        # what is left live after the frame: the last instance of each alloc_id, unless freed
+        aid = pl.col("alloc_id")
+        last = x.filter((aid != aid.shift(-1)).fill_null(True) & (k != F_FREE))
+        self.blocks = {a: [devs[d], owns[o], s]
+                       for a, d, o, s in last.select("alloc_id", "device", "own", "size").iter_rows()}
+        # the byte moves, in dump order: +size at a MALLOC, -size at a FREE, -old/+new at an owner change;
+        # key: device and owner in one integer
+        sz, i2 = pl.col("size"), 2 * pl.col("i")
+        moved = (k == F_OWNER) & (pl.col("own") != pl.col("prev"))
+        dev = pl.col("device")
+        ev = pl.concat([
+            x.filter(k == F_MALLOC).select(seq=i2, seg="seg", key=pl.col("own") * nd + dev, n=sz),
+            x.filter(k == F_FREE).select(seq=i2, seg="seg", key=pl.col("prev") * nd + dev, n=-sz),
+            x.filter(moved).select(seq=i2, seg="seg", key=pl.col("prev") * nd + dev, n=-sz),
+            x.filter(moved).select(seq=i2 + 1, seg="seg", key=pl.col("own") * nd + dev, n=sz),
+        ], how="vertical").sort("seq")
+        del x
+        cats = list(dict.fromkeys(category(o) for o in owns))
+        cat_of = [cats.index(category(o)) for o in owns]
+        nseg = len(stepnos) + 1
+        by_seg = {s: ([], []) for s in range(nseg)}
+        for which in (0, 1):
+            e = ev if which == 0 else ev.with_columns(
+                key=(pl.col("key") // nd).replace_strict(list(range(len(owns))), cat_of, return_dtype=pl.Int64) * nd
+                + pl.col("key") % nd)
+            e = e.with_columns(run=pl.col("n").cum_sum().over("key"))
+            pos = pl.col("n") > 0
+            agg = (e.group_by("seg", "key")
+                   .agg(first=pl.col("seq").min(), last=pl.col("run").last(),
+                        pmax=pl.col("run").filter(pos).max(), pfirst=pl.col("seq").filter(pos).min())
+                   .sort("seg", "first"))
+            names = owns if which == 0 else cats
+            for seg, key, first, lastv, pmax, pfirst in agg.iter_rows():
+                by_seg[seg][which].append(((devs[key % nd], names[key // nd]), lastv, pmax, pfirst))
+        cur0, cat0 = dict(self.cur), dict(self.cat_cur)
+        for s in range(nseg):
+            owners, catrows = by_seg[s]
+            for key, rel, pmax, _ in owners:  # cur: keys in the order first touched
+                self.cur[key] = cur0.get(key, 0) + rel
+                if pmax is not None and cur0.get(key, 0) + pmax > self.peak.get(key, 0):
+                    self.peak[key] = cur0.get(key, 0) + pmax
+            for key, rel, pmax, pfirst in sorted((t for t in owners if t[2] is not None), key=lambda t: t[3]):
+                v = cur0.get(key, 0) + pmax
+                if v > self.step_peak.get(key, 0):
+                    self.step_peak[key] = v
+            for key, rel, pmax, _ in catrows:
+                self.cat_cur[key] = cat0.get(key, 0) + rel
+                if pmax is not None and cat0.get(key, 0) + pmax > self.cat_peak.get(key, 0):
+                    self.cat_peak[key] = cat0.get(key, 0) + pmax
+            self.rows_since_step += per_seg.get(s, 0)
+            if s < nseg - 1:
+                self.end_step(stepnos[s])
 
     # ------------------------------------------------------------ feeding
     def feed_raw(self, rows):
@@ -339,24 +461,25 @@ def format_modules(res: dict, depth: int = 2, top: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def frame_rows(df):
+    """The rows ``Decomposition.feed_frame`` folds, from a ``read_dump`` frame (MALLOC, FREE, and
+    the SYSTEM rows STEP and OWNER, in dump order)."""
+    import polars as pl
+    ev, et = pl.col("event"), pl.col("event_type")
+    kind = (pl.when(ev == Event.MALLOC).then(F_MALLOC).when(ev == Event.FREE).then(F_FREE)
+            .when((ev == Event.SYSTEM) & (et == System.STEP)).then(F_STEP)
+            .when((ev == Event.SYSTEM) & (et == OWNER_ROW)).then(F_OWNER).cast(pl.Int8))
+    return (df.lazy().select("device", "alloc_id", "size", "owner", "attr", kind=kind).filter(pl.col("kind").is_not_null())
+            .select("kind", "device", "alloc_id", "size", "owner",
+                    stepno=pl.when(pl.col("kind") == F_STEP).then(pl.col("attr"))
+                    .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
+            .collect())
+
+
 def summarize(df) -> dict:
     """The decomposition of one dump (a DataFrame from ``read_dump``), same numbers as the online sink."""
-    import polars as pl
-    rows = df.filter(pl.col("event").is_in([Event.MALLOC, Event.FREE])
-                     | ((pl.col("event") == Event.SYSTEM) & pl.col("event_type").is_in([System.STEP, OWNER_ROW])))
-    rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(pl.col("attr"))
-                             .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
     dec = Decomposition()
-    for ev, et, dev, aid, size, owner, stepno in rows.select(
-            "event", "event_type", "device", "alloc_id", "size", "owner", "stepno").iter_rows():
-        if ev == Event.MALLOC:
-            dec.malloc(dev, aid, size, owner)
-        elif ev == Event.FREE:
-            dec.free(aid)
-        elif et == System.STEP:
-            dec.end_step(stepno)
-        else:
-            dec.relabel(aid, owner)
+    dec.feed_frame(frame_rows(df))
     if dec.rows_since_step:
         dec.end_step(None)
     return dec.result()

@@ -63,22 +63,19 @@ K_OTHER, K_START, K_END, K_MALLOC, K_FREE, K_ACCESS = 0, 1, 2, 3, 4, 5
 CHUNK_SCHEMA = {"pos": pl.Int64, "kind": pl.Int8, "name": pl.String, "alloc_id": pl.Int64,
                 "size": pl.Int64, "before": pl.Boolean, "stack": pl.String}
 
-_BLOCK_SCHEMA = {
-    "alloc_id": pl.Int64, "mpos": pl.Int64, "sa": pl.Int64, "aop": pl.Int64, "before": pl.Boolean,
-    "size": pl.Int64, "op": pl.String, "stack": pl.String,
-    "qf_slot": pl.Int64,      # slot of the first free of another block after the allocation (INF: none yet)
-    "first_op": pl.Int64,     # op of the first access by another op (-1: none yet)
-    "early": pl.Boolean,
-    "last_slot": pl.Int64, "last_pos": pl.Int64,   # last access (the allocation until then)
-    "qm_slot": pl.Int64, "qm_pos": pl.Int64,       # first malloc of another block after the last access
-    "prev_op": pl.Int64,      # op of the last counted access (-1: none yet), for idleness
-    "max_gap": pl.Int64,      # largest number of ops between two consecutive accesses (-1: none)
+#: the numeric columns of the live blocks (``Tracker.b``)
+_NUM = {
+    "alloc_id": np.int64, "mpos": np.int64, "sa": np.int64, "aop": np.int64, "before": bool, "size": np.int64,
+    "qf_slot": np.int64,      # slot of the first free of another block after the allocation (INF: none yet)
+    "first_op": np.int64,     # op of the first access by another op (-1: none yet)
+    "early": bool,
+    "last_slot": np.int64, "last_pos": np.int64,   # last access (the allocation until then)
+    "qm_slot": np.int64, "qm_pos": np.int64,       # first malloc of another block after the last access
+    "prev_op": np.int64,      # op of the last counted access (-1: none yet), for idleness
+    "max_gap": np.int64,      # largest number of ops between two consecutive accesses (-1: none)
 }
-_RESULT_COLS = ("alloc_id", "mpos", "size", "op", "stack", "first_op", "aop", "max_gap", "bits")
-
-
-def _empty_blocks() -> pl.DataFrame:
-    return pl.DataFrame(schema=_BLOCK_SCHEMA)
+_RESULT_SCHEMA = {"alloc_id": pl.Int64, "mpos": pl.Int64, "size": pl.Int64, "op": pl.String, "stack": pl.String,
+                  "first_op": pl.Int64, "aop": pl.Int64, "max_gap": pl.Int64, "bits": pl.Int64}
 
 
 def _first_after(keys: np.ndarray, vals: np.ndarray, after: np.ndarray, out_vals: list[np.ndarray]):
@@ -105,139 +102,209 @@ def _first_qualifying(ev_pos, ev_slot, slot, pos):
 
 
 class Tracker:
-    """The incremental state of the analysis. ``feed(chunk)`` any number of times, then ``finish()``."""
+    """The incremental state of the analysis. ``feed(chunk)`` any number of times, then ``finish()``.
+
+    The live blocks are numpy columns (``_NUM``) plus their op name and stack (a polars frame,
+    ``self.text``, row for row); each chunk is folded with array operations: accesses and frees
+    are matched to blocks by a search over the sorted allocation ids, the per-block aggregates
+    (first and last counted access, largest gap) are segment reductions over the accesses
+    grouped by block. The strings of a new block are gathered only when it is flagged or stays
+    live, so a chunk's many short-lived blocks never copy their stacks."""
 
     def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD):
         self.idle_threshold = int(idle_threshold)
         self.k = 0            # ATEN_START rows so far
         self.depth = 0        # open ops
         self.op_name = None   # name of the current/last op
-        self.blocks = _empty_blocks()
+        self.b = {c: np.empty(0, dtype=t) for c, t in _NUM.items()}
+        self.text = pl.DataFrame(schema={"op": pl.String, "stack": pl.String})
         self.flagged: list[pl.DataFrame] = []
         self.counts = {"malloc": 0, "free": 0, "access": 0, "ops": 0}
 
     # -------------------------------------------------------------- one chunk
     def feed(self, ch: pl.DataFrame) -> None:
-        if ch.height == 0:
+        n = ch.height
+        if n == 0:
             return
-        kind = pl.col("kind")
-        is_start = (kind == K_START).cast(pl.Int64)
-        is_end = (kind == K_END).cast(pl.Int64)
-        ch = ch.with_columns(
-            op=self.k + is_start.cum_sum(),
-            depth=self.depth + is_start.cum_sum() - is_end.cum_sum() + is_end,
-            opname=pl.when(kind == K_START).then(pl.col("name")).otherwise(None).forward_fill(),
-        ).with_columns(
-            slot=2 * pl.col("op") + (pl.col("depth") <= 0).cast(pl.Int64),
-            opname=pl.col("opname").fill_null(self.op_name) if self.op_name is not None else pl.col("opname"),
-        )
-        last = ch.row(ch.height - 1, named=True)
-        n_start = int((ch["kind"] == K_START).sum())
-        n_end = int((ch["kind"] == K_END).sum())
+        kind = ch["kind"].to_numpy()
+        pos = ch["pos"].to_numpy()
+        st, en = kind == K_START, kind == K_END
+        cs, ce = np.cumsum(st, dtype=np.int64), np.cumsum(en, dtype=np.int64)
+        op = self.k + cs
+        slot = 2 * op + ((self.depth + cs - ce + en) <= 0)
+        names = ch["name"]
+        # the op name of a row: the last START row (with a name) up to it, else the chunk before's
+        named_starts = np.flatnonzero(st & names.is_not_null().to_numpy())
+
+        def last_start(rows):
+            j = np.searchsorted(named_starts, rows, side="right") - 1
+            return np.where(j >= 0, named_starts[np.maximum(j, 0)] if len(named_starts) else -1, -1)
+        op_before = self.op_name
+        n_start, n_end = int(cs[-1]), int(ce[-1])
         self.k += n_start
         self.depth = max(0, self.depth + n_start - n_end)
-        if last["opname"] is not None:
-            self.op_name = last["opname"]
+        if len(named_starts):
+            self.op_name = names[int(named_starts[-1])]
         self.counts["ops"] += n_start
 
-        mal = ch.filter(kind == K_MALLOC)
-        fre = ch.filter(kind == K_FREE)
-        acc = ch.filter(kind == K_ACCESS)
-        self.counts["malloc"] += mal.height
-        self.counts["free"] += fre.height
-        self.counts["access"] += acc.height
-        m_pos, m_slot = mal["pos"].to_numpy(), mal["slot"].to_numpy()
-        f_pos, f_slot = fre["pos"].to_numpy(), fre["slot"].to_numpy()
+        aid_col = ch["alloc_id"]
+        has_aid = aid_col.is_not_null().to_numpy()
+        aid = aid_col.fill_null(0).to_numpy()
+        mi, fi, ai = (np.flatnonzero(kind == k) for k in (K_MALLOC, K_FREE, K_ACCESS))
+        self.counts["malloc"] += len(mi)
+        self.counts["free"] += len(fi)
+        self.counts["access"] += len(ai)
+        m_pos, m_slot = pos[mi], slot[mi]
+        f_pos, f_slot = pos[fi], slot[fi]
 
-        # new blocks join the table of live ones
-        inside = (pl.col("slot") % 2) == 0
-        new = mal.select(
-            "alloc_id", mpos="pos", sa="slot", aop="op", before=pl.col("before").fill_null(False), size="size",
-            op=pl.when(inside & pl.col("opname").is_not_null()).then("opname").otherwise("name"),
-            stack="stack",
-            qf_slot=pl.lit(INF, pl.Int64), first_op=pl.lit(-1, pl.Int64), early=pl.lit(False),
-            last_slot="slot", last_pos="pos", qm_slot=pl.lit(INF, pl.Int64), qm_pos=pl.lit(INF, pl.Int64),
-            prev_op=pl.lit(-1, pl.Int64), max_gap=pl.lit(-1, pl.Int64),
-        ).unique("alloc_id", keep="first", maintain_order=True)
-        b = pl.concat([self.blocks, new.cast(_BLOCK_SCHEMA)], how="vertical") if new.height else self.blocks
-        if b.height == 0:
-            return
-
-        # accesses of known blocks, in dump order
-        if acc.height:
-            acc = acc.select("alloc_id", "pos", "slot", "op").join(
-                b.select("alloc_id", "sa", "before", "prev_op"), on="alloc_id", how="inner",
-                maintain_order="left")
-            acc = acc.with_columns(counted=pl.col("before") | (pl.col("slot") != pl.col("sa")))
-            cnt = acc.filter("counted").with_columns(prev=pl.col("op").shift(1).over("alloc_id"))
-            cnt = cnt.with_columns(prev=pl.col("prev").fill_null(pl.col("prev_op")))
-            cnt = cnt.with_columns(gap=pl.when(pl.col("prev") >= 0).then(pl.col("op") - pl.col("prev") - 1))
-            agg_c = cnt.group_by("alloc_id").agg(c_first=pl.col("op").min(), c_last=pl.col("op").max(),
-                                                 c_gap=pl.col("gap").max())
-            agg_a = acc.group_by("alloc_id").agg(a_pos=pl.col("pos").max(), a_slot=pl.col("slot").max())
-            b = b.join(agg_c, on="alloc_id", how="left").join(agg_a, on="alloc_id", how="left")
-            new_first = (pl.col("first_op") < 0) & pl.col("c_first").is_not_null()
-            b = b.with_columns(
-                first_op=pl.when(new_first).then("c_first").otherwise("first_op"),
-                newly=new_first,
-                prev_op=pl.coalesce("c_last", "prev_op"),
-                max_gap=pl.max_horizontal("max_gap", pl.col("c_gap").fill_null(-1)),
-                last_slot=pl.coalesce("a_slot", "last_slot"),
-                last_pos=pl.coalesce("a_pos", "last_pos"),
-                qm_slot=pl.when(pl.col("a_pos").is_not_null()).then(pl.lit(INF)).otherwise("qm_slot"),
-                qm_pos=pl.when(pl.col("a_pos").is_not_null()).then(pl.lit(INF)).otherwise("qm_pos"),
-            ).drop("c_first", "c_last", "c_gap", "a_pos", "a_slot")
+        # new blocks: the first MALLOC of each allocation id that is not live already
+        # (a MALLOC without an id is never matched, so it can never be flagged)
+        mk = mi[has_aid[mi]]
+        if len(mk):
+            _, first = np.unique(aid[mk], return_index=True)
+            mk = mk[np.sort(first)]
+            if len(self.b["alloc_id"]):
+                mk = mk[~np.isin(aid[mk], self.b["alloc_id"])]
+        n_old = len(self.b["alloc_id"])
+        if len(mk) or n_old == 0:
+            before = ch["before"].fill_null(False).to_numpy()[mk].astype(bool)
+            k_new = len(mk)
+            new = {"alloc_id": aid[mk], "mpos": pos[mk], "sa": slot[mk], "aop": op[mk], "before": before,
+                   "size": ch["size"].fill_null(0).to_numpy()[mk], "qf_slot": np.full(k_new, INF),
+                   "first_op": np.full(k_new, -1), "early": np.zeros(k_new, bool), "last_slot": slot[mk],
+                   "last_pos": pos[mk], "qm_slot": np.full(k_new, INF), "qm_pos": np.full(k_new, INF),
+                   "prev_op": np.full(k_new, -1), "max_gap": np.full(k_new, -1)}
+            b = {c: np.concatenate([self.b[c], new[c].astype(t, copy=False)]) for c, t in _NUM.items()}
         else:
-            b = b.with_columns(newly=pl.lit(False))
+            b = {c: v.copy() for c, v in self.b.items()}
+        nb = len(b["alloc_id"])
+        if nb == 0:
+            return
+        lo, hi = int(b["alloc_id"].min()), int(b["alloc_id"].max())
+        if hi - lo < 8 * nb + 4096:  # ids are mostly dense: a table indexed by id
+            table = np.full(hi - lo + 1, -1, dtype=np.int64)
+            table[b["alloc_id"] - lo] = np.arange(nb)
+
+            def block_of(rows):
+                """The block index of each of ``rows`` (chunk positions with an id), -1 where none."""
+                v = aid[rows] - lo
+                ok = (v >= 0) & (v <= hi - lo)
+                return np.where(ok, table[np.where(ok, v, 0)], -1)
+        else:
+            order = np.argsort(b["alloc_id"], kind="stable")
+            ids_sorted = b["alloc_id"][order]
+
+            def block_of(rows):
+                j = np.minimum(np.searchsorted(ids_sorted, aid[rows]), nb - 1)
+                return np.where(ids_sorted[j] == aid[rows], order[j], -1)
+
+        newly = np.zeros(nb, bool)
+        ak = ai[has_aid[ai]]
+        if len(ak):
+            bi = block_of(ak)
+            ak, bi = ak[bi >= 0], bi[bi >= 0]
+        if len(ak):
+            a_slot, a_op, a_pos = slot[ak], op[ak], pos[ak]
+            g = np.argsort(bi, kind="stable")  # accesses grouped by block, in dump order inside each
+            bg = bi[g]
+            brk = np.flatnonzero(np.r_[True, bg[1:] != bg[:-1]])
+            last = np.r_[brk[1:], len(bg)] - 1
+            blk = bg[brk]
+            # the last access of each block (positions and slots never decrease along the dump)
+            b["last_slot"][blk] = a_slot[g[last]]
+            b["last_pos"][blk] = a_pos[g[last]]
+            b["qm_slot"][blk] = INF
+            b["qm_pos"][blk] = INF
+            # counted accesses: by another op than the allocating one (every access of a before_op block)
+            cg = g[(b["before"][bi] | (a_slot != b["sa"][bi]))[g]]
+            if len(cg):
+                cb, cop = bi[cg], a_op[cg]
+                cbrk = np.flatnonzero(np.r_[True, cb[1:] != cb[:-1]])
+                clast = np.r_[cbrk[1:], len(cb)] - 1
+                cblk = cb[cbrk]
+                prev = np.empty_like(cop)
+                prev[1:] = cop[:-1]
+                prev[cbrk] = b["prev_op"][cblk]
+                gap = np.where(prev >= 0, cop - prev - 1, -1)
+                fresh = b["first_op"][cblk] < 0
+                newly[cblk[fresh]] = True
+                b["first_op"][cblk[fresh]] = cop[cbrk][fresh]
+                b["prev_op"][cblk] = cop[clast]
+                b["max_gap"][cblk] = np.maximum(b["max_gap"][cblk], np.maximum.reduceat(gap, cbrk))
 
         # the first free / malloc of another block after the allocation / the last access
-        qf = b["qf_slot"].to_numpy().copy()
-        todo = qf == INF
+        todo = b["qf_slot"] == INF
         if todo.any() and len(f_pos):
-            s, _ = _first_qualifying(f_pos, f_slot, b["sa"].to_numpy()[todo], b["mpos"].to_numpy()[todo])
-            qf[todo] = s
-        qm_s, qm_p = b["qm_slot"].to_numpy().copy(), b["qm_pos"].to_numpy().copy()
-        todo = qm_s == INF
+            b["qf_slot"][todo], _ = _first_qualifying(f_pos, f_slot, b["sa"][todo], b["mpos"][todo])
+        todo = b["qm_slot"] == INF
         if todo.any() and len(m_pos):
-            s, p = _first_qualifying(m_pos, m_slot, b["last_slot"].to_numpy()[todo], b["last_pos"].to_numpy()[todo])
-            qm_s[todo], qm_p[todo] = s, p
-        b = b.with_columns(qf_slot=pl.Series(qf), qm_slot=pl.Series(qm_s), qm_pos=pl.Series(qm_p))
-        b = b.with_columns(
-            early=pl.col("early") | (pl.col("newly") & (pl.col("qf_slot") < 2 * pl.col("first_op")))
-        ).drop("newly")
+            b["qm_slot"][todo], b["qm_pos"][todo] = _first_qualifying(m_pos, m_slot, b["last_slot"][todo],
+                                                                      b["last_pos"][todo])
+        b["early"] |= newly & (b["qf_slot"] < 2 * b["first_op"])
 
-        # blocks freed in this chunk are judged now
-        if fre.height:
-            fr = fre.select("alloc_id", f_pos="pos", f_slot="slot").unique("alloc_id", keep="first")
-            b = b.join(fr, on="alloc_id", how="left")
-            late = pl.when((pl.col("f_slot") % 2) == 0).then(pl.col("qm_slot") < pl.col("f_slot")) \
-                .otherwise(pl.col("qm_pos") < pl.col("f_pos"))
-            b = b.with_columns(late=pl.col("f_pos").is_not_null() & late.fill_null(False))
-            done = b.filter(pl.col("f_pos").is_not_null())
-            self._judge(done)
-            self.blocks = b.filter(pl.col("f_pos").is_null()).drop("f_pos", "f_slot", "late")
-        else:
-            self.blocks = b
+        # blocks freed in this chunk (their first FREE) are judged now
+        freed = np.zeros(nb, bool)
+        late = np.zeros(nb, bool)
+        fk = fi[has_aid[fi]]
+        if len(fk):
+            _, first = np.unique(aid[fk], return_index=True)
+            fk = fk[first]
+            fb = block_of(fk)
+            fk, fb = fk[fb >= 0], fb[fb >= 0]
+            fs, fp = slot[fk], pos[fk]
+            freed[fb] = True
+            late[fb] = np.where(fs % 2 == 0, b["qm_slot"][fb] < fs, b["qm_pos"][fb] < fp)
+        bits = self._bits(b, late)
+        flag = freed & (bits > 0)
+        keep = ~freed
 
-    def _judge(self, done: pl.DataFrame) -> None:
-        if done.height == 0:
+        def text_of(idx):
+            """op and stack of blocks ``idx`` (ascending): carried rows, then this chunk's new blocks."""
+            old, nw = idx[idx < n_old], idx[idx >= n_old] - n_old
+            parts = [self.text[old]] if len(old) else []
+            if len(nw):
+                rows = mk[nw]
+                inside = slot[rows] % 2 == 0
+                ls = last_start(rows)
+                src = np.where(inside & (ls >= 0), ls, rows)
+                opn = names.gather(src)
+                if op_before is not None:  # inside an op opened in an earlier chunk
+                    opn = pl.select(pl.when(pl.Series(inside & (ls < 0))).then(pl.lit(op_before))
+                                    .otherwise(opn)).to_series()
+                parts.append(pl.DataFrame({"op": opn, "stack": ch["stack"].gather(rows)}))
+            if not parts:
+                return self.text.clear()
+            return pl.concat(parts, how="vertical")
+
+        self._flag(b, np.flatnonzero(flag), bits, text_of)
+        kept = np.flatnonzero(keep)
+        self.text = text_of(kept)
+        self.b = {c: v[kept] for c, v in b.items()}
+
+    def _bits(self, b, late):
+        return (b["early"].astype(np.int64) * _BIT["early_allocation"]
+                + late.astype(np.int64) * _BIT["late_deallocation"]
+                + (b["max_gap"] > self.idle_threshold).astype(np.int64) * _BIT["temporary_idleness"])
+
+    def _flag(self, b, idx, bits, text_of):
+        if not len(idx):
             return
-        if "late" not in done.columns:
-            done = done.with_columns(late=pl.lit(False))
-        bits = (pl.col("early").cast(pl.Int64) * _BIT["early_allocation"]
-                + pl.col("late").cast(pl.Int64) * _BIT["late_deallocation"]
-                + (pl.col("max_gap") > self.idle_threshold).cast(pl.Int64) * _BIT["temporary_idleness"])
-        out = done.with_columns(bits=bits).filter(pl.col("bits") > 0).select(_RESULT_COLS)
-        if out.height:
-            self.flagged.append(out)
+        t = text_of(idx)
+        self.flagged.append(pl.DataFrame({
+            "alloc_id": b["alloc_id"][idx], "mpos": b["mpos"][idx], "size": b["size"][idx], "op": t["op"],
+            "stack": t["stack"], "first_op": b["first_op"][idx], "aop": b["aop"][idx],
+            "max_gap": b["max_gap"][idx], "bits": bits[idx]}).cast(_RESULT_SCHEMA))
 
     def finish(self) -> pl.DataFrame:
         """Judge the blocks still live (not late: their free is not in the trace); all flagged blocks."""
-        self._judge(self.blocks)
-        self.blocks = _empty_blocks()
+        b = self.b
+        bits = self._bits(b, np.zeros(len(b["alloc_id"]), bool))
+        text = self.text
+        self._flag(b, np.flatnonzero(bits > 0), bits, lambda idx: text[idx])
+        self.b = {c: np.empty(0, dtype=t) for c, t in _NUM.items()}
+        self.text = text.clear()
         if not self.flagged:
-            return pl.DataFrame(schema={c: (pl.Int64 if c not in ("op", "stack") else pl.String)
-                                        for c in _RESULT_COLS})
+            return pl.DataFrame(schema=_RESULT_SCHEMA)
         res = pl.concat(self.flagged, how="vertical")
         self.flagged = [res]
         return res.sort("mpos")

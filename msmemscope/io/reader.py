@@ -41,6 +41,9 @@ class TruncatedDumpWarning(UserWarning):
     pass
 
 
+_WARNINGS = {"truncated": TruncatedDumpWarning, "implausible": validate.ImplausibleRowsWarning}
+
+
 def max_input_bytes() -> int:
     v = os.environ.get("MSMEMSCOPE_MAX_INPUT_BYTES")
     try:
@@ -352,16 +355,40 @@ def _per_key_exprs() -> dict:
             "module": _attr_field("module", False), "phase": _attr_field("phase", False)}
 
 
-def _attr_exprs(mem=None, acc=None) -> dict:
-    """Expressions for the Attr columns: from the fast patterns' groups, or per key."""
-    if mem is None:
-        return _per_key_exprs()
-    f = mem.struct.field
-    g = acc.struct.field
-    return {"alloc_id": pl.coalesce(f("alloc_id"), g("alloc_id")).cast(pl.Int64, strict=False),
-            "size": pl.coalesce(f("size"), g("size")).cast(pl.Int64, strict=False),
-            "used": f("used").cast(pl.Int64, strict=False), "total": f("total").cast(pl.Int64, strict=False),
-            "owner": f("owner"), "addr": f("addr"), "module": f("module"), "phase": f("phase")}
+def _attr_exprs() -> dict:
+    """Expressions for the Attr columns, key by key (any Attr text)."""
+    return _per_key_exprs()
+
+
+def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:
+    """The Attr fields of the MALLOC/FREE rows whose text is the writer's template (``_MEM_ATTR``,
+    null on the others). The pattern only says which rows (a match without captures is several
+    times cheaper); the values are then cut at the commas, since a template's values hold no comma,
+    quote or brace and its keys come in one order: five fixed, then owner, module, phase."""
+    attr, ev = pl.col("attr"), pl.col("event")
+    body = pl.when(ev.is_in(["MALLOC", "FREE"]) & attr.str.contains(_MEM_ATTR)).then(
+        attr.str.strip_prefix("{").str.strip_suffix("}"))
+    parts = df.select(f=body.str.split_exact(",", 7)).unnest("f")
+    f = [pl.col(f"field_{i}") for i in range(8)]
+
+    def num(e, key):
+        return e.str.strip_prefix(f'"{key}":').cast(pl.Int64, strict=False)
+
+    def text(e, key):
+        return e.str.strip_prefix(f'"{key}":"').str.strip_suffix('"')
+
+    def has(e, key):
+        return e.str.starts_with(f'"{key}":"')
+
+    exprs = {"alloc_id": num(f[0], "allocation_id"), "addr": text(f[1], "addr"), "size": num(f[2], "size"),
+             "used": num(f[3], "used"), "total": num(f[4], "total"),
+             "owner": pl.when(has(f[5], "owner")).then(text(f[5], "owner")),
+             "module": pl.when(has(f[5], "module")).then(text(f[5], "module"))
+                         .when(has(f[6], "module")).then(text(f[6], "module")),
+             "phase": pl.when(has(f[6], "phase")).then(text(f[6], "phase"))
+                        .when(has(f[7], "phase")).then(text(f[7], "phase"))}
+    want = dict.fromkeys(("alloc_id", "size") + tuple(fields))
+    return parts.select(**{c: exprs[c] for c in want})
 
 
 def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
@@ -369,11 +396,13 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
     is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
     attr, ev = pl.col("attr"), pl.col("event")
     # each template only on the rows of its events (a template text on another row reads alike per key)
-    fast = df.select(_m=pl.when(ev.is_in(["MALLOC", "FREE"])).then(attr).str.extract_groups(_MEM_ATTR),
-                     _a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))
-    ex = _attr_exprs(pl.col("_m"), pl.col("_a"))
-    cols = fast.select(alloc_id=ex["alloc_id"], **{c: ex[c] for c in fields if c != "alloc_id"})
-    del fast
+    mem = _mem_template(df, fields)
+    if df.select((ev == "ACCESS").any()).item():
+        acc = df.select(_a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))["_a"].struct
+        mem = mem.with_columns(alloc_id=pl.coalesce(pl.col("alloc_id"), acc.field("alloc_id").cast(pl.Int64, strict=False)),
+                               size=pl.coalesce(pl.col("size"), acc.field("size").cast(pl.Int64, strict=False)))
+    cols = mem.select("alloc_id", *(c for c in fields if c != "alloc_id"))
+    del mem
     other = (cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")).arg_true()
     if other.len():  # the rest, per key, on those rows only
         per = _per_key_exprs()
@@ -500,6 +529,17 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
         df = read_dump(path, columns=columns, events=events)
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
     try:
+        key = _companion_key(path, size) if keep is None else None
+        if key is not None:
+            got = _companion_read(path, key, want)
+            if got is not None:
+                return got
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                df = _read_batched(path, want, None, batch_bytes)
+            said = _replay(caught)
+            _companion_write(path, key, df, said)
+            return df
         return _read_batched(path, want, keep, batch_bytes)
     except DumpError as e:
         # a bad file is said as read_dump says it (which of its faults comes first, in the same
@@ -513,6 +553,116 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
         raise e from None
 
 
+# ---------------------------------------------------------------- columnar companion
+# A big CSV dump's batched read is kept beside it, in a hidden parquet file, so that the next
+# report of the same dump reads columns instead of parsing text (~20x less CPU). It is a cache,
+# never a source: used only when it matches the dump byte for byte as far as the file system says
+# (size, mtime and ctime in ns, inode) and was made by this reader's code (a hash of the modules
+# whose logic shapes the columns), else ignored and made again; unreadable, absent or unwritable
+# (a read-only folder) it changes nothing but the time. Small dumps (under
+# MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES, default 64 MiB) are read from their text each time and leave
+# no file; MSMEMSCOPE_COLUMN_CACHE=0 turns it off. It holds the columns last asked for (the report's).
+COMPANION_VERSION = 1
+COMPANION_MIN_BYTES = 64 << 20
+_META_KEY = "msmemscope.columns"
+_code_hash = None
+
+
+def companion_path(path: str) -> str:
+    d, b = os.path.split(os.path.abspath(path))
+    return os.path.join(d, f".{b}.columns.parquet")
+
+
+def _reader_code() -> str:
+    global _code_hash
+    if _code_hash is None:
+        import hashlib
+        from .. import events
+        h = hashlib.sha256(pl.__version__.encode())
+        for mod in (__file__, validate.__file__, events.__file__):
+            with open(mod, "rb") as f:
+                h.update(f.read())
+        _code_hash = h.hexdigest()[:32]
+    return _code_hash
+
+
+def _companion_key(path: str, size: int) -> dict | None:
+    """What a companion must say of the dump to be used (None: no companion for this dump)."""
+    if os.environ.get("MSMEMSCOPE_COLUMN_CACHE", "").strip().lower() in ("0", "off", "no", "false"):
+        return None
+    try:
+        least = int(os.environ.get("MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES", COMPANION_MIN_BYTES))
+    except ValueError:
+        least = COMPANION_MIN_BYTES
+    if size < least:
+        return None
+    try:
+        st = os.stat(path)
+        code = _reader_code()
+    except OSError:
+        return None
+    # the run's config.json decides one check (validate._records_every_allocation): its state too
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path)))), "config.json")
+    try:
+        c = os.stat(cfg)
+        config = [c.st_size, c.st_mtime_ns, c.st_ino]
+    except OSError:
+        config = None
+    return {"version": COMPANION_VERSION, "code": code, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev, "config": config}
+
+
+def _companion_read(path: str, key: dict, want: tuple) -> pl.DataFrame | None:
+    """The dump's columns from its companion, or None (absent, stale, another reader's, corrupt)."""
+    import json as _json
+    cache = companion_path(path)
+    try:
+        if not os.path.isfile(cache):
+            return None
+        meta = _json.loads(pl.read_parquet_metadata(cache).get(_META_KEY, "null"))
+        if not isinstance(meta, dict) or meta.get("key") != key or not set(want) <= set(meta.get("columns", ())):
+            return None
+        df = pl.read_parquet(cache, columns=list(want))
+        if df.height != meta.get("rows"):
+            return None
+    except Exception:  # a cache that cannot be read is no cache
+        return None
+    for category, message in meta.get("warnings", ()):
+        warnings.warn(message, _WARNINGS.get(category, UserWarning), stacklevel=3)
+    return df
+
+
+def _replay(caught) -> list:
+    """The warnings of a read, said again to the caller (the filters in force outside apply);
+    those a dump itself causes kept to be said again when its companion is read."""
+    said = []
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        name = next((k for k, v in _WARNINGS.items() if v is w.category), None)
+        if name is not None:
+            said.append([name, str(w.message)])
+    return said
+
+
+def _companion_write(path: str, key: dict, df: pl.DataFrame, said: list) -> None:
+    """Writes the companion beside the dump, atomically; any failure leaves no file behind."""
+    import json as _json
+    cache = companion_path(path)
+    tmp = f"{cache}.{os.getpid()}.tmp"
+    try:
+        try:
+            if _companion_key(path, key["size"]) != key:  # the dump changed while it was read
+                return
+            meta = {"key": key, "columns": list(df.columns), "rows": df.height, "warnings": said}
+            df.write_parquet(tmp, compression="lz4", statistics=False, metadata={_META_KEY: _json.dumps(meta)})
+            os.replace(tmp, cache)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except Exception:  # a folder we cannot write to, a full disk: the read stands without it
+        pass
+
+
 def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFrame:
     complete, size = check_csv(path)
     if complete < size:
@@ -521,10 +671,11 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
     need = _source_columns(want, keep) | {"attr"}
-    parts, row0 = [], 0
+    parts, rows = [], 0
     with open(path, "rb") as f:
         header = f.readline()  # each batch is parsed under the header, as read_dump parses the file
-    for text in _line_batches(path, complete, batch_bytes):
+
+    def parse(text: bytes, row0: int):
         try:
             raw = pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
                               schema_overrides={n: pl.String for n in NAMES}, infer_schema=False, quote_char="\"")
@@ -532,9 +683,34 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
             raise DumpError(_locate_csv_error(path)) from None
         if raw.width != len(NAMES):
             raise DumpError(_locate_csv_error(path))
-        parts.append(_batch(raw, path, row0, want, keep, need))
-        row0 += raw.height
-        del raw
+        return raw.height, _batch(raw, path, row0, want, keep, need)
+
+    # batches on as many threads as there are cores (most string work of polars runs on one
+    # thread per column), at most one more in flight than threads; taken in file order. The row
+    # numbers in a batch's errors need the rows before it: a batch that fails is parsed again
+    # once those are known, so it says what a read in order says.
+    workers = max(1, min(2, os.cpu_count() or 1))
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque = deque()
+
+        def settle():
+            nonlocal rows
+            fut, text = pending.popleft()
+            try:
+                height, part = fut.result()
+            except DumpError:
+                height, part = parse(text, rows)  # raises, with this batch's true line numbers
+            parts.append(part)
+            rows += height
+
+        for text in _line_batches(path, complete, batch_bytes):
+            pending.append((pool.submit(parse, text, 0), text))
+            if len(pending) > workers:
+                settle()
+        while pending:
+            settle()
     out = pl.concat(parts, how="vertical_relaxed", rechunk=False)  # chunked: never two copies at once
     del parts
     if not out["id"].is_sorted():

@@ -23,6 +23,7 @@ import os
 import re
 import sys
 
+import numpy as np
 import polars as pl
 
 from .common import ReportError, check_output, human_bytes, locate, read_all, with_op
@@ -138,34 +139,47 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
     # the axis starts at the first recorded activity, not at START_TRACE or at
     # a mark made before it (the program's imports would otherwise take most of
     # the width)
-    active = df.filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "ACCESS"]))["ts"].drop_nulls()
-    t0 = int(active.min()) if active.len() else int(ts.min())
+    first = df.select(pl.col("ts").filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "ACCESS"])).min()).item()
+    t0 = int(first) if first is not None else int(ts.min())
     t1 = int(ts.max())
     span = max(1, t1 - t0 + 1)
 
     def us(t):
         return None if t is None else int((t - t0) // 1000)
 
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_not_null())
-    # a pool whose rows carry no ``used`` (the original's HAL, driver segments): its bytes in use
-    # are the running sum of its blocks
-    counted = mem.group_by("device", "event_type").agg(k=pl.col("used").is_not_null().any())
-    mem = (mem.join(counted, on=["device", "event_type"], how="left")
-           .with_columns(used=pl.when(pl.col("k")).then(pl.col("used")).otherwise(
-               pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
-               .cum_sum().over("device", "event_type")))
-           .filter(pl.col("used").is_not_null()).drop("k"))
+    mem = (df.select(c for c in df.columns if c not in ("name", "tid", "owner"))
+           .filter(pl.col("event").is_in(["MALLOC", "FREE"]) & pl.col("size").is_not_null()))
+    if mem["used"].null_count():
+        # a pool whose rows carry no ``used`` (the original's HAL, driver segments): its bytes in use
+        # are the running sum of its blocks
+        counted = mem.group_by("device", "event_type").agg(k=pl.col("used").is_not_null().any())
+        mem = (mem.join(counted, on=["device", "event_type"], how="left")
+               .with_columns(used=pl.when(pl.col("k")).then(pl.col("used")).otherwise(
+                   pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
+                   .cum_sum().over("device", "event_type")))
+               .filter(pl.col("used").is_not_null()).drop("k"))
     step_rows_df = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).select("id", "step", "ts")
     steps = [{"step": int(st), "t": us(t)} for _, st, t in step_rows_df.iter_rows()]
     owners = views.final_owners(df)
-    parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
-                   key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+    one = False
+    if mem.height and mem.schema["device"] == pl.Categorical and mem.schema["event_type"] == pl.Categorical:
+        # one (device, pool) when each code's least and greatest are the same: no grouping of every row
+        lo_d, hi_d, lo_p, hi_p = mem.select(
+            pl.col("device").to_physical().min().alias("a"), pl.col("device").to_physical().max().alias("b"),
+            pl.col("event_type").to_physical().min().alias("c"), pl.col("event_type").to_physical().max().alias("d")).row(0)
+        one = lo_d == hi_d and lo_p == hi_p and mem["device"].null_count() == 0 and mem["event_type"].null_count() == 0
+    if one:
+        parts = [((mem["device"][0], mem["event_type"][0]), mem)]
+    else:
+        parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
+                       key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
     total_events = max(1, mem.height)
     series = []
     for (dev, pool), part in parts:
         m, names, by = views.layer_frame(part, owners)
         budget = max(4 * views.BASE_BUCKETS, int(views.POINT_BUDGET * part.height / total_events))
-        s = views.timeline(m, names, t0, span, budget)
+        index = views.LayerIndex(m, names)  # each layer's bytes after any row: the timeline's and the peak's
+        s = views.timeline(m, names, t0, span, budget, index)
         peak_i = int(m["used"].arg_max())
         pk = m.row(peak_i, named=True)
         tot = m["total"].drop_nulls()
@@ -173,10 +187,9 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                   "peak": int(pk["used"]), "peak_t": us(pk["ts"]), "peak_step": pk["step"],
                   "peak_op": pk["op"], "peak_reserved": int(tot.max()) if tot.len() else None,
                   "events": part.height, "first_t": us(m["ts"].min()), "last_t": us(m["ts"].max())})
-        s["peak_layers"] = [v[0] for v in views._layer_values(m, pl.Series([peak_i]), len(names), names)]
+        s["peak_layers"] = [v[0] for v in index.at([peak_i])]
         # the step ends as rows of this series: the last MALLOC/FREE row at or before each STEP row
         ids = m["id"].to_numpy()
-        import numpy as np
         step_rows = [(int(st), int(np.searchsorted(ids, rid, side="right")) - 1)
                      for rid, st, _ in step_rows_df.iter_rows()]
         stage("live blocks")
@@ -206,13 +219,24 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
 
     stage("tables")
     tables = []
-    mallocs = df.filter(pl.col("event") == "MALLOC")
-    frees = df.filter(pl.col("event") == "FREE")
-    per = (mem.group_by("step", "device", "event_type")
-           .agg(peak=pl.col("used").max(),
-                allocs=(pl.col("event") == "MALLOC").sum(), frees=(pl.col("event") == "FREE").sum(),
-                alloc_bytes=pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(0).sum(),
-                free_bytes=pl.when(pl.col("event") == "FREE").then(pl.col("size")).otherwise(0).sum())
+    # the columns the tables read, before the rows are picked (a copy of every column costs more)
+    mallocs = df.select("id", "ts", "op", "size", "alloc_id", "event").filter(pl.col("event") == "MALLOC")
+    frees = df.select("alloc_id", "event").filter(pl.col("event") == "FREE")
+    is_m = pl.col("event") == "MALLOC"
+    # grouped on the categories' codes (much cheaper than on categorical values), named after them
+    keys, named = ["step", "device", "event_type"], True
+    if one:  # one key of integers (the pool is the same on every row)
+        keys, named = ["step"], False
+    elif mem.schema["device"] == pl.Categorical and mem.schema["event_type"] == pl.Categorical:
+        keys, named = ["step", pl.col("device").to_physical().alias("dc"), pl.col("event_type").to_physical().alias("pc")], False
+    per = (mem.select("step", "used", "size", "device", "event_type", m=is_m)
+           .group_by(*keys)
+           .agg(*([] if named else [pl.col("device").first(), pl.col("event_type").first()]),
+                peak=pl.col("used").max(),
+                allocs=pl.col("m").sum(), frees=(~pl.col("m")).sum(),
+                alloc_bytes=pl.when(pl.col("m")).then(pl.col("size")).otherwise(0).sum(),
+                free_bytes=pl.when(~pl.col("m")).then(pl.col("size")).otherwise(0).sum())
+           .select("step", "device", "event_type", "peak", "allocs", "frees", "alloc_bytes", "free_bytes")
            .sort("step", "device", "event_type"))
     step_ops = (df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START"))
                 .group_by("step").agg(ops=pl.len()))
@@ -268,7 +292,7 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         ctx["row_t"] = {int(i): us(t) for i, t in ids.iter_rows()} if ids.height <= 2_000_000 else {}
     found = views.findings(folder, ctx)
 
-    live = mallocs.filter(~pl.col("alloc_id").is_in(frees["alloc_id"].drop_nulls().unique().implode()))
+    live = mallocs.filter(mallocs["alloc_id"].is_not_null() & ~_freed(mallocs["alloc_id"], frees["alloc_id"]))
     summary = {
         "events": df.height, "steps": len(steps), "mallocs": mallocs.height, "frees": frees.height,
         "ops": int(df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START")).height),
@@ -284,12 +308,25 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
             "compare": views.compare_steps(df), "compare_tables": compare_tables, "ranks": None}
 
 
+def _freed(ids: pl.Series, freed: pl.Series) -> pl.Series:
+    """Whether each of ``ids`` is among ``freed`` (nulls never are): a table indexed by id where the
+    ids are small numbers (allocation ids count from 1), else a hash set."""
+    lo = min(ids.min() or 0, freed.min() or 0)
+    hi = max(ids.max() or 0, freed.max() or 0)
+    if lo >= 0 and hi <= 8 * (ids.len() + freed.len()) + (1 << 20):
+        table = np.zeros(hi + 2, dtype=bool)
+        table[freed.drop_nulls().to_numpy()] = True
+        return pl.Series(table[ids.fill_null(hi + 1).to_numpy()])
+    return ids.is_in(freed.drop_nulls().unique().implode()).fill_null(False)
+
+
 def _peak_line(m: pl.DataFrame, i: int):
     """The user's line of the block allocated at (or last before) the peak row."""
     if "py_stack" not in m.columns:
         return None
-    part = m.head(i + 1).filter((pl.col("event") == "MALLOC") & pl.col("py_stack").is_not_null()).tail(1)
-    return user_line(part["py_stack"][0]) if part.height else None
+    hit = (m.select("event", "py_stack").head(i + 1)
+           .select(((pl.col("event") == "MALLOC") & pl.col("py_stack").is_not_null()).arg_true().last()).item())
+    return user_line(m["py_stack"][hit]) if hit is not None else None
 
 
 # ---------------------------------------------------------------- page

@@ -67,7 +67,8 @@ def load_columns(path: str):
 def peaks_of(df) -> list[dict]:
     """Per (device, pool): peak allocated (max ``used``) and peak reserved (max ``total``)."""
     import polars as pl
-    mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+    # the four columns first: the frame's text columns are not copied by the filter
+    mem = df.select("event", "device", "event_type", "used", "total").filter(pl.col("event").is_in(["MALLOC", "FREE"]))
     if not mem.height:
         return []
     g = (mem.group_by("device", "event_type")

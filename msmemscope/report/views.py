@@ -71,22 +71,32 @@ def final_owners(df: pl.DataFrame) -> pl.DataFrame | None:
     """(device, event_type, alloc_id) -> the block's last owner (MALLOC owner, then SYSTEM/OWNER updates)."""
     if "owner" not in df.columns:
         return None
+    df = df.select(c for c in ("id", "event", "event_type", "owner", "alloc_id", "device") if c in df.columns)
     rows = df.filter(pl.col("owner").is_not_null() & (pl.col("owner") != "") & pl.col("alloc_id").is_not_null()
                      & (pl.col("event").is_in(["MALLOC"]) | ((pl.col("event") == "SYSTEM")
                                                             & (pl.col("event_type") == "OWNER"))))
     if not rows.height:
         return None
-    mal = df.filter(pl.col("event") == "MALLOC").select("alloc_id", "device", pool=pl.col("event_type"))
     upd = rows.filter(pl.col("event") == "SYSTEM").select("id", "alloc_id", "owner")
-    first = rows.filter(pl.col("event") == "MALLOC").select("id", "alloc_id", "device",
-                                                             pool=pl.col("event_type"), owner="owner")
+    only_malloc = not rows.select((pl.col("event") == "SYSTEM").any()).item()
+    first = (rows if only_malloc else rows.filter(pl.col("event") == "MALLOC")).select(
+        "id", "alloc_id", "device", pool=pl.col("event_type"), owner="owner")
     if upd.height:
         # an update row names the allocation only: it applies to the block of that id on any pool
+        mal = df.filter(pl.col("event") == "MALLOC").select("alloc_id", "device", pool=pl.col("event_type"))
         upd = upd.join(mal, on="alloc_id", how="inner").select("id", "alloc_id", "device", "pool", "owner")
         first = pl.concat([first, upd], how="vertical_relaxed")
-    if not upd.height and first["alloc_id"].is_unique().all():
+    if not upd.height and _all_distinct(first["alloc_id"]):
         return first.select("device", "pool", "alloc_id", "owner")  # one owner per block: no grouping
     return (first.sort("id").group_by("device", "pool", "alloc_id").agg(owner=pl.col("owner").last()))
+
+
+def _all_distinct(ids: pl.Series) -> bool:
+    """No value twice (``ids`` has no nulls): a count per id where ids are small numbers."""
+    lo, hi = ids.min(), ids.max()
+    if lo is not None and lo >= 0 and hi <= 8 * ids.len() + (1 << 20):
+        return bool(np.bincount(ids.to_numpy()).max() <= 1)
+    return bool(ids.is_unique().all())
 
 
 def last_row_of(keys: pl.Series, query: pl.Series) -> pl.Series:
@@ -113,7 +123,7 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     returned names) and ``signed`` (+size for MALLOC, -size for FREE); ``by`` says what the
     layers are ("owner" or "op")."""
     mem = mem.with_row_index("r")
-    mal = mem.filter(pl.col("event") == "MALLOC")
+    mal = mem.select("event", "op", "alloc_id", "size").filter(pl.col("event") == "MALLOC")
     by = "op"
     lab = mal["op"].cast(pl.Categorical).fill_null("(outside any op)")
     if owners is not None:
@@ -132,9 +142,10 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     m = m.with_columns(signed=pl.when(pl.col("event") == "MALLOC").then(pl.col("size"))
                        .otherwise(-pl.coalesce("size", "msize")).fill_null(0)).drop("msize")
     # the layers, largest peak first; the rest of the ops folded into one
-    m = m.with_columns(lv=pl.col("signed").cum_sum().over("lab"))
-    peaks = m.group_by("lab").agg(p=pl.col("lv").max()).sort("p", "lab", descending=[True, False])
+    # (grouped on the label's code: a categorical's values cost more to group on)
+    peaks = _label_peaks(m["lab"], m["signed"]).sort("p", "lab", descending=[True, False])
     names = peaks["lab"].to_list()
+    code_of = dict(zip(names, peaks["code"].to_list()))
     if by == "owner":
         rank = {n: i for i, n in enumerate(names)}
         names = sorted(names, key=lambda n: (CATEGORY_ORDER.index(n) if n in CATEGORY_ORDER else len(CATEGORY_ORDER),
@@ -148,15 +159,34 @@ def layer_frame(mem: pl.DataFrame, owners: pl.DataFrame | None) -> tuple[pl.Data
     if fold:
         keep.append(other)
     index = {n: i for i, n in enumerate(keep)}
-    m = m.with_columns(layer=pl.col("lab").replace_strict(index, default=index.get(other, 0),
-                                                          return_dtype=pl.Int32))
+    m = m.with_columns(layer=pl.col("lab").to_physical().replace_strict(
+        {code_of[n]: i for n, i in index.items() if n in code_of}, default=index.get(other, 0), return_dtype=pl.Int32))
     # blocks made before the trace (the original's ``used`` counts them): a bottom layer of their own
     acc = m["signed"].cum_sum()
     gap = (m["used"] - acc) if "used" in m.columns else None
     if gap is not None and gap.drop_nulls().len() and int(gap.drop_nulls().abs().max() or 0) > 0:
         keep.append(UNACCOUNTED)
         m = m.with_columns(gap=gap.fill_null(0))
-    return m.drop("lv"), keep, by
+    return m, keep, by
+
+
+def _label_peaks(lab: pl.Series, signed: pl.Series) -> pl.DataFrame:
+    """Per distinct value of ``lab`` (a categorical without nulls): its code, itself, and the
+    greatest running sum of ``signed`` over its rows (in row order). numpy: one stable sort by
+    label (a radix sort of small integers), one cumulative sum, a maximum per run."""
+    code = lab.to_physical()
+    dense, n = _dense(code)
+    if n >= (1 << 15) or not len(dense):
+        return (pl.DataFrame({"code": code, "lab": lab, "s": signed})
+                .group_by("code").agg(pl.col("lab").first(), p=pl.col("s").cum_sum().max()))
+    order = np.argsort(dense.astype(np.int16), kind="stable")
+    ds = dense[order]
+    starts = np.flatnonzero(np.r_[True, ds[1:] != ds[:-1]])
+    run = np.cumsum(signed.to_numpy()[order])
+    before = np.r_[0, run[starts[1:] - 1]]  # the running sum up to each label's first row
+    peak = np.maximum.reduceat(run, starts) - before
+    firsts = order[starts]
+    return pl.DataFrame({"code": code.gather(firsts), "lab": lab.gather(firsts), "p": peak})
 
 
 class LayerIndex:
@@ -190,37 +220,53 @@ class LayerIndex:
         return out
 
 
-def _layer_values(m: pl.DataFrame, rows, nlayers: int, names: list[str]) -> list[list[int]]:
-    """Live bytes of each layer just after each of the given rows (``r`` values)."""
-    return LayerIndex(m, names).at(np.asarray(rows))
-
-
 def delta(xs):
     """Delta-encode a list of ints (the page decodes with a running sum): small numbers, small JSON."""
-    out, prev = [], 0
-    for x in xs:
-        x = int(x or 0)
-        out.append(x - prev)
-        prev = x
-    return out
+    if isinstance(xs, pl.Series):
+        xs = xs.fill_null(0).to_numpy()
+    elif not isinstance(xs, np.ndarray):
+        xs = np.asarray([int(x or 0) for x in xs], dtype=np.int64)
+    return np.diff(xs.astype(np.int64, copy=False), prepend=np.int64(0)).tolist()
 
 
 # ---------------------------------------------------------------- timeline
-def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int) -> dict:
+def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int,
+             index: LayerIndex | None = None) -> dict:
     """The zoom levels of one series (``m`` from ``layer_frame``); times in µs from ``t0``."""
     levels = []
     n_events = m.height
     nb = BASE_BUCKETS
-    index = LayerIndex(m, names)
+    index = index or LayerIndex(m, names)
     op_list: list[str] = []
     spent = 0
-    for _ in range(MAX_LEVELS):
-        b = ((pl.col("ts") - t0) * nb // span).clip(0, nb - 1)
-        g = (m.with_columns(b=b).group_by("b")
-             .agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
-                  r=pl.col("r").get(pl.col("used").arg_max()),
-                  total=pl.col("total").max(), n=pl.len())
-             .sort("b"))
+    # the finest level the budget can reach (spent >= 0), bucketed once over every row; a coarser
+    # level's bucket is FACTOR**k of its buckets (b // FACTOR**k, exactly, while no time is
+    # clipped), so its figures come from the finest level's, not from the rows again
+    finest = 0
+    while finest < MAX_LEVELS - 1 and min(n_events, BASE_BUCKETS * FACTOR ** (finest + 1)) <= budget:
+        finest += 1
+    rel = m.select(lo=(pl.col("ts") - t0).min(), hi=(pl.col("ts") - t0).max()).row(0)
+    fine = None
+    if rel[0] is not None and rel[0] >= 0 and rel[1] < span and finest > 0:
+        nf = BASE_BUCKETS * FACTOR ** finest
+        fine = (m.select(b=(pl.col("ts") - t0) * nf // span, used="used", r="r", total="total")
+                .group_by("b").agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
+                                   r=pl.col("r").get(pl.col("used").arg_max()),
+                                   total=pl.col("total").max(), n=pl.len()))
+    for level in range(MAX_LEVELS):
+        if fine is not None and level <= finest:
+            # the first row at the bucket's max: the least r among its finer buckets at that max
+            g = (fine.group_by(b=pl.col("b") // FACTOR ** (finest - level))
+                 .agg(lo=pl.col("lo").min(), r=pl.col("r").filter(pl.col("hi") == pl.col("hi").max()).min(),
+                      hi=pl.col("hi").max(), total=pl.col("total").max(), n=pl.col("n").sum())
+                 .sort("b"))
+        else:
+            b = ((pl.col("ts") - t0) * nb // span).clip(0, nb - 1)
+            g = (m.with_columns(b=b).group_by("b")
+                 .agg(lo=pl.col("used").min(), hi=pl.col("used").max(),
+                      r=pl.col("r").get(pl.col("used").arg_max()),
+                      total=pl.col("total").max(), n=pl.len())
+                 .sort("b"))
         at = m.select("ts", "op")[g["r"].to_numpy()]
         vals = index.at(g["r"].to_numpy())
         total = g["total"]
@@ -231,11 +277,11 @@ def timeline(m: pl.DataFrame, names: list[str], t0: int, span: int, budget: int)
             op_list[:] = op_names
         levels.append({
             "buckets": nb, "span_us": round(span / 1000 / nb, 3),
-            "t": delta(((at["ts"] - t0) // 1000).to_list()),
-            "hi": delta(g["hi"].to_list()), "lo": delta(g["lo"].to_list()),
-            "total": delta(total.fill_null(g["hi"]).to_list()) if has_total else None,
+            "t": delta((at["ts"] - t0) // 1000),
+            "hi": delta(g["hi"]), "lo": delta(g["lo"]),
+            "total": delta(total.fill_null(g["hi"])) if has_total else None,
             "layers": [delta(v) for v in vals],
-            "op": ops, "n": g["n"].to_list(),  # op names -> indexes into "ops" below
+            "op": ops, "n": g["n"].cast(pl.Int64).to_list(),  # op names -> indexes into "ops" below
         })
         spent += g.height
         # stop when a bucket holds about one event, or the next level would pass the budget
@@ -271,7 +317,8 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
 
     Leaves: (Python stack, op, layer) of each block; ``values`` of leaf i are change
     points ``[moment index, bytes live from that moment on, ...]``."""
-    mal = m.filter(pl.col("event") == "MALLOC")
+    mal = m.select(c for c in ("event", "alloc_id", "py_stack", "op", "layer", "module") if c in m.columns) \
+        .filter(pl.col("event") == "MALLOC")
     stacks = mal["py_stack"].drop_nulls() if "py_stack" in m.columns else pl.Series([], dtype=pl.String)
     has_stacks = bool(stacks.filter((stacks != "N/A") & (stacks != "")).len())
     # the module each block was made in (format 2 dumps with module attribution): the page can group by it
@@ -280,9 +327,7 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
                       op=pl.col("op").cast(pl.Categorical).fill_null("(outside any op)"), layer="layer",
                       module=pl.col("module").cast(pl.Categorical) if has_modules else pl.lit(None, pl.Categorical))
     # leaves in the order their first block was made; each row counts for its block's last MALLOC
-    leaf_keys = cols.unique(maintain_order=True).with_row_index("leaf")
-    mal_leaf = cols.join(leaf_keys, on=["stack", "op", "layer", "module"], how="left", nulls_equal=True,
-                         maintain_order="left")["leaf"]
+    leaf_keys, mal_leaf = _leaves(cols)
     ev = m.select("r", "signed").with_columns(leaf=mal_leaf.gather(last_row_of(mal["alloc_id"], m["alloc_id"])))
     ev = ev.filter(pl.col("leaf").is_not_null())
 
@@ -310,20 +355,32 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
         return sorted(rows)
 
     k = LIVE_SAMPLES
+    n_leaves = leaf_keys.height
     ev_r, ev_leaf = ev["r"].to_numpy(), ev["leaf"].to_numpy().astype(np.int64)
+    # Every coarser sampling's moments are some of the finest one's (each coarse bucket's peak is
+    # one of its fine buckets' peaks), so the events are summed once per (leaf, finest moment) and
+    # each try maps those sums to its own moments: the first of its moments at or after a fine
+    # one is the first at or after each of that moment's events.
+    fine_rows = np.asarray(sample_rows(k), dtype=np.int64)
+    fw = len(fine_rows) + 1
+    fine = (pl.DataFrame({"k": ev_leaf * fw + np.searchsorted(fine_rows, ev_r, side="left"),
+                          "signed": ev["signed"].to_numpy()})
+            .group_by("k").agg(d=pl.col("signed").sum()))
+    f_key = fine["k"].to_numpy()
+    f_leaf, f_j, f_d = f_key // fw, f_key % fw, fine["d"].to_numpy()
     while True:
         rows = sample_rows(k)
         srows = np.asarray(rows, dtype=np.int64)
-        j = np.searchsorted(srows, ev_r, side="left")
+        j = np.r_[np.searchsorted(srows, fine_rows, side="left"), len(rows)][f_j]
         inside = j < len(rows)
         # change points this sampling makes: the (leaf, moment) pairs, counted before they are built
-        pairs = pl.Series(ev_leaf[inside] * (len(rows) + 1) + j[inside]).n_unique()
+        pairs = _distinct(f_leaf[inside] * (len(rows) + 1) + j[inside], n_leaves * (len(rows) + 1))
         if pairs <= LIVE_BUDGET or k <= 30:
             break
         k //= 2
     # one integer key per (leaf, moment): a single-column group_by, sorted by leaf then moment
     width = len(rows) + 1
-    cp = (pl.DataFrame({"k": ev_leaf[inside] * width + j[inside], "signed": ev["signed"].to_numpy()[inside]})
+    cp = (pl.DataFrame({"k": f_leaf[inside] * width + j[inside], "signed": f_d[inside]})
           .group_by("k").agg(d=pl.col("signed").sum()).sort("k")
           .select(leaf=(pl.col("k") // width).cast(ev["leaf"].dtype), j=pl.col("k") % width, d="d")
           .with_columns(v=pl.col("d").cum_sum().over("leaf")))
@@ -363,11 +420,17 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             out_leaves.append({"path": [fid(names[layer], ""), fid("(small blocks)", "")], "layer": int(layer),
                                "line": None, "module": None})
     values = [[] for _ in out_leaves]
-    for leaf, jj, v in cp.filter(pl.col("leaf").is_in(list(keep))).select("leaf", "j", "v").iter_rows():
-        values[remap[leaf]].extend((jj, int(v)))
+
+    def pairs(frame, by):
+        # each leaf's (moment, bytes) change points, flattened in moment order
+        g = (frame.select(by, p=pl.concat_list(pl.col("j").cast(pl.Int64), pl.col("v").cast(pl.Int64)))
+             .group_by(by, maintain_order=True).agg(pl.col("p").list.explode(keep_nulls=False, empty_as_null=False)))
+        return zip(g[by].to_list(), g["p"].to_list())
+    for leaf, vs in pairs(cp.filter(pl.col("leaf").is_in(list(keep))), "leaf"):
+        values[remap[leaf]] = vs
     if small:
-        for layer, jj, v in cp_small.select("layer", "j", "v").iter_rows():
-            values[remap[("small", layer)]].extend((jj, int(v)))
+        for layer, vs in pairs(cp_small, "layer"):
+            values[remap[("small", layer)]] = vs
     for lf, v in zip(out_leaves, values):
         lf["v"] = v
     srow = m.select("ts", "used", "step")[np.asarray(rows, dtype=np.int64)]  # r is the row's index
@@ -378,10 +441,65 @@ def live(m: pl.DataFrame, names: list[str], by: str, t0: int, peak_r: int, step_
             "step_end": {str(s): rows.index(r) for s, r in step_rows[-MAX_STEP_SAMPLES:] if r in set(rows)}}
 
 
+def _dense(s: pl.Series) -> tuple[np.ndarray, int]:
+    """Small integers ``0..n-1`` standing for the values of ``s`` (a categorical's codes or
+    integers; null one value of its own), and ``n``."""
+    c = (s.to_physical() if s.dtype == pl.Categorical else s).cast(pl.Int64)
+    lo = c.min()
+    if lo is None:
+        return np.zeros(len(c), dtype=np.int64), 1
+    c = c.fill_null(lo - 1).to_numpy()
+    lo, hi = int(c.min()), int(c.max())
+    if hi - lo > 8 * len(c) + (1 << 20):
+        uniq, inv = np.unique(c, return_inverse=True)
+        return inv.astype(np.int64), len(uniq)
+    present = np.zeros(hi - lo + 1, dtype=bool)
+    present[c - lo] = True
+    lut = np.cumsum(present) - 1
+    return lut[c - lo], int(present.sum())
+
+
+def _leaves(cols: pl.DataFrame) -> tuple[pl.DataFrame, pl.Series]:
+    """The distinct rows of ``cols`` in the order of their first row, numbered (``leaf``), and
+    each row's number. On one integer key made of the columns' dense codes (a bitmap-sized table
+    where the combinations are few), else a hash of the codes."""
+    key = list(cols.columns)
+    dense = [_dense(cols[c]) for c in key]
+    bound = 1
+    for _, n in dense:
+        bound *= n
+    if bound <= (64 << 20):
+        k = np.zeros(cols.height, dtype=np.int64)
+        for codes, n in dense:
+            k = k * n + codes
+        first = np.full(bound, cols.height, dtype=np.int64)
+        np.minimum.at(first, k, np.arange(cols.height, dtype=np.int64))
+        seen = np.flatnonzero(first < cols.height)
+        order = seen[np.argsort(first[seen], kind="stable")]
+        number = np.full(bound, -1, dtype=np.int64)
+        number[order] = np.arange(len(order), dtype=np.int64)
+        return (cols[first[order]].with_row_index("leaf"),
+                pl.Series("leaf", number[k]).cast(pl.UInt32))
+    codes = cols.select(pl.col(c).to_physical() for c in key)
+    firsts = codes.with_row_index("i").unique(subset=key, keep="first", maintain_order=True).with_row_index("leaf")
+    return (cols[firsts["i"]].with_row_index("leaf"),
+            codes.join(firsts.drop("i"), on=key, how="left", nulls_equal=True, maintain_order="left")["leaf"])
+
+
+def _distinct(keys: np.ndarray, bound: int) -> int:
+    """How many distinct values ``keys`` (integers in ``[0, bound)``) holds: a bitmap where it is
+    small, else a hash."""
+    if bound <= (256 << 20):
+        seen = np.zeros(bound, dtype=bool)
+        seen[keys] = True
+        return int(np.count_nonzero(seen))
+    return pl.Series(keys).n_unique()
+
+
 # ---------------------------------------------------------------- compare two steps
 def compare_steps(df: pl.DataFrame) -> dict | None:
     """Per op, the bytes and blocks each step allocated (the page shows two steps side by side)."""
-    mal = df.filter(pl.col("event") == "MALLOC")
+    mal = df.select("event", "step", "op", "size").filter(pl.col("event") == "MALLOC")
     if not mal.height:
         return None
     steps = mal["step"].unique().sort().to_list()
