@@ -288,6 +288,11 @@ def _strip(s):
     return [{k: v for k, v in r.items() if k not in ("seconds", "cpu_seconds")} for r in s["ranks"]]
 
 
+LONG_CLUSTER = pytest.mark.skipif(not FULL, reason="long form only (make test-full): a second Ray node in make test "
+                                  "(the launcher test starts one) costs more than the suite's time allows")
+
+
+@LONG_CLUSTER
 def test_summary_engine_ray_same_as_pool(cluster, tmp_path):
     from msmemscope.report.summary import build
     root = tmp_path / "job"
@@ -301,8 +306,6 @@ def test_summary_engine_ray_same_as_pool(cluster, tmp_path):
     tm = on_ray["timing"]
     assert tm["engine"] == "ray" and not tm["started_ray"]
     assert tm["ranks_per_node"] == {ray.get_runtime_context().get_node_id(): 6}  # ranks: on the node holding them
-    if not FULL:  # the command line joining the cluster is a third Ray driver: the long form only
-        return
     # the command line, joining the cluster by its address: the same JSON
     r = run_cli(["summary", str(root), "--engine=ray", "--ray-address", cluster, "--json", str(tmp_path / "r.json")],
                 env=_ray_env(), timeout=300)
@@ -312,6 +315,7 @@ def test_summary_engine_ray_same_as_pool(cluster, tmp_path):
     assert "as Ray tasks on 1 node(s)" in r.stdout
 
 
+@LONG_CLUSTER
 def test_summary_engine_ray_unknown_host_is_an_error_for_that_rank(cluster, tmp_path):
     """Two nodes' folders copied side by side, one of them on no node of the cluster: that rank
     says which host it needs; the others are summarised."""
