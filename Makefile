@@ -32,8 +32,8 @@ browser:
 	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 || \
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
-# three workers, a test file each (files share module fixtures: a Ray cluster, traced runs); on 2 cores
-# the third fills the time the others wait on subprocesses (589 s with two, 500 s with three)
+# four workers, a test file each (files share module fixtures: traced runs); on 2 cores the suite is
+# CPU-bound (~960 CPU s of tests and their subprocesses): 521 s with four, 500-593 s with three
 test: venv
 	@$(MAKE) --no-print-directory -j2 native browser  # the C++ build and the apt install side by side
 	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \

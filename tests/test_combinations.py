@@ -81,7 +81,7 @@ def _torchrun():
 
 
 @pytest.mark.parametrize("prog,source,analysis", full(
-    [("fsdp2_ranks.py", "native", "leaks")],
+    [("fsdp2_ranks.py", "native", "leaks,decompose")],
     [(p, s, a) for p in ("fsdp2_ranks.py", "fsdp1_ranks.py") for s in SOURCES for a in ("leaks", "leaks,decompose")]))
 def test_fsdp_under_the_launcher_keeps_the_running_sum(out_dir, prog, source, analysis):
     """FSDP2 (and FSDP1's flat parameters) free and re-grow storages with resize_: the rank dumps

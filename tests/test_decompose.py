@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, check_invariants, dump_of, read, run_cli, run_folders
+from conftest import EXAMPLES, FULL, ROOT, check_invariants, dump_of, read, run_cli, run_folders
 
 PROGS = os.path.join(os.path.dirname(__file__), "progs")
 
@@ -191,6 +191,8 @@ def test_offline_cli_summary(out_dir, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("msmemscope: error:")
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): FSDP2 under the launcher runs in make test "
+                    "with decompose (test_combinations), and with the hooks (test_hooks)")
 def test_fsdp2_two_ranks(out_dir):
     import shutil
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
