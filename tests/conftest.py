@@ -45,6 +45,20 @@ def run_cli(args, cwd=None, timeout=600, env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def read_after_stop(out, opts=None):
+    """Run tests/scripts/read_after_stop.py (trace, stop, read the dump, start again) into ``out``;
+    return {"first"|"second": (rows read, rows written, last ID)} as the script printed them."""
+    args = [sys.executable, os.path.join(ROOT, "tests", "scripts", "read_after_stop.py"), str(out)]
+    r = subprocess.run(args + ([json.dumps(opts)] if opts else []), capture_output=True, text=True,
+                       env=env_for_tests(), timeout=600)
+    assert r.returncode == 0, r.stderr
+    seen = {}
+    for line in r.stdout.splitlines():
+        which, height, written, last = line.split()
+        seen[which] = (int(height), int(written), int(last))
+    return seen
+
+
 def run_folders(out_root):
     return sorted(glob.glob(os.path.join(str(out_root), "msmemscope_*")))
 

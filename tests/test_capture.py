@@ -7,8 +7,8 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, run_cli,
-                      run_folders)
+from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
+                      run_cli, run_folders)
 from msmemscope.events import HEADER
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -251,13 +251,7 @@ def test_dump_writer_process_killed(out_dir):
 def test_read_dump_after_stop_in_the_same_process(tmp_path):
     """stop() returns with every row on disk (the writer process has caught up), and start()
     afterwards goes on appending to the same dump."""
-    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "read_after_stop.py"), str(tmp_path / "o")],
-                       capture_output=True, text=True, env=env_for_tests())
-    assert r.returncode == 0, r.stderr
-    seen = {}
-    for line in r.stdout.splitlines():
-        which, height, written, last = line.split()
-        seen[which] = (int(height), int(written), int(last))
+    seen = read_after_stop(tmp_path / "o")
     for which in ("first", "second"):
         height, written, last = seen[which]
         assert height == written == last, (which, seen)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import polars as pl
 import pytest
 
-from conftest import FULL, ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
+from conftest import (FULL, ROOT, check_invariants, dump_of, env_for_tests, full, read, read_after_stop, run_cli,
+                      run_folders)
 
 zstandard = pytest.importorskip("zstandard")
 LEAKS = os.path.join(ROOT, "tests", "progs", "leak_cases.py")
@@ -204,14 +203,7 @@ def test_bounded_compressed_dump_complete_when_stop_returns(tmp_path):
     (tests/scripts/read_after_stop.py): the held steps are on disk when stop() returns (the last
     row is the last row written), start() appends after them, the end of the run keeps the last
     steps whole; invariants hold."""
-    script = os.path.join(ROOT, "tests", "scripts", "read_after_stop.py")
-    r = subprocess.run([sys.executable, script, str(tmp_path / "o"), json.dumps({"keep_steps": 3, "compress": "zstd"})],
-                       capture_output=True, text=True, env=env_for_tests(), timeout=600)
-    assert r.returncode == 0, r.stderr
-    seen = {}
-    for line in r.stdout.splitlines():
-        which, height, written, last = line.split()
-        seen[which] = (int(height), int(written), int(last))
+    seen = read_after_stop(tmp_path / "o", {"keep_steps": 3, "compress": "zstd"})
     for which in ("first", "second"):
         height, written, last = seen[which]
         assert last == written and 0 < height < written, (which, seen)  # rows dropped, none missing

@@ -352,6 +352,18 @@ PyObject* stack_str(int32_t sid) {
 // Under the lock: the block behind a tensor's storage, counted now if it was allocated outside
 // the traced window (MALLOC origin before_op, as the dispatch-mode source registers it). Null for
 // a tensor without a CPU storage of ours.
+// A block enters the count: its allocation id, the bytes in use and its MALLOC record (at its
+// allocation, or when a traced op first sees a block made before tracing). Under mu.
+void count_block_locked(Block& b, const void* data, int32_t kind, int32_t op, int32_t stack) {
+  b.counted = true;
+  b.aid = ++next_aid;
+  used_bytes += b.size;
+  if (used_bytes > peak_bytes) peak_bytes = used_bytes;
+  if (emit_alloc)
+    recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, kind, op, stack, 0});
+  if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
+}
+
 Block* block_of_locked(const at::Tensor& t, int32_t op, int32_t stack) {
   // a Python number made a tensor for the op (wrapped number) is an argument value, not memory the
   // program holds: the dispatch-mode source sees the number
@@ -365,13 +377,7 @@ Block* block_of_locked(const at::Tensor& t, int32_t op, int32_t stack) {
   Block& b = it->second;
   if (!b.counted) {
     if (!count_new || b.size == 0) return nullptr;
-    b.counted = true;
-    b.aid = ++next_aid;
-    used_bytes += b.size;
-    if (used_bytes > peak_bytes) peak_bytes = used_bytes;
-    if (emit_alloc)
-      recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, MALLOC_BEFORE_OP, op, stack, 0});
-    if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
+    count_block_locked(b, data, MALLOC_BEFORE_OP, op, stack);
   }
   return &b;
 }
@@ -554,15 +560,7 @@ struct TracingAllocator final : c10::Allocator {
       stack = walk_stack();
     {
       std::lock_guard<std::mutex> g(mu);
-      if (count_new) {
-        b.counted = true;
-        b.aid = ++next_aid;
-        used_bytes += b.size;
-        if (used_bytes > peak_bytes) peak_bytes = used_bytes;
-        if (emit_alloc)
-          recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, MALLOC, top_op, stack, 0});
-        if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
-      }
+      if (count_new) count_block_locked(b, data, MALLOC, top_op, stack);
       live[data] = b;
     }
     return c10::DataPtr(data, data, &traced_delete, dev);

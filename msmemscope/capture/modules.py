@@ -1,9 +1,10 @@
 """Module attribution: which ``nn.Module`` was running, forward or backward, when a block was made.
 
 Global module hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)
-and autograd multi-grad hooks on each module call's inputs and outputs keep, per thread, the
-stack of modules running now; each change of its top is one *mark* ``(ts, state)`` on that
-thread (``state``: ``(path, phase)`` or None), on the clock and thread ids of the rows
+and backward hooks on the autograd nodes of each module call's inputs and outputs (multi-grad
+hooks where one is a leaf) keep, per thread, the stack of modules running now; each change of
+its top is one *mark* ``(ts, state)`` on that thread (``state``: ``(path, phase)`` or None), on
+the clock and thread ids of the rows
 (``time.time_ns``, ``threading.get_ident``: the native source's records use the same).
 Nothing is done per allocation while the program runs: at each flush, ``attribute(buf)`` gives
 every MALLOC row in the buffer the state of its thread at its timestamp (a bisect in that
