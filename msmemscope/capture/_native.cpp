@@ -32,7 +32,10 @@
 #include <structmember.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -700,36 +703,66 @@ PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less
 // them again item by item. marshal.loads of these bytes equals the row tuples the drain appends
 // (tests/test_handoff.py). Little-endian, as marshal's own format.
 struct Marshal {
-  std::string b;
+  char* data = nullptr;
+  size_t len = 0, cap = 0;
   bool ok = true;
-  void byte(char c) { b.push_back(c); }
+  ~Marshal() { std::free(data); }
+  // room for n more bytes; false (and ok = false) when memory runs out
+  bool room(size_t n) {
+    if (len + n <= cap) return true;
+    size_t want = std::max(cap * 2, len + n + 4096);
+    char* d = (char*)std::realloc(data, want);
+    if (d == nullptr) return ok = false;
+    data = d;
+    cap = want;
+    return true;
+  }
+  void byte(char c) {
+    if (room(1)) data[len++] = c;
+  }
+  inline void put_i32(char* p, int32_t v) {
+    uint32_t u = (uint32_t)v;
+    p[0] = (char)(u & 0xff);
+    p[1] = (char)((u >> 8) & 0xff);
+    p[2] = (char)((u >> 16) & 0xff);
+    p[3] = (char)(u >> 24);
+  }
   void i32(int32_t v) {
-    unsigned char x[4] = {(unsigned char)(v & 0xff), (unsigned char)((v >> 8) & 0xff),
-                          (unsigned char)((v >> 16) & 0xff), (unsigned char)((v >> 24) & 0xff)};
-    b.append((const char*)x, 4);
+    if (!room(4)) return;
+    put_i32(data + len, v);
+    len += 4;
   }
   void integer(unsigned long long mag, bool neg) {
+    if (!room(16)) return;
+    char* p = data + len;
     if ((!neg && mag <= 0x7fffffffULL) || (neg && mag <= 0x80000000ULL)) {
-      byte('i');
-      i32(neg ? (int32_t)(-(long long)mag) : (int32_t)mag);
+      p[0] = 'i';
+      put_i32(p + 1, neg ? (int32_t)(-(long long)mag) : (int32_t)mag);
+      len += 5;
       return;
     }
-    uint16_t d[5];
+    // TYPE_LONG: the digit count (negative for a negative number), then 15-bit digits, low first
     int n = 0;
+    char* d = p + 5;
     while (mag != 0) {
-      d[n++] = (uint16_t)(mag & 0x7fff);
+      unsigned v = (unsigned)(mag & 0x7fff);
+      d[2 * n] = (char)(v & 0xff);
+      d[2 * n + 1] = (char)(v >> 8);
+      ++n;
       mag >>= 15;
     }
-    byte('l');
-    i32(neg ? -n : n);
-    for (int k = 0; k < n; ++k) {
-      byte((char)(d[k] & 0xff));
-      byte((char)(d[k] >> 8));
-    }
+    p[0] = 'l';
+    put_i32(p + 1, neg ? -n : n);
+    len += 5 + 2 * (size_t)n;
   }
   void i64(long long v) { v < 0 ? integer((unsigned long long)(-(v + 1)) + 1, true) : integer((unsigned long long)v, false); }
   void u64(unsigned long long v) { integer(v, false); }
   void none() { byte('N'); }
+  void raw(const char* s, size_t n) {
+    if (!room(n)) return;
+    std::memcpy(data + len, s, n);
+    len += n;
+  }
   void str(PyObject* o) {
     Py_ssize_t n = 0;
     const char* u = o == nullptr ? nullptr : PyUnicode_AsUTF8AndSize(o, &n);
@@ -738,18 +771,22 @@ struct Marshal {
       ok = false;
       return;
     }
+    if (!room((size_t)n + 5)) return;
     if (PyUnicode_IS_ASCII(o) && n < 256) {
-      byte('z');
-      byte((char)(unsigned char)n);
+      data[len++] = 'z';
+      data[len++] = (char)(unsigned char)n;
     } else {
-      byte('u');
-      i32((int32_t)n);
+      data[len++] = 'u';
+      put_i32(data + len, (int32_t)n);
+      len += 4;
     }
-    b.append(u, (size_t)n);
+    std::memcpy(data + len, u, (size_t)n);
+    len += (size_t)n;
   }
   void small_tuple(int n) {
-    byte(')');
-    byte((char)(unsigned char)n);
+    if (!room(2)) return;
+    data[len++] = ')';
+    data[len++] = (char)(unsigned char)n;
   }
 };
 
@@ -939,7 +976,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   if (want_bytes && failed == 0) {
     // the same rows as marshal bytes, from the same records and string objects (see Marshal)
     Marshal m;
-    m.b.reserve(batch.size() * 64 + 16);
+    m.room(batch.size() * 96 + 16);
     m.byte('[');
     m.i32((int32_t)batch.size());
     for (const Rec& r : batch) {
@@ -976,7 +1013,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
         for (int k = 0; k < 5; ++k) {
           m.byte('z');
           m.byte((char)strlen(keys[k]));
-          m.b.append(keys[k]);
+          m.raw(keys[k], strlen(keys[k]));
           if (k == 0) m.i64(r.aid);
           else if (k == 1) m.u64(r.ptr);
           else if (k == 2) m.i64(r.size);
@@ -985,7 +1022,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
         if (r.kind == MALLOC_BEFORE_OP) {
           m.byte('z');
           m.byte((char)5);
-          m.b.append("owner");
+          m.raw("owner", 5);
           m.str(empty.ptr());
           m.str(origin_key);
           m.str(before_op);
@@ -1009,8 +1046,10 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       m.none();
       if (!m.ok) break;
     }
-    if (m.ok) blob = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(m.b.data(), (Py_ssize_t)m.b.size()));
-    if (!blob) throw py::error_already_set();
+    if (m.ok) {
+      blob = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len));
+      if (!blob) throw py::error_already_set();
+    }
   }
   {
     // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
