@@ -10,21 +10,22 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, env_for_tests, read, run_folders
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders
 from msmemscope.capture import native
 
 pytestmark = pytest.mark.skipif(native.load_module() is None,
                                 reason="the native module is not built (python -m msmemscope.capture.native build)")
 
 
-@pytest.mark.parametrize("opts", [{}, {"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}],
-                         ids=["default", "access+stacks"])
+@pytest.mark.parametrize("opts", full([{"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}],
+                                      [{}, {"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}]))
 def test_native_bytes_load_as_the_rows(tmp_path, opts):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "handoff_rows.py"), str(tmp_path),
                         json.dumps(opts)], env=env_for_tests(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    rows, frames = map(int, r.stdout.split())
-    assert rows > 500 and frames >= 4, r.stdout
+    rows, frames, fast = r.stdout.split()
+    assert int(rows) > 500 and int(frames) >= 4, r.stdout
+    assert fast == "True"  # the leak rule's C++ row loop (tests/test_leak_rows_native.py) ran too
     [folder] = run_folders(tmp_path)
     df = read(dump_of(folder))
     check_invariants(df)
@@ -49,8 +50,10 @@ for i in range(6):
 STABLE = ["id", "event", "event_type", "name", "device", "alloc_id", "size", "used"]
 
 
-@pytest.mark.parametrize("fmt", [["--data-format=csv"], ["--data-format=db"], ["--compress=zstd"],
-                                 ["--keep-steps=2"]], ids=["csv", "db", "zst", "bounded"])
+@pytest.mark.parametrize("fmt", full([["--compress=zstd", "--keep-steps=2"]],
+                                      [["--data-format=csv"], ["--data-format=db"], ["--compress=zstd"],
+                                       ["--keep-steps=2"], ["--compress=zstd", "--keep-steps=2"]]),
+                         ids=lambda f: "+".join(x.split("=")[-1] for x in f))
 def test_dump_is_the_marshalled_rows_dump(tmp_path, fmt):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)

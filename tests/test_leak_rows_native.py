@@ -12,7 +12,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import check_invariants, full
+from conftest import FULL, check_invariants, full
 from msmemscope.analysis import leaks
 
 native = pytest.importorskip("msmemscope.capture.native")
@@ -136,6 +136,8 @@ def test_native_row_loop_stops_where_python_must_take_over():
     assert (site.live, site.last_aid, sorted(k[2] for k in t._blocks), t.level[("cpu", "PTA")]) == (32, 2, [2], 32)
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): tests/test_handoff.py checks that the sink "
+                    "has the C++ loop in a real run")
 @pytest.mark.parametrize("fast", ["native", "python"])
 def test_online_sink_uses_the_native_row_loop(tmp_path, fast, monkeypatch):
     """A real run with the native source: the sink's tracker has the C++ loop (unless told

@@ -606,6 +606,7 @@ class Session:
     def _flush(self, step_end=None, drain=True):
         if self.closed or self.failure is not None:
             self.buf.clear()
+            self.pieces.clear()
             return
         if self.labeler is not None:
             self.labeler.before_flush()

@@ -14,6 +14,9 @@ from msmemscope import capture
 from msmemscope.io import spool
 
 out, opts = sys.argv[1], json.loads(sys.argv[2])
+opts.setdefault("analysis", "leaks")
+if "leaks" not in opts["analysis"]:
+    opts["analysis"] = "leaks," + opts["analysis"]
 msmemscope.config(output=out, collect_mode="immediate", **opts)
 s = capture.current()
 assert s.native is not None, s.config
@@ -72,4 +75,5 @@ del kept[0]                     # freed outside the window: its FREE row is flag
 msmemscope.start()
 y = before * 2                  # with access events, first seen by a traced op: MALLOC with an origin
 msmemscope.step()
-print(checked[0], checked[1])
+[sink] = [x for x in s.sinks if type(x).__name__ == "LeakSink"]
+print(checked[0], checked[1], sink.t.fast_rows is not None)
