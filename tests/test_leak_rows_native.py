@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(MOD is None or not hasattr(MOD, "leak_rows"),
 
 OPS = ["torch._ops.aten.mm.default", "torch._ops.aten.add.Tensor", "torch._ops.aten.ones.default"]
 STACKS = [None, None, "", "train.py:12(step);model.py:40(forward)", "train.py:13(step);opt.py:7(update)"]
-OWNERS = ["", "", "", "PTA@weight@layer1", "PTA@activation@"]
+OWNERS = ["", "", "", "PTA@weight@layer1", "PTA@activation@", "PTA@weight", "PTA@activation@a@b"]
 
 
 def stream(seed, steps, per_step, p_keep, p_gap, p_dict):

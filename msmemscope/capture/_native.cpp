@@ -1458,22 +1458,41 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         }
       }
       PyObject* label = Py_None;
+      Ref owned_label;  // a describe label cut from the owner text (a new string)
       if (python == Py_None) {
         PyObject* owner = PyTuple_GET_SIZE(a) > 5 ? PyTuple_GET_ITEM(a, 5) : Py_None;
         int has_owner = truthy(owner);
         if (has_owner < 0) throw py::error_already_set();
-        if (has_owner) break;  // owner labels: the Python loop reads them
-        label = PyDict_GetItemWithError(labels, PyTuple_GET_ITEM(r, 4));
-        if (label == nullptr) {
-          if (PyErr_Occurred()) throw py::error_already_set();
-          label = Py_None;
+        Py_ssize_t second = -1;
+        if (has_owner) {
+          // <pool>@<category>@<labels...>: the labels are the text after the second '@'
+          if (!PyUnicode_CheckExact(owner)) break;
+          Py_ssize_t len = PyUnicode_GET_LENGTH(owner);
+          Py_ssize_t first_at = PyUnicode_FindChar(owner, '@', 0, len, 1);
+          if (first_at == -2) throw py::error_already_set();
+          if (first_at >= 0) {
+            second = PyUnicode_FindChar(owner, '@', first_at + 1, len, 1);
+            if (second == -2) throw py::error_already_set();
+          }
+          if (second >= 0) {
+            owned_label.o = PyUnicode_Substring(owner, second + 1, len);
+            if (owned_label.o == nullptr) throw py::error_already_set();
+            label = owned_label.o;
+          }
+        }
+        if (second < 0) {
+          label = PyDict_GetItemWithError(labels, PyTuple_GET_ITEM(r, 4));
+          if (label == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            label = Py_None;
+          }
         }
       }
       // the site: rows of one op (one name object) mostly have the same line and label; the sites
       // found in this call are remembered by those objects (no site is added or removed meanwhile)
       SiteHit& hit = site_hits[op];
-      if (hit.site != nullptr && hit.device == device && hit.pool == pool && hit.python == python &&
-          hit.label == label) {
+      if (owned_label.o == nullptr && hit.site != nullptr && hit.device == device && hit.pool == pool &&
+          hit.python == python && hit.label == label) {
         site = hit.site;
       } else {
         Ref skey(tuple_of({device, pool, op, python, label}));
@@ -1483,7 +1502,8 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
           if (PyErr_Occurred()) throw py::error_already_set();
           break;  // a new site: made by the Python loop
         }
-        hit = SiteHit{device, pool, python, label, site};
+        // a label made for this row dies with it: its address may come back as another string
+        if (owned_label.o == nullptr) hit = SiteHit{device, pool, python, label, site};
       }
       size = PyTuple_GET_ITEM(a, 2);
       int has_size = truthy(size);
