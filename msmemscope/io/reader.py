@@ -112,6 +112,10 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     # handed over in a list that _derive empties: no reference is left to the file's columns
     # once _derive has taken those it keeps (the others are freed before Attr is parsed)
+    if not head.startswith(b"SQLite format 3"):
+        got = capture_parts(path)
+        if got is not None:
+            return _from_capture(got, path, want, keep, counts)
     if head.startswith(b"SQLite format 3"):
         frame = [_read_db(path, want, None if counts is not None else keep)]
     elif head.startswith(ZSTD_MAGIC):
@@ -528,6 +532,10 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
     if size > max_input_bytes() or size == 0 or head.startswith(b"SQLite format 3") or head.startswith(ZSTD_MAGIC):
         df = read_dump(path, columns=columns, events=events)
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
+    got = capture_parts(path)
+    if got is not None:
+        df = _from_capture(got, path, want, keep, None, batched=True)
+        return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL + ("op",) if c in df.columns)
     try:
         key = _companion_key(path, size) if keep is None else None
         if key is not None:
@@ -551,6 +559,112 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
                 raise e from None
             raise whole from None
         raise e from None
+
+
+# ---------------------------------------------------------------- capture-time companion
+# The columns the dump writer kept beside the dump while it wrote it (io/columns.py): used while its
+# manifest describes the dump file as it is now, and the code that wrote them is this code.
+_capture_code = None
+
+
+def capture_parts(path: str):
+    """``(parquet parts, rows)`` of the dump's capture-time companion, or None (none, stale, another
+    code's, turned off with ``MSMEMSCOPE_COLUMN_CACHE=0``)."""
+    global _capture_code
+    from . import columns as C
+    if not C.enabled():
+        return None
+    folder = C.folder_of(path)
+    meta = C.read_manifest(folder)
+    if meta is None or meta.get("version") != C.VERSION:
+        return None
+    try:
+        if meta.get("file") != C.file_key(path):
+            return None
+        if _capture_code is None:
+            _capture_code = C.code_key()
+        if meta.get("code") != _capture_code:
+            return None
+        parts = [os.path.join(folder, name) for name, _ in meta["parts"]]
+        rows = int(meta["rows"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    if not parts or not all(os.path.isfile(p) for p in parts):
+        return None
+    return parts, rows
+
+
+def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = False) -> pl.DataFrame:
+    """``_derive``'s columns from the stored ones: the same steps, ops, checks and Attr fields (the
+    Attr texts that are not the writer's template parsed here, as the text read parses them)."""
+    from . import columns as C
+    parts, rows = got
+    need = _source_columns(want, keep)
+    fields = tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size")))
+    if "attr" in want and not batched:  # the template rows' text is made again from all their fields
+        fields = fields + tuple(c for c in _ATTR_COLUMNS if c not in fields)
+    # id, event, event_type (steps), attr (the rows whose fields come from their text), what is asked
+    base = {"id", "event", "event_type", "attr"} | (set(want) & set(NAMES)) | ({"name", "tid"} if "op" in want else set())
+    read = [c for c in C.SCHEMA_NAMES if c in base or c in fields]
+    try:
+        df = pl.concat([pl.read_parquet(p, columns=read) for p in parts], how="vertical", rechunk=False)
+    except Exception:
+        return _derive([_read_csv(path)], path, want, keep, counts) if not _is_zst(path) else \
+            _derive([_read_csv(path, _unzstd(path))], path, want, keep, counts)
+    if df.height != rows:
+        raise DumpError(f"{path}: its column companion holds {df.height} rows, its manifest {rows}")
+    if not df["id"].is_sorted():
+        df = df.sort("id")
+    is_step = _IS_STEP.cast(pl.Int32)
+    df = df.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        df = df.with_columns(_step_number(df))
+    if "op" in want:
+        df = df.with_columns(_enclosing_op(df))
+    if counts is not None:
+        counts.update((k, int(v)) for k, v in df.group_by("event").len().iter_rows())
+    every = df.select("id")  # the text columns hold no NUL: the writer stores none (io/columns.py)
+    mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
+    if keep is not None:
+        df = df.filter(pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"})))
+    text_rows = df["attr"].is_not_null().arg_true()
+    if text_rows.len():
+        slow = _attr_columns(df[text_rows].select("event", "attr"), fields)
+        df = df.with_columns(*(df[c].scatter(text_rows, slow[c]) for c in fields))
+    mem = df.filter(mem_rows)
+    if mem.height and mem["size"].null_count():
+        i = mem["size"].is_null().arg_max()
+        raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
+                        f"('{mem['attr'][i]}')")
+    del mem
+    text = pl.when(mem_rows).then(pl.col("attr"))
+    flags = df.select(text.str.contains(r"[:,]\s*-?\d{19,}").any()).item()
+    df = df.with_columns(_attr_big=validate._attr_number_too_big(df.select(text)[:, 0]) if flags else pl.lit(False),
+                         _attr_original=text.str.contains(validate._ORIGINAL_ATTR).fill_null(False))
+    validate.check_rows(df, path, every)
+    del every
+    if keep is not None and not {"MALLOC", "FREE"} <= set(keep):
+        df = df.filter(pl.col("event").is_in(list(keep)))
+    if "origin" in want:
+        df = df.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
+                             .then(_attr_field("origin", False)))
+    if batched and "origin" not in want:  # as _batch keeps it: Attr text only where a later step reads it
+        df = df.with_columns(attr=pl.when(pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])).then(None)
+                             .otherwise(pl.col("attr")))
+    elif "attr" in want:
+        tmpl = df["attr"].is_null() & df["alloc_id"].is_not_null() & df["event"].is_in(["MALLOC", "FREE"])
+        if tmpl.any():
+            idx = tmpl.arg_true()
+            df = df.with_columns(df["attr"].scatter(idx, C.template_attr(df[idx])))
+    if "ptr" in want:
+        df = df.with_columns(ptr=pl.when(pl.col("ptr").is_null()).then(pl.lit("N/A"))
+                             .otherwise(pl.lit("0x") + C.hex16(df["ptr"])))
+    return df.select(want)
+
+
+def _is_zst(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == ZSTD_MAGIC
 
 
 # ---------------------------------------------------------------- columnar companion

@@ -1,0 +1,385 @@
+"""The dump's columns, written beside it while it is written (the capture-time columnar companion).
+
+The CSV stays the contract and is written exactly as before; the dump writer process hands each
+batch of rows it wrote to ``ColumnWriter.add`` as well, which keeps them as typed columns (the
+``Attr`` fields of the MALLOC/FREE rows as numbers, not text) in parquet parts in a hidden folder
+beside the dump, ``.<dump name>.columns/``. At the writer's close a ``manifest.json`` commits them
+with what the dump file was at that moment (size, mtime and ctime in ns, inode, device): the
+reader (io/reader.py ``capture_parts``) takes the columns from there only while the dump is still
+exactly that file, and reads the text otherwise (a dump edited, cut, appended to by another
+writer, a writer process killed before its close: no manifest, or one that no longer matches).
+
+What is stored is what the reader makes of the text, row for row: the text columns as the CSV
+reader sees them (neutralised as ``writers.csv_field`` writes them, "" as null), ``ptr`` as its
+number (null: ``N/A``), and for each MALLOC/FREE row whose Attr is the writer's template the
+parsed fields with ``attr`` null (``template_attr`` gives the text back, byte for byte); every
+other row keeps its Attr text and the reader parses it as it parses the CSV's. A row this module
+cannot hold exactly (a number over 64 bits, a NUL in a text, a value of an odd type) turns the
+companion off for the dump: the text is then the only source, as for any other CSV.
+
+Cost: nothing for a dump under ``MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES`` (64 MiB of CSV): bytes are
+only counted. The write that passes it reads the CSV written so far once (the reader's own parse)
+and from then on each batch is turned into columns (one tuple per row in Python, then polars),
+in the writer process, never in the traced one. ``MSMEMSCOPE_COLUMN_CACHE=0`` turns it off.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+VERSION = 1
+MANIFEST = "manifest.json"
+PART_ROWS = 1 << 18           # rows of one parquet part
+DEFAULT_MIN_BYTES = 64 << 20  # the reader's companion threshold (io/reader.py COMPANION_MIN_BYTES)
+
+#: the stored columns (the reader's names; ``ptr`` a number, ``attr`` null on template rows)
+SCHEMA_NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack",
+                "c_stack", "alloc_id", "addr", "size", "used", "total", "owner", "module", "phase")
+_INTS = {"id", "ts", "pid", "tid", "ptr", "alloc_id", "addr", "size", "used", "total"}
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # writers.csv_field's neutralising rule
+_FIELD_OK = frozenset('",}\\')  # characters the reader's MALLOC/FREE template refuses in a text value
+
+
+def enabled() -> bool:
+    return os.environ.get("MSMEMSCOPE_COLUMN_CACHE", "").strip().lower() not in ("0", "off", "no", "false")
+
+
+def min_bytes() -> int:
+    try:
+        return int(os.environ.get("MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES", DEFAULT_MIN_BYTES))
+    except ValueError:
+        return DEFAULT_MIN_BYTES
+
+
+def folder_of(dump: str) -> str:
+    d, b = os.path.split(os.path.abspath(dump))
+    return os.path.join(d, f".{b}.columns")
+
+
+def file_key(path: str) -> dict:
+    """What the dump file is now, as far as the file system says (the manifest keeps it)."""
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+            "dev": st.st_dev}
+
+
+def code_key() -> str:
+    """The code whose rules the stored columns follow (the CSV's writer and reader, this module)."""
+    import hashlib
+    import polars
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256(f"{VERSION}:{polars.__version__}".encode())
+    for name in ("columns.py", "writers.py", "reader.py", os.path.join("..", "events.py")):
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+def read_manifest(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MANIFEST), "rb") as f:
+            meta = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+class _Unfit(Exception):
+    """A row the companion cannot hold exactly: the companion is given up for this dump."""
+
+
+def _text(v) -> str | None:
+    """A text field as the CSV reader gives it back: ``csv_field``'s neutralising, the file's
+    ``backslashreplace`` encoding, "" as null."""
+    v = "" if v is None else str(v)
+    if not v:
+        return None
+    if "\x00" in v:
+        raise _Unfit("NUL")
+    if v[0] in _FORMULA_START:
+        v = "'" + v
+    if not v.isascii():
+        v = v.encode("utf-8", "backslashreplace").decode("utf-8")
+    return v
+
+
+def _raw(v) -> str:
+    """A field the writer prints as it is (event, event type, device): must need no quoting."""
+    v = f"{v}"
+    if not v or any(c in v for c in ',"\n\r\x00') or v[0] in _FORMULA_START or not v.isascii():
+        raise _Unfit("raw field")
+    return v
+
+
+def _plain(text) -> bool:  # writers._plain: the CSV fast path's test of an owner
+    return not text or (text.isprintable() and '"' not in text and "\\" not in text)
+
+
+def _template_value(v, ascii_only: bool) -> bool:
+    """A text the MALLOC/FREE template carries and the reader's template pattern reads back."""
+    return (type(v) is str and v.isprintable() and not (_FIELD_OK & set(v))
+            and (not ascii_only or v.isascii()))
+
+
+class ColumnWriter:
+    """Called by the dump writer (io/writers.py ``CsvWriter.write``/``close``) in the writer process."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.folder = folder_of(path)
+        self.state = "off"
+        self.parts: list = []      # [name, rows] committed or written by this process
+        self.frames: list = []     # batches not yet in a part
+        self.held = 0
+        self.seen = 0              # bytes of CSV text so far (until the companion starts)
+        self.least = min_bytes()
+        self._texts: dict = {}
+        self._raws: dict = {}
+        self._owners: dict = {}
+        try:
+            key = file_key(path)
+        except OSError:
+            return
+        meta = read_manifest(self.folder)
+        if meta is not None and meta.get("version") == VERSION and meta.get("file") == key:
+            # a writer process before this one committed the dump as it is now: carry on from it
+            try:
+                os.remove(os.path.join(self.folder, MANIFEST))
+            except OSError:
+                return
+            self.parts = [list(p) for p in meta.get("parts", ())]
+            self.state = "on"
+            return
+        self._clear()
+        self.seen = key["size"]
+        self.state = "waiting"
+
+    # ------------------------------------------------------------------ rows in
+    def add(self, rows, first, pid, c_syms=None, ids=None, nbytes=0) -> None:
+        if self.state == "off":
+            return
+        try:
+            if self.state == "waiting":
+                self.seen += nbytes
+                if self.seen < self.least:
+                    return
+                self._catch_up()  # these rows are in the file already: read with the rest
+                self.state = "on"
+            else:
+                self.frames.append(self._frame(rows, first, pid, c_syms or {}, ids))
+                self.held += len(rows)
+            if self.held >= PART_ROWS:
+                self._write_part()
+        except Exception:  # _Unfit, a full disk, polars refusing a value: the text stands alone
+            self._give_up()
+
+    def close(self) -> None:
+        """The dump file is closed: commit the parts with what the file is now."""
+        if self.state != "on":
+            return
+        try:
+            self._write_part()
+            import polars  # noqa: F401  (code_key)
+            meta = {"version": VERSION, "code": code_key(), "file": file_key(self.path),
+                    "rows": sum(n for _, n in self.parts), "parts": self.parts}
+            tmp = os.path.join(self.folder, f"{MANIFEST}.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+            os.replace(tmp, os.path.join(self.folder, MANIFEST))
+        except Exception:
+            self._give_up()
+        self.state = "off"
+
+    # ------------------------------------------------------------------ inside
+    def _clear(self) -> None:
+        """Removes what an earlier writer left that no longer describes the dump (our files only)."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for n in names:
+            if n.startswith("part-") or n.startswith(MANIFEST):
+                try:
+                    os.remove(os.path.join(self.folder, n))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(self.folder)
+        except OSError:
+            pass
+
+    def _give_up(self) -> None:
+        self.state = "off"
+        self.frames, self.parts = [], []
+        self._clear()
+
+    def _write_part(self) -> None:
+        if not self.frames:
+            return
+        import polars as pl
+        df = pl.concat(self.frames, how="vertical")
+        self.frames, self.held = [], 0
+        if not self.parts:
+            os.makedirs(self.folder, mode=0o750, exist_ok=True)
+        name = f"part-{len(self.parts):06d}.parquet"
+        df.write_parquet(os.path.join(self.folder, name), compression="lz4", statistics=False)
+        self.parts.append([name, df.height])
+
+    def _catch_up(self) -> None:
+        """The rows already in the file, read by the reader's own parse, as stored columns."""
+        import polars as pl
+        from . import reader as R
+        from ..events import NA
+        os.makedirs(self.folder, mode=0o750, exist_ok=True)
+        with open(self.path, "rb") as f:
+            zst = f.read(4) == R.ZSTD_MAGIC
+        text = R._unzstd(self.path) if zst else None
+        complete, size = R.check_csv(self.path, text)
+        if complete != size:
+            raise _Unfit("the file ends inside a row")
+        raw = R._read_csv(self.path, text)
+        del text
+        if raw.select(pl.any_horizontal(pl.col(c).str.contains("\x00", literal=True).any()
+                                        for c in R.NAMES)).item():
+            raise _Unfit("NUL")
+        df = raw.select(id=pl.col("id").cast(pl.Int64), event="event", event_type="event_type", name="name",
+                        ts=pl.col("ts").cast(pl.Int64), pid=pl.col("pid").cast(pl.Int64),
+                        tid=pl.col("tid").cast(pl.Int64), device="device", ptr_text="ptr", attr="attr",
+                        py_stack="py_stack", c_stack="c_stack")
+        del raw
+        ptr = pl.col("ptr_text")
+        df = df.with_columns(ptr=pl.when(ptr != NA).then(ptr.str.strip_prefix("0x").str.to_integer(base=16, strict=False)))
+        bad = df.select(((ptr != NA) & (~ptr.str.contains(r"^0x[0-9a-f]{16}$") | pl.col("ptr").is_null())).any()).item()
+        if bad:
+            raise _Unfit("ptr")
+        fields = ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase")
+        df = R._attr_columns(df, fields)
+        again = template_attr(df)
+        tmpl = df["event"].is_in(["MALLOC", "FREE"]) & (again == df["attr"]).fill_null(False)
+        df = df.with_columns(pl.when(tmpl).then(pl.col(c)).alias(c) for c in fields).with_columns(
+            attr=pl.when(tmpl).then(None).otherwise(pl.col("attr")))
+        self.frames.append(df.select(SCHEMA_NAMES).cast({c: pl.Int64 for c in _INTS}))
+        self.held += df.height
+
+    def _frame(self, rows, first, pid, c_syms, ids):
+        """One batch of rows as stored columns (the rows ``CsvWriter.write`` just wrote)."""
+        import polars as pl
+        from ..events import format_attr
+        n = len(rows)
+        ev, et, name, ts, tid, dev, ptr, attr, ps, _cs = zip(*rows)
+        texts, raws, owners = self._texts, self._raws, self._owners
+        if len(texts) > 200_000:
+            texts.clear()
+
+        def text(v):
+            t = texts.get(v, texts)
+            if t is texts:
+                t = texts[v] = _text(v)
+            return t
+
+        def raw(v):
+            t = raws.get(v)
+            if t is None:
+                t = raws[v] = _raw(v)
+            return t
+
+        out = []
+        add = out.append
+        none8 = (None,) * 8
+        # what CsvWriter.write prints for each row, kept as fields (template) or as its Attr text
+        for e, a, p in zip(ev, attr, ptr):
+            if e == "OP_LAUNCH":
+                add((None, None) + none8)
+            elif type(a) is tuple and e == "MALLOC" and len(a) == 6 and _plain(a[5]):
+                ok = owners.get(a[5])
+                if ok is None:
+                    ok = owners[a[5]] = _template_value(a[5], False)
+                if ok:
+                    add((p, None, a[0], a[1], a[2], a[3], a[4], a[5], None, None))
+                else:
+                    add((p, f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
+                            f'"total":{a[4]},"owner":"{a[5]}"}}') + none8)
+            elif type(a) is tuple and e == "FREE":
+                add((p, None, a[0], a[1], a[2], a[3], a[4], None, None, None))
+            else:
+                if (type(a) is tuple and e == "MALLOC" and len(a) == 8 and _template_value(a[5], True)
+                        and _template_value(a[6], True) and (a[7] is None or _template_value(a[7], True))
+                        and all(type(x) is int for x in a[:5])):
+                    add((p, None) + a[:8])
+                    continue
+                t = format_attr(e, a)
+                if t and not t.isascii():
+                    t = t.encode("utf-8", "backslashreplace").decode("utf-8")
+                if t and "\x00" in t:
+                    raise _Unfit("NUL")
+                add((p, t or None) + none8)
+        cols = list(zip(*out))
+        del out
+        data = {
+            "id": range(first, first + n) if ids is None else list(ids),
+            "event": [raw(v) for v in ev], "event_type": [raw(v) for v in et], "name": [text(v) for v in name],
+            "ts": ts, "pid": [pid] * n, "tid": tid, "device": [raw(v) for v in dev],
+            "ptr": cols[0], "attr": cols[1], "py_stack": [text(v) if v else None for v in ps],
+            "c_stack": [text(c_syms[i]) if i in c_syms else None for i in range(n)] if c_syms else [None] * n,
+        }
+        for k, c in zip(("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"), cols[2:]):
+            data[k] = c
+        df = pl.DataFrame(data, schema={c: (pl.Int64 if c in _INTS else pl.String) for c in SCHEMA_NAMES}, strict=True)
+        # the writer prints any number as it is; the reader's template takes no sign: such rows
+        # keep their text (as the writer printed it), read by the reader's other patterns
+        odd = df.select(pl.col("alloc_id").is_not_null() & ((pl.col("alloc_id") < 0) | (pl.col("addr") < 0)
+                                                             | (pl.col("size") < 0)))[:, 0]
+        if (df["ptr"] < 0).any():
+            raise _Unfit("negative ptr")
+        if odd.any():
+            fix = odd.arg_true().to_list()
+            fixed = []
+            for i in fix:
+                e, a = ev[i], attr[i]
+                if e == "MALLOC" and len(a) == 6:
+                    t = (f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
+                         f'"total":{a[4]},"owner":"{a[5]}"}}')
+                elif e == "FREE":
+                    t = (f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
+                         f'"total":{a[4]}}}')
+                else:
+                    t = format_attr(e, a)
+                fixed.append(t)
+            df = df.with_columns(df["attr"].scatter(pl.Series(fix, dtype=pl.UInt32), fixed), _odd=odd)
+            df = df.with_columns(pl.when(pl.col("_odd")).then(None).otherwise(pl.col(c)).alias(c)
+                                 for c in ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"))
+            df = df.drop("_odd")
+        return df
+
+
+# ---------------------------------------------------------------------- shared with the reader
+_HEX = None
+
+
+def hex16(s):
+    """A polars Int64 Series as ``%016x`` text (null stays null): vectorised (numpy)."""
+    import numpy as np
+    import polars as pl
+    global _HEX
+    if _HEX is None:
+        _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+    a = s.fill_null(0).cast(pl.UInt64).to_numpy()
+    out = np.empty((len(a), 16), dtype=np.uint8)
+    for k in range(16):
+        out[:, 15 - k] = _HEX[(a >> np.uint64(4 * k)) & np.uint64(15)]
+    text = pl.Series(s.name, out.view("S16").ravel()).cast(pl.String)
+    return text.zip_with(s.is_not_null(), pl.Series(s.name, [None] * len(s), dtype=pl.String)) if s.null_count() else text
+
+
+def template_attr(df):
+    """The Attr text of the MALLOC/FREE rows from their fields, as the writer's template prints
+    it (``{"allocation_id":…,"addr":"0x…","size":…,"used":…,"total":…[,"owner":…][,"module":…[,"phase":…]]}``);
+    null where ``alloc_id`` is null."""
+    import polars as pl
+    f = df.select("alloc_id", "size", "used", "total", "owner", "module", "phase", h=hex16(df["addr"]))
+    f = f.select(pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}', "alloc_id", "h",
+                           "size", "used", "total").alias("a"), "owner", "module", "phase")
+    part = [pl.col("a")]
+    for k in ("owner", "module", "phase"):
+        part.append(pl.when(pl.col(k).is_not_null()).then(pl.format(f',"{k}":"{{}}"', k)).otherwise(pl.lit("")))
+    return f.select(pl.concat_str(part + [pl.lit("}")]).alias("attr"))["attr"]
