@@ -30,7 +30,10 @@ HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id
           "Call Stack(Python),Call Stack(C)\n")
 
 
-def synth(path: str, n_events: int, seed: int = 0) -> None:
+def synth(path: str, n_events: int, seed: int = 0, writer: bool = False) -> dict | None:
+    """The dump, written by polars (``writer=False``: the fastest way to make one) or by the tool's
+    own dump writer (``writer=True``: ``CsvWriter`` fed raw rows in flushes of ``FLUSH_ROWS``, with the
+    capture-time columnar companion unless ``MSMEMSCOPE_COLUMN_CACHE=0``; returns its CPU seconds)."""
     rng = np.random.default_rng(seed)
     n_alloc = n_events // 2
     steps = 200
@@ -69,6 +72,9 @@ def synth(path: str, n_events: int, seed: int = 0) -> None:
     has = last_of >= 0
     order_s = np.argsort(last_of[has])
     last, last_step = last_of[has][order_s], np.flatnonzero(has)[order_s]
+    if writer:
+        return _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops, stacks, last,
+                                     last_step)
     with open(path, "w", encoding="utf-8") as f:
         f.write(HEADER)
     # written in slices of rows so that a 10M-event dump needs little memory; IDs count the
@@ -101,6 +107,68 @@ def synth(path: str, n_events: int, seed: int = 0) -> None:
             rows = pl.concat([rows, srows], how="vertical_relaxed").sort("ID")
         with open(path, "a", encoding="utf-8") as f:
             rows.write_csv(f, include_header=False, quote_style="necessary")
+
+
+FLUSH_ROWS = 4096
+
+
+def _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops, stacks, last, last_step):
+    """The synthetic run as the writer process gets it: raw rows (events.RawRow order), a flush at a
+    time, into ``CsvWriter`` (and its ``ColumnWriter``, as io/spool.py's writer process sets it up)."""
+    sys.path.insert(0, ROOT)
+    from msmemscope.io import columns as C
+    from msmemscope.io.writers import CsvWriter
+    w = CsvWriter(path)
+    if C.enabled():
+        w.columns = C.ColumnWriter(path)
+    cpu = {"rows": 0.0, "write": 0.0, "columns": 0.0}
+    inner_add = w.columns.add if w.columns is not None else None
+    if inner_add is not None:
+        def timed_add(*a, **k):
+            c = time.process_time()
+            inner_add(*a, **k)
+            cpu["columns"] += time.process_time() - c
+        w.columns.add = timed_add
+    step_at = dict(zip(last.tolist(), (last_step + 1).tolist()))
+    next_id = 1
+    pending = []
+    for lo in range(0, n, SLICE_ROWS):
+        c0 = time.process_time()
+        hi = min(n, lo + SLICE_ROWS)
+        kind = ev_kind[lo:hi].tolist()
+        a = ev_a[lo:hi]
+        aid = (a + 1).tolist()
+        addr = (a * 4096 + 1_000_000_000).tolist()
+        sz = size[a].tolist()
+        us = used[lo:hi].tolist()
+        tss = ts[lo:hi].tolist()
+        own = cats[cat[a]].tolist()
+        op = ops[a % 40].tolist()
+        st = stacks[a % 24].tolist()
+        rows = []
+        for j in range(hi - lo):
+            if kind[j] == 0:
+                rows.append(("MALLOC", "PTA", op[j], tss[j], 4242, "cpu", addr[j],
+                             (aid[j], addr[j], sz[j], us[j], us[j], own[j]), st[j], None))
+            else:
+                rows.append(("FREE", "PTA", "N/A", tss[j], 4242, "cpu", addr[j],
+                             (aid[j], addr[j], sz[j], us[j], us[j]), None, None))
+            s = step_at.get(lo + j)
+            if s is not None:
+                rows.append(("SYSTEM", "STEP", "N/A", tss[j], 4242, "cpu", None, {"step": s}, None, None))
+        cpu["rows"] += time.process_time() - c0
+        pending += rows
+        while len(pending) >= FLUSH_ROWS or (hi == n and pending):
+            batch, pending = pending[:FLUSH_ROWS], pending[FLUSH_ROWS:]
+            c = time.process_time()
+            w.write(batch, next_id, 4242)
+            cpu["write"] += time.process_time() - c
+            next_id += len(batch)
+    c = time.process_time()
+    w.close()
+    cpu["write"] += time.process_time() - c
+    cpu["csv_only"] = cpu["write"] - cpu["columns"]
+    return {k: round(v, 2) for k, v in cpu.items()}
 
 
 def reader_frame(n_events: int) -> pl.DataFrame:

@@ -30,6 +30,7 @@ import os
 VERSION = 1
 MANIFEST = "manifest.json"
 PART_ROWS = 1 << 18           # rows of one parquet part
+BUILD_ROWS = 1 << 16          # rows gathered as Python values before polars makes them columns
 DEFAULT_MIN_BYTES = 64 << 20  # the reader's companion threshold (io/reader.py COMPANION_MIN_BYTES)
 
 #: the stored columns (the reader's names; ``ptr`` a number, ``attr`` null on template rows)
@@ -131,8 +132,14 @@ class ColumnWriter:
         self.parts: list = []      # [name, rows] committed or written by this process
         self.frames: list = []     # batches not yet in a part
         self.held = 0
+        self.pending: dict = {c: [] for c in SCHEMA_NAMES}  # rows not yet made columns
+        self.pending_rows = 0
         self.seen = 0              # bytes of CSV text so far (until the companion starts)
         self.least = min_bytes()
+        try:  # rows of a part (tests make parts of a few rows)
+            self.part_rows = max(1, int(os.environ.get("MSMEMSCOPE_COLUMN_PART_ROWS", PART_ROWS)))
+        except ValueError:
+            self.part_rows = PART_ROWS
         self._texts: dict = {}
         self._raws: dict = {}
         self._owners: dict = {}
@@ -166,9 +173,10 @@ class ColumnWriter:
                 self._catch_up()  # these rows are in the file already: read with the rest
                 self.state = "on"
             else:
-                self.frames.append(self._frame(rows, first, pid, c_syms or {}, ids))
-                self.held += len(rows)
-            if self.held >= PART_ROWS:
+                self._collect(rows, first, pid, c_syms or {}, ids)
+                if self.pending_rows >= BUILD_ROWS:
+                    self._build()
+            if self.held >= self.part_rows:
                 self._write_part()
         except Exception:  # _Unfit, a full disk, polars refusing a value: the text stands alone
             self._give_up()
@@ -214,6 +222,7 @@ class ColumnWriter:
         self._clear()
 
     def _write_part(self) -> None:
+        self._build()
         if not self.frames:
             return
         import polars as pl
@@ -261,28 +270,37 @@ class ColumnWriter:
         self.frames.append(df.select(SCHEMA_NAMES).cast({c: pl.Int64 for c in _INTS}))
         self.held += df.height
 
-    def _frame(self, rows, first, pid, c_syms, ids):
-        """One batch of rows as stored columns (the rows ``CsvWriter.write`` just wrote)."""
+    @staticmethod
+    def _attr_text(e, a, format_attr):
+        t = format_attr(e, a)
+        if t and not t.isascii():
+            t = t.encode("utf-8", "backslashreplace").decode("utf-8")
+        if t and "\x00" in t:
+            raise _Unfit("NUL")
+        return t or None
+
+    def _strings(self, values, rule):
+        """A text column: made by polars, then ``rule`` (as the CSV prints and reads it) applied
+        to its distinct values only (None and "" are null)."""
         import polars as pl
+        s = pl.Series(values, dtype=pl.String, strict=True)
+        change = {}
+        for v in s.unique().to_list():
+            if v is None:
+                continue
+            t = rule(v) if rule is _text else (rule(v) if v not in self._raws else v)
+            if rule is _raw:
+                self._raws[v] = t
+            if t != v:
+                change[v] = t
+        return s.replace(change) if change else s
+
+    def _collect(self, rows, first, pid, c_syms, ids):
+        """One batch of rows (those ``CsvWriter.write`` just wrote) as Python values per column."""
         from ..events import format_attr
         n = len(rows)
         ev, et, name, ts, tid, dev, ptr, attr, ps, _cs = zip(*rows)
-        texts, raws, owners = self._texts, self._raws, self._owners
-        if len(texts) > 200_000:
-            texts.clear()
-
-        def text(v):
-            t = texts.get(v, texts)
-            if t is texts:
-                t = texts[v] = _text(v)
-            return t
-
-        def raw(v):
-            t = raws.get(v)
-            if t is None:
-                t = raws[v] = _raw(v)
-            return t
-
+        owners = self._owners
         out = []
         add = out.append
         none8 = (None,) * 8
@@ -290,66 +308,95 @@ class ColumnWriter:
         for e, a, p in zip(ev, attr, ptr):
             if e == "OP_LAUNCH":
                 add((None, None) + none8)
-            elif type(a) is tuple and e == "MALLOC" and len(a) == 6 and _plain(a[5]):
+            elif type(a) is tuple and e == "MALLOC" and len(a) == 6:
                 ok = owners.get(a[5])
-                if ok is None:
-                    ok = owners[a[5]] = _template_value(a[5], False)
-                if ok:
+                if ok is None:  # 1: the template; 2: the CSV's fast path, not the template; 0: neither
+                    ok = owners[a[5]] = (1 if _template_value(a[5], False) else 2) if _plain(a[5]) else 0
+                if ok == 1:
                     add((p, None, a[0], a[1], a[2], a[3], a[4], a[5], None, None))
-                else:
+                elif ok == 2:
                     add((p, f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
                             f'"total":{a[4]},"owner":"{a[5]}"}}') + none8)
+                else:
+                    add((p, self._attr_text(e, a, format_attr)) + none8)
             elif type(a) is tuple and e == "FREE":
                 add((p, None, a[0], a[1], a[2], a[3], a[4], None, None, None))
+            elif (type(a) is tuple and e == "MALLOC" and len(a) == 8 and _template_value(a[5], True)
+                    and _template_value(a[6], True) and (a[7] is None or _template_value(a[7], True))
+                    and all(type(x) is int for x in a[:5])):
+                add((p, None) + a[:8])
             else:
-                if (type(a) is tuple and e == "MALLOC" and len(a) == 8 and _template_value(a[5], True)
-                        and _template_value(a[6], True) and (a[7] is None or _template_value(a[7], True))
-                        and all(type(x) is int for x in a[:5])):
-                    add((p, None) + a[:8])
-                    continue
-                t = format_attr(e, a)
-                if t and not t.isascii():
-                    t = t.encode("utf-8", "backslashreplace").decode("utf-8")
-                if t and "\x00" in t:
-                    raise _Unfit("NUL")
-                add((p, t or None) + none8)
+                add((p, self._attr_text(e, a, format_attr)) + none8)
         cols = list(zip(*out))
         del out
-        data = {
-            "id": range(first, first + n) if ids is None else list(ids),
-            "event": [raw(v) for v in ev], "event_type": [raw(v) for v in et], "name": [text(v) for v in name],
-            "ts": ts, "pid": [pid] * n, "tid": tid, "device": [raw(v) for v in dev],
-            "ptr": cols[0], "attr": cols[1], "py_stack": [text(v) if v else None for v in ps],
-            "c_stack": [text(c_syms[i]) if i in c_syms else None for i in range(n)] if c_syms else [None] * n,
-        }
-        for k, c in zip(("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"), cols[2:]):
-            data[k] = c
-        df = pl.DataFrame(data, schema={c: (pl.Int64 if c in _INTS else pl.String) for c in SCHEMA_NAMES}, strict=True)
+        P = self.pending
+        P["id"].extend(range(first, first + n) if ids is None else ids)
+        for k, v in (("event", ev), ("event_type", et), ("name", name), ("ts", ts), ("tid", tid),
+                     ("device", dev), ("py_stack", ps)):
+            P[k].extend(v)
+        P["pid"].extend([pid] * n)
+        P["c_stack"].extend([c_syms.get(i) for i in range(n)] if c_syms else [None] * n)
+        for k, c in zip(("ptr", "attr", "alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"), cols):
+            P[k].extend(c)
+        self.pending_rows += n
+
+    def _build(self) -> None:
+        """The rows gathered so far as one polars frame of the stored columns."""
+        if not self.pending_rows:
+            return
+        import polars as pl
+        from ..events import format_attr
+        P, n = self.pending, self.pending_rows
+        self.pending = {c: [] for c in SCHEMA_NAMES}
+        self.pending_rows = 0
+        data = {}
+        for c in SCHEMA_NAMES:
+            if c in ("event", "event_type", "device"):
+                data[c] = self._strings(P[c], _raw)
+            elif c in ("name", "py_stack", "c_stack"):
+                data[c] = self._strings(P[c], _text)
+            else:
+                data[c] = pl.Series(c, P[c], dtype=pl.Int64 if c in _INTS else pl.String, strict=True)
+            P[c] = None
+        df = pl.DataFrame(data)
+        if (df["ptr"] < 0).any():
+            raise _Unfit("negative ptr")
         # the writer prints any number as it is; the reader's template takes no sign: such rows
         # keep their text (as the writer printed it), read by the reader's other patterns
         odd = df.select(pl.col("alloc_id").is_not_null() & ((pl.col("alloc_id") < 0) | (pl.col("addr") < 0)
                                                              | (pl.col("size") < 0)))[:, 0]
-        if (df["ptr"] < 0).any():
-            raise _Unfit("negative ptr")
         if odd.any():
-            fix = odd.arg_true().to_list()
+            fix = odd.arg_true()
             fixed = []
-            for i in fix:
-                e, a = ev[i], attr[i]
-                if e == "MALLOC" and len(a) == 6:
-                    t = (f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
-                         f'"total":{a[4]},"owner":"{a[5]}"}}')
-                elif e == "FREE":
-                    t = (f'{{"allocation_id":{a[0]},"addr":"0x{a[1]:016x}","size":{a[2]},"used":{a[3]},'
-                         f'"total":{a[4]}}}')
+            for e, a0, a1, a2, a3, a4, ow, mo, ph in df[fix].select(
+                    "event", "alloc_id", "addr", "size", "used", "total", "owner", "module", "phase").iter_rows():
+                if e == "FREE":
+                    t = f'{{"allocation_id":{a0},"addr":"0x{a1:016x}","size":{a2},"used":{a3},"total":{a4}}}'
+                elif mo is None:  # a 6-field MALLOC: the CSV's fast path
+                    t = (f'{{"allocation_id":{a0},"addr":"0x{a1:016x}","size":{a2},"used":{a3},'
+                         f'"total":{a4},"owner":"{ow}"}}')
                 else:
-                    t = format_attr(e, a)
+                    t = format_attr(e, (a0, a1, a2, a3, a4, ow, mo, ph))
                 fixed.append(t)
-            df = df.with_columns(df["attr"].scatter(pl.Series(fix, dtype=pl.UInt32), fixed), _odd=odd)
+            df = df.with_columns(df["attr"].scatter(fix, fixed), _odd=odd)
             df = df.with_columns(pl.when(pl.col("_odd")).then(None).otherwise(pl.col(c)).alias(c)
                                  for c in ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"))
             df = df.drop("_odd")
-        return df
+        self.frames.append(df)
+        self.held += n
+
+
+def write_for(path: str) -> bool:
+    """Makes the companion of a dump written without one (an older run, a generated dump), from its
+    text, as the writer does for the rows before its threshold. True when the dump has a current
+    one afterwards."""
+    w = ColumnWriter(path)
+    if w.state == "waiting":
+        w.least = 0
+        w.add((), 0, 0)
+        w.close()
+    from .reader import capture_parts
+    return capture_parts(path) is not None
 
 
 # ---------------------------------------------------------------------- shared with the reader
