@@ -265,7 +265,9 @@ class ColumnWriter:
         df = R._attr_columns(df, fields)
         again = template_attr(df)
         tmpl = df["event"].is_in(["MALLOC", "FREE"]) & (again == df["attr"]).fill_null(False)
-        df = df.with_columns(pl.when(tmpl).then(pl.col(c)).alias(c) for c in fields).with_columns(
+        # ACCESS rows keep their text and the fields the reader found in it (alloc_id, size)
+        access = (df["event"] == "ACCESS") & df["alloc_id"].is_not_null()
+        df = df.with_columns(pl.when(tmpl | access).then(pl.col(c)).alias(c) for c in fields).with_columns(
             attr=pl.when(tmpl).then(None).otherwise(pl.col("attr")))
         self.frames.append(df.select(SCHEMA_NAMES).cast({c: pl.Int64 for c in _INTS}))
         self.held += df.height
@@ -321,6 +323,14 @@ class ColumnWriter:
                     add((p, self._attr_text(e, a, format_attr)) + none8)
             elif type(a) is tuple and e == "FREE":
                 add((p, None, a[0], a[1], a[2], a[3], a[4], None, None, None))
+            elif type(a) is tuple and e == "ACCESS":
+                # its text kept; the two fields the reader's ACCESS pattern reads, where it reads them
+                t = self._attr_text(e, a, format_attr)
+                if (type(a[2]) is int and type(a[3]) is int and a[2] >= 0 and a[3] >= 0 and '"' not in f"{a[0]}"
+                        and t.startswith('{"dtype":"') and t.count("]") == 1):
+                    add((p, t, a[3], None, a[2], None, None, None, None, None))
+                else:
+                    add((p, t) + none8)
             elif (type(a) is tuple and e == "MALLOC" and len(a) == 8 and _template_value(a[5], True)
                     and _template_value(a[6], True) and (a[7] is None or _template_value(a[7], True))
                     and all(type(x) is int for x in a[:5])):

@@ -627,7 +627,8 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
     if keep is not None:
         df = df.filter(pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"})))
-    text_rows = df["attr"].is_not_null().arg_true()
+    # the rows whose Attr fields were not stored (ACCESS rows keep their text and their fields)
+    text_rows = (df["attr"].is_not_null() & df["alloc_id"].is_null()).arg_true()
     if text_rows.len():
         slow = _attr_columns(df[text_rows].select("event", "attr"), fields)
         df = df.with_columns(*(df[c].scatter(text_rows, slow[c]) for c in fields))
