@@ -157,6 +157,10 @@ def _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops
             if s is not None:
                 rows.append(("SYSTEM", "STEP", "N/A", tss[j], 4242, "cpu", None, {"step": s}, None, None))
         cpu["rows"] += time.process_time() - c0
+        # the writer process holds one flush of rows at a time: the million made here are kept out
+        # of the collector's way, as they would not be there
+        import gc
+        gc.freeze()
         pending += rows
         while len(pending) >= FLUSH_ROWS or (hi == n and pending):
             batch, pending = pending[:FLUSH_ROWS], pending[FLUSH_ROWS:]

@@ -37,6 +37,8 @@ DEFAULT_MIN_BYTES = 64 << 20  # the reader's companion threshold (io/reader.py C
 SCHEMA_NAMES = ("id", "event", "event_type", "name", "ts", "pid", "tid", "device", "ptr", "attr", "py_stack",
                 "c_stack", "alloc_id", "addr", "size", "used", "total", "owner", "module", "phase")
 _INTS = {"id", "ts", "pid", "tid", "ptr", "alloc_id", "addr", "size", "used", "total"}
+#: text columns of few distinct values, stored as categoricals (dictionary pages: read back small)
+CATEGORICAL = ("event", "event_type", "name", "device", "py_stack", "c_stack", "owner", "module", "phase")
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")  # writers.csv_field's neutralising rule
 _FIELD_OK = frozenset('",}\\')  # characters the reader's MALLOC/FREE template refuses in a text value
 
@@ -269,7 +271,8 @@ class ColumnWriter:
         access = (df["event"] == "ACCESS") & df["alloc_id"].is_not_null()
         df = df.with_columns(pl.when(tmpl | access).then(pl.col(c)).alias(c) for c in fields).with_columns(
             attr=pl.when(tmpl).then(None).otherwise(pl.col("attr")))
-        self.frames.append(df.select(SCHEMA_NAMES).cast({c: pl.Int64 for c in _INTS}))
+        self.frames.append(df.select(SCHEMA_NAMES).cast({c: pl.Int64 for c in _INTS})
+                           .with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL))
         self.held += df.height
 
     @staticmethod
@@ -369,7 +372,7 @@ class ColumnWriter:
                 data[c] = pl.Series(c, P[c], dtype=pl.Int64 if c in _INTS else pl.String, strict=True)
             P[c] = None
         df = pl.DataFrame(data)
-        if (df["ptr"] < 0).any():
+        if (df["ptr"].fill_null(0) < 0).any():
             raise _Unfit("negative ptr")
         # the writer prints any number as it is; the reader's template takes no sign: such rows
         # keep their text (as the writer printed it), read by the reader's other patterns
@@ -392,7 +395,7 @@ class ColumnWriter:
             df = df.with_columns(pl.when(pl.col("_odd")).then(None).otherwise(pl.col(c)).alias(c)
                                  for c in ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase"))
             df = df.drop("_odd")
-        self.frames.append(df)
+        self.frames.append(df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL))
         self.held += n
 
 

@@ -608,6 +608,8 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     read = [c for c in C.SCHEMA_NAMES if c in base or c in fields]
     try:
         df = pl.concat([pl.read_parquet(p, columns=read) for p in parts], how="vertical", rechunk=False)
+        if not batched:  # the text read's types; a batched read keeps them categorical
+            df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL if c in df.columns)
     except Exception:
         return _derive([_read_csv(path)], path, want, keep, counts) if not _is_zst(path) else \
             _derive([_read_csv(path, _unzstd(path))], path, want, keep, counts)
