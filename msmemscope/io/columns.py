@@ -403,12 +403,14 @@ def write_for(path: str) -> bool:
     """Makes the companion of a dump written without one (an older run, a generated dump), from its
     text, as the writer does for the rows before its threshold. True when the dump has a current
     one afterwards."""
+    from .reader import capture_parts
+    if capture_parts(path) is not None:
+        return True
     w = ColumnWriter(path)
     if w.state == "waiting":
         w.least = 0
         w.add((), 0, 0)
         w.close()
-    from .reader import capture_parts
     return capture_parts(path) is not None
 
 
