@@ -415,21 +415,20 @@ def write_for(path: str) -> bool:
 
 
 # ---------------------------------------------------------------------- shared with the reader
-_HEX = None
+_HEX2 = None
 
 
 def hex16(s):
-    """A polars Int64 Series as ``%016x`` text (null stays null): vectorised (numpy)."""
+    """A polars Int64 Series as ``%016x`` text (null stays null): vectorised (numpy, a byte at a time
+    through a table of the 256 two-digit texts)."""
     import numpy as np
     import polars as pl
-    global _HEX
-    if _HEX is None:
-        _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-    a = s.fill_null(0).cast(pl.UInt64).to_numpy()
-    out = np.empty((len(a), 16), dtype=np.uint8)
-    for k in range(16):
-        out[:, 15 - k] = _HEX[(a >> np.uint64(4 * k)) & np.uint64(15)]
-    text = pl.Series(s.name, out.view("S16").ravel()).cast(pl.String)
+    global _HEX2
+    if _HEX2 is None:
+        _HEX2 = np.frombuffer("".join(f"{i:02x}" for i in range(256)).encode(), dtype=np.uint16)
+    a = s.fill_null(0).cast(pl.UInt64).to_numpy().astype(">u8")
+    digits = _HEX2[a.view(np.uint8).reshape(-1, 8)]  # (n, 8) two-character cells, most significant first
+    text = pl.Series(s.name, np.ascontiguousarray(digits).view("S16").ravel()).cast(pl.String)
     return text.zip_with(s.is_not_null(), pl.Series(s.name, [None] * len(s), dtype=pl.String)) if s.null_count() else text
 
 
