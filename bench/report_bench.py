@@ -1,9 +1,11 @@
 """The HTML report on a long dump: time to write it (``msmemscope report``, reading the CSV
 included), its size, and the time headless Chromium takes to draw it. Two reports, each in a
 process of its own: cold (the CSV alone: the dump's columnar companion deleted first) and warm
-(reading the companion the cold one left); ``--warm-only`` keeps the companion and times the warm one.
+(reading the companion the cold one left); ``--warm-only`` keeps the companion and times the warm one;
+``--writer`` writes the dump through the tool's own dump writer, capture-time companion included
+(io/columns.py), and times the first report of it (what a user's first report of a run costs).
 
-    python bench/report_bench.py --events 10000000 [--keep DIR] [--warm-only]
+    python bench/report_bench.py --events 10000000 [--keep DIR] [--warm-only | --writer]
 
 The dump is synthetic but shaped like training: weights and optimizer state made once,
 gradients and activations made and freed every step, temporaries inside ops, a STEP row
@@ -273,6 +275,9 @@ def main():
                          "time and memory are left out)")
     ap.add_argument("--warm-only", action="store_true",
                     help="keep the dump's columnar companion and time the warm report only")
+    ap.add_argument("--writer", action="store_true",
+                    help="write the dump through the tool's own dump writer (with its capture-time columnar "
+                         "companion, io/columns.py) and time the first report of it")
     ns = ap.parse_args()
     d = ns.keep or tempfile.mkdtemp(prefix="msmemscope-report-bench-")
     os.makedirs(d, exist_ok=True)
@@ -315,18 +320,23 @@ def main():
             shutil.rmtree(d, ignore_errors=True)
         return
     t = time.perf_counter()
+    writer_cpu = None
     if not os.path.exists(dump):
-        synth(dump, ns.events)
+        writer_cpu = synth(dump, ns.events, writer=ns.writer)
     t_synth = time.perf_counter() - t
     sys.path.insert(0, ROOT)
-    from msmemscope.io.reader import companion_path
+    from msmemscope.io.reader import capture_parts, companion_path
     companion = companion_path(dump)
     if os.path.exists(companion) and not ns.warm_only:
-        os.remove(companion)  # the cold run: the CSV alone, as a run leaves it
+        os.remove(companion)  # the cold run: the CSV alone, as a run leaves it (and its capture companion)
+    if ns.writer:
+        assert capture_parts(dump) is not None, "the dump has no current capture-time companion"
     env = dict(os.environ, PYTHONPATH=ROOT)
     rows = sum(1 for _ in open(dump, "rb")) - 1
     out = {"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1), "folder": d}
-    runs = (["warm"] if ns.warm_only else ["cold", "warm"])
+    if writer_cpu:
+        out["writer_cpu_s"] = writer_cpu
+    runs = (["warm"] if ns.warm_only else ["first"] if ns.writer else ["cold", "warm"])
     for kind in runs:
         for p in (page, page + ".png"):
             if os.path.exists(p):

@@ -429,7 +429,8 @@ def hex16(s):
     a = s.fill_null(0).cast(pl.UInt64).to_numpy().astype(">u8")
     digits = _HEX2[a.view(np.uint8).reshape(-1, 8)]  # (n, 8) two-character cells, most significant first
     text = pl.Series(s.name, np.ascontiguousarray(digits).view("S16").ravel()).cast(pl.String)
-    return text.zip_with(s.is_not_null(), pl.Series(s.name, [None] * len(s), dtype=pl.String)) if s.null_count() else text
+    return text.zip_with(s.is_not_null(), pl.Series(s.name, [], dtype=pl.String).extend_constant(None, len(s))) \
+        if s.null_count() else text
 
 
 def template_attr(df):

@@ -445,7 +445,7 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
     end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
     if not df.select(start.any()).item():  # no op opened (a dump without launch events): none open
-        return pl.Series("op", [None] * df.height, dtype=df.schema["name"])
+        return pl.Series("op", [], dtype=df.schema["name"]).extend_constant(None, df.height)
     d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
     q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
     q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
@@ -607,7 +607,7 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     base = {"id", "event", "event_type", "attr"} | (set(want) & set(NAMES)) | ({"name", "tid"} if "op" in want else set())
     read = [c for c in C.SCHEMA_NAMES if c in base or c in fields]
     try:
-        df = pl.concat([pl.read_parquet(p, columns=read) for p in parts], how="vertical", rechunk=False)
+        df = pl.scan_parquet(parts).select(read).collect()
         if not batched:  # the text read's types; a batched read keeps them categorical
             df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL if c in df.columns)
     except Exception:
