@@ -66,16 +66,25 @@ def file_key(path: str) -> dict:
             "dev": st.st_dev}
 
 
+_code = None
+
+
 def code_key() -> str:
-    """The code whose rules the stored columns follow (the CSV's writer and reader, this module)."""
+    """The code whose rules the stored columns follow (the CSV's writer and reader, this module, the
+    polars version), as loaded by this process (computed once: a writer running while the package is
+    upgraded keeps its own)."""
+    global _code
+    if _code is not None:
+        return _code
     import hashlib
-    import polars
+    from importlib.metadata import version
     here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256(f"{VERSION}:{polars.__version__}".encode())
+    h = hashlib.sha256(f"{VERSION}:{version('polars')}".encode())
     for name in ("columns.py", "writers.py", "reader.py", os.path.join("..", "events.py")):
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
-    return h.hexdigest()[:32]
+    _code = h.hexdigest()[:32]
+    return _code
 
 
 def read_manifest(folder: str) -> dict | None:
@@ -150,7 +159,8 @@ class ColumnWriter:
         except OSError:
             return
         meta = read_manifest(self.folder)
-        if meta is not None and meta.get("version") == VERSION and meta.get("file") == key:
+        if (meta is not None and meta.get("version") == VERSION and meta.get("file") == key
+                and meta.get("code") == code_key()):
             # a writer process before this one committed the dump as it is now: carry on from it
             try:
                 os.remove(os.path.join(self.folder, MANIFEST))
@@ -172,6 +182,7 @@ class ColumnWriter:
                 self.seen += nbytes
                 if self.seen < self.least:
                     return
+                code_key()  # the code of this process, before anything is stored
                 self._catch_up()  # these rows are in the file already: read with the rest
                 self.state = "on"
             else:
@@ -189,7 +200,6 @@ class ColumnWriter:
             return
         try:
             self._write_part()
-            import polars  # noqa: F401  (code_key)
             meta = {"version": VERSION, "code": code_key(), "file": file_key(self.path),
                     "rows": sum(n for _, n in self.parts), "parts": self.parts}
             tmp = os.path.join(self.folder, f"{MANIFEST}.{os.getpid()}.tmp")
@@ -237,10 +247,11 @@ class ColumnWriter:
         self.parts.append([name, df.height])
 
     def _catch_up(self) -> None:
-        """The rows already in the file, read by the reader's own parse, as stored columns."""
+        """The rows already in the file, read by the reader's own parse, as stored columns (a plain
+        CSV 32 MB of whole lines at a time, as the reader's batched read cuts it)."""
+        import io
         import polars as pl
         from . import reader as R
-        from ..events import NA
         os.makedirs(self.folder, mode=0o750, exist_ok=True)
         with open(self.path, "rb") as f:
             zst = f.read(4) == R.ZSTD_MAGIC
@@ -248,8 +259,28 @@ class ColumnWriter:
         complete, size = R.check_csv(self.path, text)
         if complete != size:
             raise _Unfit("the file ends inside a row")
-        raw = R._read_csv(self.path, text)
+        if zst:
+            self._add_text_rows(R._read_csv(self.path, text))
+            return
         del text
+        with open(self.path, "rb") as f:
+            header = f.readline()
+        for block in R._line_batches(self.path, complete, R.BATCH_BYTES):
+            raw = pl.read_csv(io.BytesIO(header + block), has_header=True, new_columns=list(R.NAMES),
+                              schema_overrides={n: pl.String for n in R.NAMES}, infer_schema=False, quote_char="\"")
+            if raw.width != len(R.NAMES) or raw.select(
+                    (pl.col("event").is_null() | pl.col("ts").is_null() | pl.col("ptr").is_null()).any()).item():
+                raise _Unfit("a row the reader refuses")
+            del block
+            self._add_text_rows(raw)
+            if self.held >= self.part_rows:
+                self._write_part()
+
+    def _add_text_rows(self, raw) -> None:
+        """Rows as the CSV reader parsed them (string columns) as stored columns."""
+        import polars as pl
+        from . import reader as R
+        from ..events import NA
         if raw.select(pl.any_horizontal(pl.col(c).str.contains("\x00", literal=True).any()
                                         for c in R.NAMES)).item():
             raise _Unfit("NUL")
