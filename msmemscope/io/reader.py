@@ -608,8 +608,9 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     read = [c for c in C.SCHEMA_NAMES if c in base or c in fields]
     try:
         df = pl.scan_parquet(parts).select(read).collect()
-        if not batched:  # the text read's types; a batched read keeps them categorical
-            df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL if c in df.columns)
+        # the text read's types (a batched read keeps its CATEGORICAL ones categorical)
+        df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL
+                             if c in df.columns and not (batched and c in CATEGORICAL))
     except Exception:
         return _derive([_read_csv(path)], path, want, keep, counts) if not _is_zst(path) else \
             _derive([_read_csv(path, _unzstd(path))], path, want, keep, counts)
