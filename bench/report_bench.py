@@ -164,12 +164,16 @@ def _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops
         import gc
         gc.freeze()
         pending += rows
-        while len(pending) >= FLUSH_ROWS or (hi == n and pending):
-            batch, pending = pending[:FLUSH_ROWS], pending[FLUSH_ROWS:]
+        del rows
+        done = 0  # flushes taken by index: no copy of the rest of the slice per flush
+        while len(pending) - done >= FLUSH_ROWS or (hi == n and done < len(pending)):
+            batch = pending[done:done + FLUSH_ROWS]
+            done += len(batch)
             c = time.process_time()
             w.write(batch, next_id, 4242)
             cpu["write"] += time.process_time() - c
             next_id += len(batch)
+        pending = pending[done:]
     c = time.process_time()
     w.close()
     cpu["write"] += time.process_time() - c

@@ -186,7 +186,14 @@ class ColumnWriter:
                 self._catch_up()  # these rows are in the file already: read with the rest
                 self.state = "on"
             else:
-                self._collect(rows, first, pid, c_syms or {}, ids)
+                import gc
+                was = gc.isenabled()
+                gc.disable()  # tuples of numbers and texts, no cycles: no collector passes over them
+                try:
+                    self._collect(rows, first, pid, c_syms or {}, ids)
+                finally:
+                    if was:
+                        gc.enable()
                 if self.pending_rows >= BUILD_ROWS:
                     self._build()
             if self.held >= self.part_rows:
