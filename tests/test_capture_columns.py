@@ -334,3 +334,22 @@ def test_the_checks_tables_agree_with_hashing():
         assert got.select(key).sort(key, nulls_last=True).equals(want.select(key).sort(key, nulls_last=True))
         if not reused:  # one row per FREE, in their order
             assert got["id"].to_list() == frees["id"].to_list()
+
+
+def test_stop_and_start_again_carry_the_companion_on(tmp_path, monkeypatch):
+    """stop() ends the writer process (its close commits the companion) and the next start() starts
+    another, which carries on from that manifest: each read in between, in the program itself, takes
+    every row written so far from the companion; at the end it still gives what the text gives."""
+    from conftest import read_after_stop
+    monkeypatch.setenv("MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES", "0")
+    monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE", raising=False)
+    seen = read_after_stop(tmp_path / "out")
+    for which in ("first", "second"):
+        height, written, last = seen[which]
+        assert height == written == last, seen
+    (path,) = R.find_dumps(str(tmp_path / "out"))
+    parts = R.capture_parts(path)
+    assert parts is not None and len(parts[0]) >= 2  # the second writer process added its own part
+    text, cols = _both(path, monkeypatch, lambda: R.read_dump(path))
+    _same(text, cols, "after a stop and a start")
+    check_invariants(cols)

@@ -210,7 +210,7 @@ class ColumnWriter:
             meta = {"version": VERSION, "code": code_key(), "file": file_key(self.path),
                     "rows": sum(n for _, n in self.parts), "parts": self.parts}
             tmp = os.path.join(self.folder, f"{MANIFEST}.{os.getpid()}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w", encoding="utf-8") as f:
                 json.dump(meta, f)
             os.replace(tmp, os.path.join(self.folder, MANIFEST))
         except Exception:
@@ -251,6 +251,7 @@ class ColumnWriter:
             os.makedirs(self.folder, mode=0o750, exist_ok=True)
         name = f"part-{len(self.parts):06d}.parquet"
         df.write_parquet(os.path.join(self.folder, name), compression="lz4", statistics=False)
+        os.chmod(os.path.join(self.folder, name), 0o640)  # the dump's own permissions (io/files.py)
         self.parts.append([name, df.height])
 
     def _catch_up(self) -> None:
