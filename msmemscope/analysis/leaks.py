@@ -834,10 +834,23 @@ def replay(df, recorded=None) -> StepLeakTracker:
          .sort("id").select(cols).collect())
     has = set(cols)
     n = q.height
+    # rows made from whole columns (no dict per row): MALLOC/FREE attr tuples, the rest from Attr.
+    # The tracker keeps a tuple per live block: no collector passes over millions of them (they
+    # hold no cycles)
+    import gc
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        _replay_rows(t, q, has, n)
+    finally:
+        if was:
+            gc.enable()
+    return t
 
+
+def _replay_rows(t, q, has, n):
     def col(c):
         return q[c].to_list() if c in has else [None] * n
-    # rows made from whole columns (no dict per row): MALLOC/FREE attr tuples, the rest from Attr
     batch, ids = [], []
     for i, ev, et, name, tid, dev, aid, addr, size, used, owner, ps, attr, step in zip(
             col("id"), col("event"), col("event_type"), col("name"), col("tid"), col("device"), col("alloc_id"),
