@@ -353,3 +353,20 @@ def test_stop_and_start_again_carry_the_companion_on(tmp_path, monkeypatch):
     text, cols = _both(path, monkeypatch, lambda: R.read_dump(path))
     _same(text, cols, "after a stop and a start")
     check_invariants(cols)
+
+
+def test_a_companion_that_cannot_be_read_is_not_needed(tmp_path, monkeypatch):
+    """A part overwritten with junk (the manifest still matching the dump): the text is read."""
+    monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE", raising=False)
+    path = _write(tmp_path, _odd_rows())
+    parts, _ = R.capture_parts(path)
+    monkeypatch.setenv("MSMEMSCOPE_COLUMN_CACHE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = R.read_dump(path)
+        monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE")
+        with open(parts[-1], "r+b") as f:
+            f.write(b"not parquet at all")
+        assert R.capture_parts(path) is not None  # the manifest cannot tell
+        _same(text, R.read_dump(path), "a part overwritten")
+        assert R.read_dump_batched(path).height == text.height

@@ -114,8 +114,9 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
     # once _derive has taken those it keeps (the others are freed before Attr is parsed)
     if not head.startswith(b"SQLite format 3"):
         got = capture_parts(path)
+        got = None if got is None else _from_capture(got, path, want, keep, counts)
         if got is not None:
-            return _from_capture(got, path, want, keep, counts)
+            return got
     if head.startswith(b"SQLite format 3"):
         frame = [_read_db(path, want, None if counts is not None else keep)]
     elif head.startswith(ZSTD_MAGIC):
@@ -533,8 +534,8 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
         df = read_dump(path, columns=columns, events=events)
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
     got = capture_parts(path)
-    if got is not None:
-        df = _from_capture(got, path, want, keep, None, batched=True)
+    df = None if got is None else _from_capture(got, path, want, keep, None, batched=True)
+    if df is not None:
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL + ("op",) if c in df.columns)
     try:
         key = _companion_key(path, size) if keep is None else None
@@ -611,9 +612,8 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
         # the text read's types (a batched read keeps its CATEGORICAL ones categorical)
         df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL
                              if c in df.columns and not (batched and c in CATEGORICAL))
-    except Exception:
-        return _derive([_read_csv(path)], path, want, keep, counts) if not _is_zst(path) else \
-            _derive([_read_csv(path, _unzstd(path))], path, want, keep, counts)
+    except Exception:  # parts that cannot be read (a disk error, a file replaced): the text
+        return None
     if df.height != rows:
         raise DumpError(f"{path}: its column companion holds {df.height} rows, its manifest {rows}")
     if not df["id"].is_sorted():
@@ -664,11 +664,6 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
         df = df.with_columns(ptr=pl.when(pl.col("ptr").is_null()).then(pl.lit("N/A"))
                              .otherwise(pl.lit("0x") + C.hex16(df["ptr"])))
     return df.select(want)
-
-
-def _is_zst(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == ZSTD_MAGIC
 
 
 # ---------------------------------------------------------------- columnar companion
