@@ -370,3 +370,22 @@ def test_a_companion_that_cannot_be_read_is_not_needed(tmp_path, monkeypatch):
         assert R.capture_parts(path) is not None  # the manifest cannot tell
         _same(text, R.read_dump(path), "a part overwritten")
         assert R.read_dump_batched(path).height == text.height
+
+
+def test_attr_of_keeps_the_text_of_those_events_only(tmp_path, monkeypatch):
+    """``read_dump(attr_of=...)``: the Attr text on the rows of those events, null on the others,
+    every other column as without it; the same from the companion and from the text."""
+    monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE", raising=False)
+    path = _write(tmp_path, _odd_rows())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for attr_of in (("SYSTEM",), ("MALLOC", "SYSTEM"), ("FREE",), ()):
+            for kw in (dict(columns=R.COLUMNS_OFFERED), dict(columns=("attr", "size", "origin"), events=("MALLOC", "SYSTEM"))):
+                whole = R.read_dump(path, **kw)
+                text, cols = _both(path, monkeypatch, lambda: R.read_dump(path, attr_of=attr_of, **kw))
+                _same(text, cols, f"attr_of={attr_of}")
+                keep = whole["event"].is_in(list(attr_of)) if "event" in whole.columns else None
+                want = whole.with_columns(attr=pl.when(keep if keep is not None else pl.lit(False)).then(pl.col("attr"))) \
+                    if keep is not None else None
+                if want is not None:
+                    _same(want, cols, f"attr_of={attr_of} against the whole read")

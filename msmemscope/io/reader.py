@@ -86,13 +86,16 @@ def resolve_one(path: str) -> str:
     return dumps[0]
 
 
-def read_dump(path: str, columns=None, events=None, counts: dict | None = None) -> pl.DataFrame:
+def read_dump(path: str, columns=None, events=None, counts: dict | None = None, attr_of=None) -> pl.DataFrame:
     """Read one dump file (or a folder holding exactly one) into analysis columns, sorted by ID.
 
     ``columns``: the columns wanted (any of ``COLUMNS_OFFERED``; ``id`` always comes; default
     ``DEFAULT_COLUMNS``). ``events``: keep only the rows of these events (``step``, ``step_number``
     and ``op`` still count every row of the file). ``counts``: a dict to fill with the number of
-    rows of each event in the whole file. Raises ``DumpError``."""
+    rows of each event in the whole file. ``attr_of``: the events whose rows keep their ``attr``
+    text (null on the others; the Attr fields and ``origin`` are read from every row as ever): an
+    analysis that reads only the SYSTEM rows' Attr spares the text of millions of MALLOC/FREE rows.
+    Raises ``DumpError``."""
     want = _wanted(columns)
     keep = None if events is None else tuple(events)
     path = resolve_one(path)
@@ -114,7 +117,7 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
     # once _derive has taken those it keeps (the others are freed before Attr is parsed)
     if not head.startswith(b"SQLite format 3"):
         got = capture_parts(path)
-        got = None if got is None else _from_capture(got, path, want, keep, counts)
+        got = None if got is None else _from_capture(got, path, want, keep, counts, attr_of=attr_of)
         if got is not None:
             return got
     if head.startswith(b"SQLite format 3"):
@@ -123,7 +126,7 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
         frame = [_read_csv(path, _unzstd(path))]
     else:
         frame = [_read_csv(path)]
-    return _derive(frame, path, want, keep, counts)
+    return _derive(frame, path, want, keep, counts, attr_of)
 
 
 def _wanted(columns) -> tuple:
@@ -454,7 +457,7 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
 
 
-def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
+def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None, attr_of=None) -> pl.DataFrame:
     """The analysis columns from the file's string columns (``frame``: the frame, or a list holding
     it, which is emptied so that the columns not kept are freed here)."""
     df = frame.pop() if isinstance(frame, list) else frame
@@ -506,6 +509,8 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
                                .then(_attr_field("origin", False)))
+    if attr_of is not None and "attr" in want:
+        out = out.with_columns(attr=pl.when(pl.col("event").is_in(list(attr_of))).then(pl.col("attr")))
     return out.select(want)
 
 
@@ -595,14 +600,15 @@ def capture_parts(path: str):
     return parts, rows
 
 
-def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = False) -> pl.DataFrame:
+def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = False, attr_of=None) -> pl.DataFrame:
     """``_derive``'s columns from the stored ones: the same steps, ops, checks and Attr fields (the
     Attr texts that are not the writer's template parsed here, as the text read parses them)."""
     from . import columns as C
     parts, rows = got
     need = _source_columns(want, keep)
     fields = tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size")))
-    if "attr" in want and not batched:  # the template rows' text is made again from all their fields
+    remake = "attr" in want and not batched and (attr_of is None or {"MALLOC", "FREE"} & set(attr_of))
+    if remake:  # the template rows' text is made again from all their fields
         fields = fields + tuple(c for c in _ATTR_COLUMNS if c not in fields)
     # id, event, event_type (steps), attr (the rows whose fields come from their text), what is asked
     base = {"id", "event", "event_type", "attr"} | (set(want) & set(NAMES)) | ({"name", "tid"} if "op" in want else set())
@@ -655,8 +661,11 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     if batched and "origin" not in want:  # as _batch keeps it: Attr text only where a later step reads it
         df = df.with_columns(attr=pl.when(pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])).then(None)
                              .otherwise(pl.col("attr")))
-    elif "attr" in want:
-        tmpl = df["attr"].is_null() & df["alloc_id"].is_not_null() & df["event"].is_in(["MALLOC", "FREE"])
+    elif attr_of is not None and "attr" in want:
+        df = df.with_columns(attr=pl.when(pl.col("event").is_in(list(attr_of))).then(pl.col("attr")))
+    if remake:
+        tmpl = (df["attr"].is_null() & df["alloc_id"].is_not_null()
+                & df["event"].is_in([e for e in ("MALLOC", "FREE") if attr_of is None or e in attr_of]))
         if tmpl.any():
             idx = tmpl.arg_true()
             df = df.with_columns(df["attr"].scatter(idx, C.template_attr(df[idx])))
