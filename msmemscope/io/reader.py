@@ -605,7 +605,6 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     Attr texts that are not the writer's template parsed here, as the text read parses them)."""
     from . import columns as C
     parts, rows = got
-    need = _source_columns(want, keep)
     fields = tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size")))
     remake = "attr" in want and not batched and (attr_of is None or {"MALLOC", "FREE"} & set(attr_of))
     if remake:  # the template rows' text is made again from all their fields
