@@ -136,11 +136,12 @@ def main(argv=None) -> int:
     n = pl.read_csv(a.out, infer_schema=False, columns=["ID"]).height
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     import shutil
+    from msmemscope.io import column_writer as W
     from msmemscope.io import columns as C
     if a.companion:
         env.pop("MSMEMSCOPE_COLUMN_CACHE", None)
         t, c = time.perf_counter(), time.process_time()
-        ok = C.write_for(a.out)
+        ok = W.write_for(a.out)
         print(f"companion {'made' if ok else 'NOT made'} in {time.perf_counter() - t:.1f} s "
               f"({time.process_time() - c:.1f} CPU s)", file=sys.stderr)
     else:

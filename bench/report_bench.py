@@ -118,11 +118,12 @@ def _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops
     """The synthetic run as the writer process gets it: raw rows (events.RawRow order), a flush at a
     time, into ``CsvWriter`` (and its ``ColumnWriter``, as io/spool.py's writer process sets it up)."""
     sys.path.insert(0, ROOT)
+    from msmemscope.io import column_writer as W
     from msmemscope.io import columns as C
     from msmemscope.io.writers import CsvWriter
     w = CsvWriter(path)
     if C.enabled():
-        w.columns = C.ColumnWriter(path)
+        w.columns = W.ColumnWriter(path)
     cpu = {"rows": 0.0, "write": 0.0, "columns": 0.0}
     inner_add = w.columns.add if w.columns is not None else None
     if inner_add is not None:

@@ -18,6 +18,7 @@ import pytest
 
 import offline_golden as G  # noqa: E402  (tests/ is on sys.path under pytest)
 from conftest import ROOT, check_invariants, env_for_tests, full, run_cli
+from msmemscope.io import column_writer as W
 from msmemscope.io import columns as C
 from msmemscope.io import reader as R
 
@@ -247,7 +248,7 @@ def _write(tmp_path, rows, batches=7, c_syms=None, cls=None):
     cls = cls or CsvWriter
     path = str(tmp_path / ("memscope_dump_odd" + cls.suffix))
     w = cls(path)
-    w.columns = C.ColumnWriter(path)
+    w.columns = W.ColumnWriter(path)
     w.columns.least = 0
     step = max(1, len(rows) // batches)
     for lo in range(0, len(rows), step):
@@ -301,7 +302,7 @@ def test_turned_off_and_small_dumps_leave_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE")
     path = str(tmp_path / "memscope_dump_small.csv")
     w = CsvWriter(path)
-    w.columns = C.ColumnWriter(path)  # the default threshold: 64 MiB of text
+    w.columns = W.ColumnWriter(path)  # the default threshold: 64 MiB of text
     w.write(rows, 1, 1)
     w.close()
     assert not os.path.exists(C.folder_of(path)) and R.capture_parts(path) is None

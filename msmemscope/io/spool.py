@@ -342,7 +342,7 @@ def serve(argv) -> None:
         else:
             writer = DbWriter.attach(target)
         if extra.get("columns"):
-            from .columns import ColumnWriter
+            from .column_writer import ColumnWriter
             writer.columns = ColumnWriter(writer.path)
         if extra.get("keep_steps"):
             from .bounded import BoundedWriter
