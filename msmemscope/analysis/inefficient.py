@@ -392,6 +392,25 @@ def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
                         schema=CHUNK_SCHEMA)
 
 
+def chunk_from_columns(parts) -> pl.DataFrame:
+    """``chunk_from_rows``'s frame from the native ``chunk_columns`` of one or more flushes (in order)."""
+    def cat(j):
+        return b"".join(p[j] for p in parts)
+    pos = np.frombuffer(cat(0), dtype=np.int64)
+    kind = np.frombuffer(cat(1), dtype=np.int8)
+    aid, aid_ok = np.frombuffer(cat(2), dtype=np.int64), np.frombuffer(cat(3), dtype=np.bool_)
+    size, size_ok = np.frombuffer(cat(4), dtype=np.int64), np.frombuffer(cat(5), dtype=np.bool_)
+    before = np.frombuffer(cat(6), dtype=np.int8)
+    names = [x for p in parts for x in p[7]] if len(parts) > 1 else parts[0][7] if parts else []
+    stacks = [x for p in parts for x in p[8]] if len(parts) > 1 else parts[0][8] if parts else []
+    df = pl.DataFrame({"pos": pos, "kind": kind, "name": pl.Series(names, dtype=pl.String),
+                       "alloc_id": aid, "aid_ok": aid_ok, "size": size, "size_ok": size_ok, "before": before,
+                       "stack": pl.Series(stacks, dtype=pl.String)})
+    return df.select(
+        "pos", "kind", "name", alloc_id=pl.when("aid_ok").then("alloc_id"), size=pl.when("size_ok").then("size"),
+        before=pl.when(pl.col("before") >= 0).then(pl.col("before") == 1), stack="stack").cast(CHUNK_SCHEMA)
+
+
 # ------------------------------------------------------------------ results
 def type_names(bits: int, wanted=TYPES) -> list[str]:
     return [t for t in TYPES if bits & _BIT[t] and t in wanted]
@@ -695,6 +714,10 @@ class InefficientSink:
         self.tracker = Tracker(self.idle_threshold)
         self.failed = None
         self.pending, self.pending_first = [], None
+        from .folds import native_module
+        mod = native_module()  # the chunk's columns made in C++ at each flush, where built
+        self._columns = mod.chunk_columns if mod is not None else None
+        self.n_pending = 0
 
     # The tracker's columnar work has a fixed cost per call: feed it in batches of
     # BATCH_ROWS (and at close), not at every step of a fast training loop.
@@ -703,19 +726,31 @@ class InefficientSink:
     def consume(self, rows, first_id):
         if self.failed:
             return
-        if self.pending_first is None:
-            self.pending_first = first_id
-        self.pending.extend(rows)
-        if len(self.pending) >= self.BATCH_ROWS:
+        if self._columns is not None:  # the flush's columns now: no row tuple is kept
+            try:
+                self.pending.append(self._columns(rows, first_id, SKIP_POOLS))
+            except Exception as e:
+                self._fail(e)
+                return
+        else:
+            if self.pending_first is None:
+                self.pending_first = first_id
+            self.pending.extend(rows)
+        self.n_pending += len(rows)
+        if self.n_pending >= self.BATCH_ROWS:
             self._feed()
+
+    def _fail(self, e):
+        self.failed = f"{type(e).__name__}: {e}"
+        logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
 
     def _feed(self):
         rows, first = self.pending, self.pending_first
-        self.pending, self.pending_first = [], None
+        self.pending, self.pending_first, self.n_pending = [], None, 0
         if not rows or self.failed:
             return
         try:
-            self.tracker.feed(chunk_from_rows(rows, first))
+            self.tracker.feed(chunk_from_columns(rows) if self._columns is not None else chunk_from_rows(rows, first))
         except Exception as e:  # never let the analysis break the traced program
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
