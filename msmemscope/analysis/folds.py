@@ -17,7 +17,7 @@ def native_module():
         return None
     try:
         from ..capture import native
-        mod = native.load_module()
+        mod = native.load_built()
     except Exception:
         return None
     return mod if mod is not None and hasattr(mod, "Fold") else None

@@ -31,6 +31,7 @@
 #include <Python.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -1463,6 +1464,140 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
                         py::bytes(size_ok), py::bytes(before), names, stacks);
 }
 
+// Module attribution at a flush (capture/modules.py ModuleTracker.attribute is the caller and
+// the reference, `_attribute_py`): each MALLOC row of `buf` not attributed yet (a 6-item Attr
+// tuple, or a dict without "module") gets the state its thread had at its time, the last mark
+// (ts <= row ts) in `marks[tid] = (ts list, state list)`, else `base[tid]`; a state is
+// (module, phase) or None. `owned[alloc_id]` (the module owning the block) wins over the running
+// module; `cats[alloc_id]` gives an unlabelled owned block its owner (`<pool>@<category>`). The
+// row is replaced in `buf` by one whose Attr ends with (module, phase). Returns the rows changed.
+Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned, py::dict cats) {
+  struct Thread {
+    std::vector<int64_t> ts;
+    PyObject* states;  // borrowed: the list in `marks`
+    PyObject* base;    // borrowed or nullptr
+  };
+  std::unordered_map<PyObject*, Thread> by_tid;  // keyed by the tid object as found; ints compared below
+  py::str malloc_s("MALLOC");
+  Py_ssize_t changed = 0;
+  PyObject* module_key = nullptr;
+  PyObject* phase_key = nullptr;
+  auto state_of = [&](PyObject* tid, int64_t ts, bool* found) -> PyObject* {
+    *found = false;
+    PyObject* m = PyDict_GetItemWithError(marks.ptr(), tid);
+    if (m == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (m == nullptr || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2) {
+      PyObject* b = PyDict_GetItemWithError(base.ptr(), tid);
+      if (b == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      return b;  // borrowed, may be nullptr (None)
+    }
+    auto it = by_tid.find(m);
+    if (it == by_tid.end()) {
+      Thread t;
+      PyObject* tl = PyTuple_GET_ITEM(m, 0);
+      t.states = PyTuple_GET_ITEM(m, 1);
+      if (!PyList_Check(tl) || !PyList_Check(t.states)) throw std::invalid_argument("marks: (list, list)");
+      Py_ssize_t k = PyList_GET_SIZE(tl);
+      t.ts.reserve((size_t)k);
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
+        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+        t.ts.push_back(v);
+      }
+      t.base = PyDict_GetItemWithError(base.ptr(), tid);
+      if (t.base == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      it = by_tid.emplace(m, std::move(t)).first;
+    }
+    const Thread& t = it->second;
+    size_t j = (size_t)(std::upper_bound(t.ts.begin(), t.ts.end(), ts) - t.ts.begin());
+    if (j == 0 || j > (size_t)PyList_GET_SIZE(t.states)) return t.base;
+    return PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
+  };
+  Py_ssize_t n = PyList_GET_SIZE(buf.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(buf.ptr(), i);
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 8 || !same_str(PyTuple_GET_ITEM(r, 0), malloc_s.ptr())) continue;
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    PyObject* aid;
+    bool is_tuple = PyTuple_Check(a);
+    if (is_tuple) {
+      if (PyTuple_GET_SIZE(a) != 6) continue;
+      aid = PyTuple_GET_ITEM(a, 0);
+    } else if (PyDict_Check(a)) {
+      if (PyDict_GetItemString(a, "module") != nullptr) continue;
+      aid = PyDict_GetItemString(a, "allocation_id");
+      if (aid == nullptr) aid = Py_None;
+    } else {
+      continue;
+    }
+    int64_t ts = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 3));
+    if (ts == -1 && PyErr_Occurred()) throw py::error_already_set();
+    bool found;
+    PyObject* state = state_of(PyTuple_GET_ITEM(r, 4), ts, &found);
+    if (state == Py_None) state = nullptr;
+    PyObject* own = PyDict_GetItemWithError(owned.ptr(), aid);
+    if (own == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (own == Py_None) own = nullptr;
+    if (state == nullptr && own == nullptr) continue;
+    if (state != nullptr && (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) < 2))
+      throw std::invalid_argument("a module state is (module, phase)");
+    PyObject* mod = own != nullptr ? own : PyTuple_GET_ITEM(state, 0);
+    PyObject* phase = state != nullptr ? PyTuple_GET_ITEM(state, 1) : Py_None;
+    py::object na;
+    if (is_tuple) {
+      PyObject* owner = PyTuple_GET_ITEM(a, 5);
+      PyObject* cat = nullptr;
+      if (own != nullptr && !PyObject_IsTrue(owner)) {
+        cat = PyDict_GetItemWithError(cats.ptr(), aid);
+        if (cat == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      }
+      PyObject* t = PyTuple_New(8);
+      if (t == nullptr) throw py::error_already_set();
+      na = py::reinterpret_steal<py::object>(t);
+      for (Py_ssize_t j = 0; j < 5; ++j) {
+        PyObject* x = PyTuple_GET_ITEM(a, j);
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(t, j, x);
+      }
+      if (cat != nullptr) {
+        PyObject* o = PyUnicode_FromFormat("%S@%S", PyTuple_GET_ITEM(r, 1), cat);
+        if (o == nullptr) throw py::error_already_set();
+        PyTuple_SET_ITEM(t, 5, o);
+      } else {
+        Py_INCREF(owner);
+        PyTuple_SET_ITEM(t, 5, owner);
+      }
+      Py_INCREF(mod);
+      PyTuple_SET_ITEM(t, 6, mod);
+      Py_INCREF(phase);
+      PyTuple_SET_ITEM(t, 7, phase);
+    } else {
+      PyObject* d = PyDict_Copy(a);
+      if (d == nullptr) throw py::error_already_set();
+      na = py::reinterpret_steal<py::object>(d);
+      if (module_key == nullptr) {
+        module_key = PyUnicode_InternFromString("module");
+        phase_key = PyUnicode_InternFromString("phase");
+      }
+      if (PyDict_SetItem(d, module_key, mod) < 0) throw py::error_already_set();
+      if (phase != Py_None && PyDict_SetItem(d, phase_key, phase) < 0) throw py::error_already_set();
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(r);
+    PyObject* nr = PyTuple_New(m);
+    if (nr == nullptr) throw py::error_already_set();
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* x = j == 7 ? na.ptr() : PyTuple_GET_ITEM(r, j);
+      Py_INCREF(x);
+      PyTuple_SET_ITEM(nr, j, x);
+    }
+    PyList_SetItem(buf.ptr(), i, nr);  // steals nr, drops the old row
+    ++changed;
+  }
+  Py_XDECREF(module_key);
+  Py_XDECREF(phase_key);
+  return changed;
+}
+
 }  // namespace fold
 // ================================================================ end of analysis folds
 
@@ -1495,4 +1630,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end_window", &fold::Fold::end_window)
       .def("live", &fold::Fold::live);
   m.def("chunk_columns", &fold::chunk_columns);
+  m.def("attribute", &fold::attribute);
 }

@@ -377,44 +377,11 @@ class ModuleTracker:
                 found = {}
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
-        n = 0
-        get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
-        for i in range(len(buf)):
-            r = buf[i]
-            if r[EVENT] != malloc:
-                continue
-            a = r[ATTR]
-            if type(a) is tuple:
-                if len(a) != 6:
-                    continue
-                aid = a[A_ALLOC_ID]
-            elif isinstance(a, dict) and "module" not in a:
-                aid = a.get("allocation_id")
-            else:
-                continue
-            tid = r[TID]
-            m = get_marks(tid)
-            if m is None:
-                state = get_base(tid)
-            else:
-                j = right(m[0], r[TS]) - 1
-                state = m[1][j] if j >= 0 else get_base(tid)
-            own = get_own(aid)
-            if state is None and own is None:
-                continue
-            if own is not None:
-                mod = own
-                phase = state[1] if state is not None else None
-            else:
-                mod, phase = state
-            if type(a) is tuple:
-                if own is not None and not a[A_OWNER] and aid in cats:
-                    a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
-                buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
-            else:
-                extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
-                buf[i] = r[:ATTR] + ({**a, **extra},) + r[ATTR + 1:]
-            n += 1
+        mod = _native_module()
+        if mod is not None:
+            n = mod.attribute(buf, marks, base, owned, cats)
+        else:
+            n = _attribute_py(buf, marks, base, owned, cats)
         self.attributed += n
         self._prune()
         return n
@@ -431,3 +398,60 @@ class ModuleTracker:
                     del ts[:k], st[:k]
                 if not ts:
                     del self.marks[tid]
+
+
+def _native_module():
+    """The native module's ``attribute`` where it is built (``MSMEMSCOPE_FOLD=python``: the Python one)."""
+    if os.environ.get("MSMEMSCOPE_FOLD", "").strip().lower() == "python":
+        return None
+    try:
+        from . import native
+        mod = native.load_built()
+    except Exception:
+        return None
+    return mod if mod is not None and hasattr(mod, "attribute") else None
+
+
+def _attribute_py(buf, marks, base, owned, cats):
+    """``ModuleTracker.attribute``'s work on the rows in Python: the reference of the native
+    ``attribute`` (capture/_native.cpp), used where it is not built."""
+    malloc = Event.MALLOC
+    n = 0
+    get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
+    for i in range(len(buf)):
+        r = buf[i]
+        if r[EVENT] != malloc:
+            continue
+        a = r[ATTR]
+        if type(a) is tuple:
+            if len(a) != 6:
+                continue
+            aid = a[A_ALLOC_ID]
+        elif isinstance(a, dict) and "module" not in a:
+            aid = a.get("allocation_id")
+        else:
+            continue
+        tid = r[TID]
+        m = get_marks(tid)
+        if m is None:
+            state = get_base(tid)
+        else:
+            j = right(m[0], r[TS]) - 1
+            state = m[1][j] if j >= 0 else get_base(tid)
+        own = get_own(aid)
+        if state is None and own is None:
+            continue
+        if own is not None:
+            mod = own
+            phase = state[1] if state is not None else None
+        else:
+            mod, phase = state
+        if type(a) is tuple:
+            if own is not None and not a[A_OWNER] and aid in cats:
+                a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
+            buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
+        else:
+            extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
+            buf[i] = r[:ATTR] + ({**a, **extra},) + r[ATTR + 1:]
+        n += 1
+    return n
