@@ -131,8 +131,19 @@ def run_stream(rows, cut, dec, mods):
     return json.dumps(dec.result()), json.dumps(mods.result()), n
 
 
+def _m(aid, size, owner, used=0):
+    return ("MALLOC", "PTA", "", 0, 1, "cpu", 0, (aid, 0, size, used, used, owner, "GPT.h.0", "forward"), None, None)
+
+
+def _f(aid, used=0):
+    return ("FREE", "PTA", "", 0, 1, "cpu", 0, (aid, 0, 0, used, used), None, None)
+
+
 @settings(**SETTINGS)
 @given(stream, cuts)
+# an owner that rises in a step after one held from the step's start: the step's "peak" dict
+# lists the held one first, as the Python dict does (not in the order the counters were made)
+@hypothesis.example([_m(1, 10, "PTA@ops"), _f(1), _m(2, 5, "PTA@weight"), STEP, _m(3, 7, "PTA@ops")], [])
 def test_folded_decomposition_and_module_table_are_the_python_folds(rows, cut):
     want = run_stream(rows, cut, D.Decomposition(), D.ModuleTable())
     got = run_stream(rows, cut, D.FoldedDecomposition(MOD), D.FoldedModuleTable(MOD))
