@@ -256,15 +256,17 @@ def test_node_hooks_mark_as_the_multi_grad_hooks():
             M._on_first_grad = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn, mode="any")
             M._on_all_grads = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn)
         tr = M.ModuleTracker(types.SimpleNamespace(active=True)).install()
-        seq = []
-        tr._mark = lambda tid, ts, state: seq.append((tid == threading.get_ident(), state))
         try:
             for _ in range(2):
                 model(x).float().mean().backward()
         finally:
             tr.remove()
             M._on_first_grad, M._on_all_grads = saved
-        return seq
+        # every mark, in time order (each thread's list is in order already)
+        me = threading.get_ident()
+        seq = sorted(((t, tid == me, st) for tid, (ts, sts) in tr.marks.items() for t, st in zip(ts, sts)),
+                     key=lambda m: m[0])
+        return [m[1:] for m in seq]
 
     for kind in ("net", "leaf", "gpt"):
         ours, theirs = marks(kind, False), marks(kind, True)

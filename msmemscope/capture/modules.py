@@ -67,6 +67,7 @@ def _grad_tensors(obj, out, depth=0):
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
 _will_run = torch._C._will_engine_execute_node
 
@@ -135,6 +136,7 @@ class ModuleTracker:
     def __init__(self, session):
         self.s = session
         self.paths = weakref.WeakKeyDictionary()   # module -> path
+        self._path_get = self.paths.get
         self.roots = {}                            # root name -> weakref to the root
         self.stacks = {}                           # tid -> [[path, phase], ...] open now, innermost last
         self.marks = {}                            # tid -> ([ts, ...], [state, ...]) since the cut
@@ -208,34 +210,50 @@ class ModuleTracker:
         m[1].append(state)
 
     def _push(self, path, phase):
-        tid = threading.get_ident()
+        tid = _get_ident()
         with self.lock:
             st = self.stacks.get(tid)
             if st is None:
                 st = self.stacks[tid] = []
-            i = len(st)
-            if phase == BACKWARD:
+            state = (path, phase)
+            if phase == BACKWARD and st:
                 # hooks on one tensor fire in registration order: a parent whose output is its last
                 # child's output (GPT and GPT.head) enters after it; it still encloses it
+                i = len(st)
                 pre = path + "."
                 while i and st[i - 1][1] == BACKWARD and st[i - 1][0].startswith(pre):
                     i -= 1
-            st.insert(i, (path, phase))
-            self._mark(tid, time_ns(), st[-1])
+                st.insert(i, state)
+                state = st[-1]
+            else:
+                st.append(state)
+            m = self.marks.get(tid)
+            if m is None:
+                m = self.marks[tid] = ([], [])
+            m[0].append(time_ns())
+            m[1].append(state)
 
     def _pop(self, path, phase):
-        tid = threading.get_ident()
+        tid = _get_ident()
         with self.lock:
             st = self.stacks.get(tid)
             if not st:
                 return
-            for i in range(len(st) - 1, -1, -1):
-                if st[i][0] == path and st[i][1] == phase:
-                    del st[i]
-                    break
+            top = st[-1]
+            if top[0] == path and top[1] == phase:  # the common case: the innermost ends
+                st.pop()
             else:
-                return
-            self._mark(tid, time_ns(), st[-1] if st else None)
+                for i in range(len(st) - 2, -1, -1):
+                    if st[i][0] == path and st[i][1] == phase:
+                        del st[i]
+                        break
+                else:
+                    return
+            m = self.marks.get(tid)
+            if m is None:
+                m = self.marks[tid] = ([], [])
+            m[0].append(time_ns())
+            m[1].append(st[-1] if st else None)
 
     # ------------------------------------------------------------ hooks
     def _opt(self, opt, args, kwargs):
@@ -245,9 +263,9 @@ class ModuleTracker:
         try:
             if not self.s.active:
                 return
-            p = self.paths.get(module)
+            p = self._path_get(module)
             if p is None:
-                st = self.stacks.get(threading.get_ident())
+                st = self.stacks.get(_get_ident())
                 fwd = [e for e in st if e[1] == FORWARD] if st else None
                 p = self._name(module, fwd[-1][0] if fwd else None)
             in_bw = _graph_task_id() != -1
@@ -262,7 +280,7 @@ class ModuleTracker:
 
     def _post(self, module, args, out):
         try:
-            p = self.paths.get(module)
+            p = self._path_get(module)
             if p is None:
                 return
             in_bw = _graph_task_id() != -1
