@@ -122,6 +122,58 @@ def check_invariants(df: pl.DataFrame):
     return live
 
 
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, worker_id):
+    """``shared_run(name, make)``: one traced run that tests of several files assert on, made once
+    per test session however xdist spreads those files over its workers. ``make(folder)`` runs
+    the program into ``folder`` and returns what the tests need (JSON-able: stdout, stderr, status);
+    every worker gets the same folder and value. A run that failed fails every test that uses it."""
+    from filelock import FileLock
+    base = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the workers' temp folders share their parent
+        base = base.parent
+    base = base / "shared-runs"
+    base.mkdir(exist_ok=True)
+
+    def get(name, make):
+        folder, done = base / name, base / f"{name}.json"
+        with FileLock(str(base / f"{name}.lock")):
+            if not done.exists():
+                folder.mkdir(exist_ok=True)
+                done.write_text(json.dumps(make(folder)))
+        return folder, json.loads(done.read_text())
+    return get
+
+
+#: the FSDP2 job that test_summary.py and test_combinations.py both assert on (one run, shared)
+FSDP2_LAUNCHER = ("fsdp2_ranks.py", "native", "leaks,decompose,inefficient")
+
+
+def fsdp2_launcher_run(shared_run):
+    """``msmemscope --analysis=leaks,decompose,inefficient torchrun --standalone --nproc_per_node=2
+    tests/progs/fsdp2_ranks.py`` (gloo, CPU, the native source), made once for the session:
+    (the output root, the launcher's CompletedProcess-like result)."""
+    import shutil
+    import types
+    prog, source, analysis = FSDP2_LAUNCHER
+
+    def make(folder):
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        torchrun = torchrun if os.path.exists(torchrun) else shutil.which("torchrun")
+        if torchrun is None:
+            return {"skip": "torchrun not installed"}
+        env = env_for_tests()
+        env["MSMEMSCOPE_SOURCE"] = source
+        env["PATH"] = os.path.dirname(torchrun) + os.pathsep + env.get("PATH", "")
+        r = run_cli([f"--analysis={analysis}", "-o", str(folder), "torchrun", "--standalone",
+                     "--nproc_per_node=2", os.path.join(ROOT, "tests", "progs", prog)], env=env)
+        return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+    folder, res = shared_run("fsdp2-launcher", make)
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    return folder, types.SimpleNamespace(**res)
+
+
 @pytest.fixture
 def out_dir(tmp_path):
     d = tmp_path / "out"

@@ -7,7 +7,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
+from conftest import (EXAMPLES, FULL, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
                       run_cli, run_folders)
 from msmemscope.events import HEADER
 
@@ -84,6 +84,8 @@ def test_losses_bit_identical(out_dir, script, args):
     assert "loss" in plain and plain == traced
 
 
+@pytest.mark.skipif(not FULL, reason="long form: make test traces this program with more options "
+                    "(test_reliability.py::test_losses_bit_identical_more_options, the same checks)")
 def test_threads_and_dataloader_workers(out_dir):
     path = os.path.join(SCRIPTS, "threads_loader.py")
     env = env_for_tests()

@@ -6,12 +6,14 @@ import signal
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, read, run_cli, run_folders
+from conftest import ROOT, check_invariants, dump_of, full, read, run_cli, run_folders
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "faults.py")
 
 
-@pytest.mark.parametrize("mode,at,status", [
+# make test: one fault here; test_reliability.py's test_fault_at_random_point runs every fault (at
+# random points, with the same checks and more), so the long form alone repeats them all here
+@pytest.mark.parametrize("mode,at,status", full([("alloc", 4, 1)], [
     ("exception", 7, 1),
     ("exit", 9, 3),
     ("os_exit", 5, 5),
@@ -19,7 +21,7 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "faults.py")
     ("sigint", 6, 128 + signal.SIGINT),  # Python re-raises an uncaught KeyboardInterrupt as SIGINT
     ("sigkill", 8, 128 + signal.SIGKILL),
     ("alloc", 4, 1),
-])
+]))
 def test_fault_keeps_dump(out_dir, mode, at, status):
     r = run_cli(["-o", str(out_dir), SCRIPT, mode, str(at)])
     assert r.returncode == status, r.stderr
@@ -49,7 +51,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
-from conftest import config_of, env_for_tests, full  # noqa: E402
+from conftest import config_of, env_for_tests  # noqa: E402
 
 TRAIN = os.path.join(ROOT, "tests", "scripts", "train_small.py")
 STEPS = 8

@@ -77,6 +77,8 @@ def test_fault_at_random_point(out_dir, mode, at, phase):
     assert ("PROC_EXIT" in kinds) == (mode != "sigkill")
     if mode == "exception":
         assert "ValueError: planted failure" in r.stderr
+    if mode == "alloc":
+        assert "RuntimeError" in r.stderr  # the allocator's refusal reaches the program as torch raises it
 
 
 def _wait_for(proc, text):
@@ -124,6 +126,11 @@ def test_losses_bit_identical_more_options(out_dir, opts):
                             capture_output=True, text=True, env=env, timeout=600)
     assert plain.returncode == 0 and traced.returncode == 0, traced.stderr
     assert "side" in plain.stdout and plain.stdout == traced.stdout
+    folders = run_folders(out_dir)
+    assert len(folders) == 1  # DataLoader workers are not traced
+    df = read(dump_of(folders[0]))
+    check_invariants(df)
+    assert df.filter(pl.col("event") == "OP_LAUNCH")["tid"].n_unique() >= 2  # the side thread's ops, in its thread
 
 
 # ---------------------------------------------------------------- millions of events

@@ -10,7 +10,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, full, config_of, dump_of, env_for_tests, read, run_cli, run_folders
+from conftest import ROOT, fsdp2_launcher_run, check_invariants, full, config_of, dump_of, env_for_tests, read, run_cli, run_folders
 
 PROGS = os.path.join(ROOT, "tests", "progs")
 
@@ -43,11 +43,9 @@ def _bench():
 
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    torchrun, env = _torchrun_env()
-    out = tmp_path_factory.mktemp("fsdp2")
-    r = run_cli(["--analysis=decompose,inefficient", "-o", str(out), torchrun, "--standalone",
-                 "--nproc_per_node=2", os.path.join(PROGS, "fsdp2_ranks.py")], env=env, timeout=600)
+def fsdp_run(shared_run):
+    # the job test_combinations.py also checks (conftest.FSDP2_LAUNCHER): one run for both files
+    out, r = fsdp2_launcher_run(shared_run)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -120,6 +118,13 @@ def test_ddp_four_ranks_one_leaks(out_dir, tmp_path):
     folders = run_folders(out_dir)
     assert sorted(config_of(f)["rank"] for f in folders) == list(range(RANKS))
     assert len({os.path.basename(f) for f in folders}) == RANKS
+    steps = set()
+    for f in folders:  # every rank's dump complete, in its own folder (the ranks, not torchrun's agent)
+        assert config_of(f)["world_size"] == RANKS
+        df = read(dump_of(f))
+        check_invariants(df)
+        steps.add(df.filter(pl.col("event_type") == "STEP").height)
+    assert len(steps) == 1 and steps.pop() >= 3, steps
     s, text = _summary_json(out_dir, tmp_path)
     assert s["leaking"] == ["rank 2"]
     by = {r["rank"]: r for r in s["ranks"]}
