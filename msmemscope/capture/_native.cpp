@@ -1243,7 +1243,45 @@ class Fold {
     return (int32_t)keys_.size() - 1;
   }
 
+  // the rows of a flush mostly share their strings (the same objects): a map by the objects'
+  // addresses finds their key without a tuple and its hash; its entries keep those objects alive
+  // (`fast_refs_`), so an address in it never names another object
+  struct Ptrs {
+    PyObject* p[5];
+    bool operator==(const Ptrs& o) const {
+      for (int j = 0; j < 5; ++j)
+        if (p[j] != o.p[j]) return false;
+      return true;
+    }
+  };
+  struct PtrsHash {
+    size_t operator()(const Ptrs& k) const {
+      size_t h = 1469598103934665603ULL;
+      for (int j = 0; j < 5; ++j) h = (h ^ (size_t)k.p[j]) * 1099511628211ULL;
+      return h;
+    }
+  };
+  std::unordered_map<Ptrs, int32_t, PtrsHash> fast_;
+  std::vector<py::object> fast_refs_;
+
   int32_t key_of(PyObject* pool, PyObject* dev, PyObject* owner, PyObject* module, PyObject* phase) {
+    Ptrs pk{{pool, dev, owner, module, phase}};
+    auto hit_fast = fast_.find(pk);
+    if (hit_fast != fast_.end()) return hit_fast->second;
+    int32_t id = key_by_value(pool, dev, owner, module, phase);
+    if (fast_.size() >= 65536) {  // a stream of ever new strings: start over (the dict still has them)
+      fast_.clear();
+      fast_refs_.clear();
+    }
+    fast_refs_.push_back(py::make_tuple(py::reinterpret_borrow<py::object>(pool), py::reinterpret_borrow<py::object>(dev),
+                                   py::reinterpret_borrow<py::object>(owner),
+                                   py::reinterpret_borrow<py::object>(module),
+                                   py::reinterpret_borrow<py::object>(phase)));
+    fast_.emplace(pk, id);
+    return id;
+  }
+
+  int32_t key_by_value(PyObject* pool, PyObject* dev, PyObject* owner, PyObject* module, PyObject* phase) {
     PyObject* t = PyTuple_Pack(5, pool, dev, owner, module, phase);
     if (t == nullptr) throw py::error_already_set();
     PyObject* hit = PyDict_GetItemWithError(cache_.ptr(), t);
