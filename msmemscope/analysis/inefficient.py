@@ -401,14 +401,27 @@ def chunk_from_columns(parts) -> pl.DataFrame:
     aid, aid_ok = np.frombuffer(cat(2), dtype=np.int64), np.frombuffer(cat(3), dtype=np.bool_)
     size, size_ok = np.frombuffer(cat(4), dtype=np.int64), np.frombuffer(cat(5), dtype=np.bool_)
     before = np.frombuffer(cat(6), dtype=np.int8)
-    names = [x for p in parts for x in p[7]] if len(parts) > 1 else parts[0][7] if parts else []
-    stacks = [x for p in parts for x in p[8]] if len(parts) > 1 else parts[0][8] if parts else []
-    df = pl.DataFrame({"pos": pos, "kind": kind, "name": pl.Series(names, dtype=pl.String),
+
+    def strings(codes_at, uniq_at):
+        """A string column from each part's codes into its distinct strings."""
+        codes, uniq, off = [], [], 0
+        for p in parts:
+            c = np.frombuffer(p[codes_at], dtype=np.int32).astype(np.int64)
+            codes.append(np.where(c >= 0, c + off, -1))
+            uniq.extend(p[uniq_at])
+            off += len(p[uniq_at])
+        c = np.concatenate(codes) if codes else np.empty(0, np.int64)
+        u = pl.Series(uniq, dtype=pl.String)
+        return u.gather(np.maximum(c, 0)) if len(u) else pl.Series(values=[None] * len(c), dtype=pl.String), c >= 0
+    names, has_name = strings(7, 8)
+    stacks, has_stack = strings(9, 10)
+    df = pl.DataFrame({"pos": pos, "kind": kind, "name": names, "has_name": has_name,
                        "alloc_id": aid, "aid_ok": aid_ok, "size": size, "size_ok": size_ok, "before": before,
-                       "stack": pl.Series(stacks, dtype=pl.String)})
+                       "stack": stacks, "has_stack": has_stack})
     return df.select(
-        "pos", "kind", "name", alloc_id=pl.when("aid_ok").then("alloc_id"), size=pl.when("size_ok").then("size"),
-        before=pl.when(pl.col("before") >= 0).then(pl.col("before") == 1), stack="stack").cast(CHUNK_SCHEMA)
+        "pos", "kind", name=pl.when("has_name").then("name"), alloc_id=pl.when("aid_ok").then("alloc_id"),
+        size=pl.when("size_ok").then("size"), before=pl.when(pl.col("before") >= 0).then(pl.col("before") == 1),
+        stack=pl.when("has_stack").then("stack")).cast(CHUNK_SCHEMA)
 
 
 # ------------------------------------------------------------------ results

@@ -1418,7 +1418,8 @@ class Fold {
 // The columns of analysis/inefficient.py's chunk from row tuples, in one pass (its
 // chunk_from_rows is the reference): kinds 1 op start, 2 op end, 3 MALLOC, 4 FREE, 5 ACCESS;
 // numbers as raw little-endian buffers (int64 pos, int8 kind, int64 alloc_id + uint8 valid,
-// int64 size + uint8 valid, int8 before: -1 none), op names and stacks as lists.
+// int64 size + uint8 valid, int8 before: -1 none); op names and stacks as int32 codes (-1: none)
+// into a list of the distinct strings of this call (a batch has few distinct names and stacks).
 py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pools) {
   PyObject* seq = PySequence_Fast(rows.ptr(), "rows: a sequence");
   if (seq == nullptr) throw py::error_already_set();
@@ -1426,8 +1427,23 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
   PyObject** items = PySequence_Fast_ITEMS(seq);
   py::str op_launch("OP_LAUNCH"), aten_start("ATEN_START"), aten_end("ATEN_END"), access("ACCESS"),
       malloc_s("MALLOC"), free_s("FREE");
-  std::string pos, kind, aid, aid_ok, size, size_ok, before;
-  py::list names, stacks;
+  std::string pos, kind, aid, aid_ok, size, size_ok, before, name_codes, stack_codes;
+  py::list names, stacks;     // the distinct strings
+  py::dict name_ids, stack_ids;
+  auto code_of = [](PyObject* o, py::dict& ids, py::list& uniq) -> int32_t {
+    if (o == nullptr || !PyUnicode_Check(o)) return -1;
+    PyObject* hit = PyDict_GetItemWithError(ids.ptr(), o);
+    if (hit != nullptr) return (int32_t)PyLong_AsLong(hit);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    int32_t c = (int32_t)PyList_GET_SIZE(uniq.ptr());
+    PyObject* v = PyLong_FromLong(c);
+    if (v == nullptr) throw py::error_already_set();
+    int bad = PyDict_SetItem(ids.ptr(), o, v);
+    Py_DECREF(v);
+    if (bad < 0 || PyList_Append(uniq.ptr(), o) < 0) throw py::error_already_set();
+    return c;
+  };
+  auto put32 = [](std::string& b, int32_t v) { b.append((const char*)&v, 4); };
   auto put64 = [](std::string& b, int64_t v) { b.append((const char*)&v, 8); };
   auto put8 = [](std::string& b, int8_t v) { b.push_back((char)v); };
   auto in_skip = [&](PyObject* et) {
@@ -1494,12 +1510,13 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
     put64(size, ok ? v : 0);
     put8(size_ok, ok);
     put8(before, bf);
-    names.append(PyUnicode_Check(name) ? py::reinterpret_borrow<py::object>(name) : py::none());
-    stacks.append(PyUnicode_Check(stack) ? py::reinterpret_borrow<py::object>(stack) : py::none());
+    put32(name_codes, code_of(name, name_ids, names));
+    put32(stack_codes, code_of(stack, stack_ids, stacks));
   }
   Py_DECREF(seq);
   return py::make_tuple(py::bytes(pos), py::bytes(kind), py::bytes(aid), py::bytes(aid_ok), py::bytes(size),
-                        py::bytes(size_ok), py::bytes(before), names, stacks);
+                        py::bytes(size_ok), py::bytes(before), py::bytes(name_codes), names, py::bytes(stack_codes),
+                        stacks);
 }
 
 // Module attribution at a flush (capture/modules.py ModuleTracker.attribute is the caller and

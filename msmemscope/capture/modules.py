@@ -147,6 +147,7 @@ class ModuleTracker:
         self._callback_queued = False
         self.attributed = 0
         self.optimizers = weakref.WeakSet()
+        self._tree, self._tree_roots = None, ()      # owned_blocks' walk of the roots' modules
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -155,6 +156,8 @@ class ModuleTracker:
             return self
         from torch.optim import optimizer as optim
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt))
+        self._tree = None  # modules registered while stopped are not seen by the hook
+        self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
         self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
         try:
             self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
@@ -344,25 +347,48 @@ class ModuleTracker:
             out.append(s.alloc_id_of(st))
         return out
 
+    def _module_tree(self):
+        """[(path, weak reference)] of every module of the roots (``named_modules()``), walked again
+        only when the roots change or a module is registered anywhere (the global module
+        registration hook, installed while tracing): a flush reads the modules' parameters, not
+        the tree. Weak references: a module the program drops is not kept."""
+        roots = tuple((name, ref) for name, ref in self.roots.items())
+        if self._tree is not None and self._tree_roots == roots:
+            return self._tree
+        tree = []
+        for name, ref in roots:
+            root = ref()
+            if root is None:
+                continue
+            for sub_name, sub in root.named_modules():
+                tree.append((self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name), weakref.ref(sub)))
+        self._tree, self._tree_roots = tree, roots
+        return tree
+
+    def _tree_changed(self, *_):
+        self._tree = None
+
     def owned_blocks(self):
         """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
         modules seen (by the sources' allocation ids): what a run without owner labels (no
         ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
         tensors, meta, by_param = [], [], {}
-        for name, ref in list(self.roots.items()):
-            root = ref()
-            if root is None:
+        for path, ref in self._module_tree():
+            sub = ref()
+            if sub is None:
                 continue
-            for sub_name, sub in root.named_modules():
-                path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
-                for p in sub.parameters(recurse=False):
-                    by_param.setdefault(id(p), path)
-                    tensors.append(p)
-                    meta.append((path, "weight"))
-                    if p.grad is not None:
-                        tensors.append(p.grad)
-                        meta.append((path, "gradient"))
-                for bf in sub.buffers(recurse=False):
+            # the module's own parameters and buffers (parameters(recurse=False), buffers(recurse=False))
+            for p in sub._parameters.values():
+                if p is None:
+                    continue
+                by_param.setdefault(id(p), path)
+                tensors.append(p)
+                meta.append((path, "weight"))
+                if p.grad is not None:
+                    tensors.append(p.grad)
+                    meta.append((path, "gradient"))
+            for bf in sub._buffers.values():
+                if bf is not None:
                     tensors.append(bf)
                     meta.append((path, "weight"))
         for opt in list(self.optimizers):
