@@ -90,11 +90,35 @@ def _nodes_of(tensors):
 # put on the tensors' nodes directly (Node.register_prehook, one C++ call): the multi-grad hook's
 # Tensor.register_hook costs a hook dict and a RemovableHandle per tensor, on every module call.
 # A leaf among the tensors (no node) keeps the multi-grad hook.
+# A leaf (a tensor the program keeps: an input that requires grad, a parameter passed in) keeps
+# its hooks across iterations: the multi-grad hook of one module call is removed once it has run
+# (after the backward pass, not from inside it), else every later backward would run all of them.
+_fired_leaf_hooks = []
+
+
+def _leaf_hook(tensors, fn, mode):
+    box = []
+
+    def once(*_):
+        if box:
+            _fired_leaf_hooks.append(box.pop())
+            fn()
+    box.append(torch.autograd.graph.register_multi_grad_hook(tensors, once, mode=mode))
+
+
+def _remove_fired_leaf_hooks():
+    while _fired_leaf_hooks:
+        try:
+            _fired_leaf_hooks.pop().remove()
+        except Exception:
+            pass
+
+
 def _on_first_grad(tensors, fn):
     """``fn()`` when the first gradient of any of ``tensors`` is computed, once per backward pass."""
     nodes = _nodes_of(tensors)
     if nodes is None:
-        torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")
+        _leaf_hook(tensors, fn, "any")
         return
     ran = set()
 
@@ -111,7 +135,7 @@ def _on_all_grads(tensors, fn):
     """``fn()`` once the gradients of all of ``tensors`` that this backward pass computes are."""
     nodes = _nodes_of(tensors)
     if nodes is None:
-        torch.autograd.graph.register_multi_grad_hook(tensors, fn)
+        _leaf_hook(tensors, fn, "all")
         return
     if len(nodes) == 1:
         nodes[0].register_prehook(lambda _grads: fn())
@@ -169,6 +193,7 @@ class ModuleTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _remove_fired_leaf_hooks()
         # what is still open is closed now: rows made after stop carry no module
         with self.lock:
             ts = time_ns()
@@ -317,6 +342,7 @@ class ModuleTracker:
     def _bw_done(self):
         """The backward pass ended: every module still in backward (no input needed a gradient) ends."""
         self._callback_queued = False
+        _remove_fired_leaf_hooks()
         with self.lock:
             ts = time_ns()
             for tid, st in self.stacks.items():
