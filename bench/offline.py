@@ -1,7 +1,7 @@
 """Offline analyses on one generated dump, next to the bare read of the same file.
 
     PYTHONPATH=. python bench/offline.py [--events 3000000] [--out /tmp/offline_bench.csv] [--keep] [--reuse]
-                                         [--tasks read,leaks,...] [--repeat 1]
+                                         [--tasks read,leaks,...] [--repeat 1] [--companion]
 
 The dump (our CSV format, generated with polars by bench/inefficient_bench.py)
 is shaped like a traced training loop with 8 steps, a Mark 'step' and a STEP row
@@ -113,6 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--repeat", type=int, default=1, help="runs per task (the median is shown)")
+    p.add_argument("--companion", action="store_true",
+                   help="give the dump its capture-time columnar companion (io/columns.py, made from its "
+                        "text once, timed apart) so that the analyses read it, as they read a dump the "
+                        "tool wrote; without it they read the text (MSMEMSCOPE_COLUMN_CACHE=0)")
     p.add_argument("--task", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.task:
@@ -131,6 +135,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
     n = pl.read_csv(a.out, infer_schema=False, columns=["ID"]).height
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import shutil
+    from msmemscope.io import column_writer as W
+    from msmemscope.io import columns as C
+    if a.companion:
+        env.pop("MSMEMSCOPE_COLUMN_CACHE", None)
+        t, c = time.perf_counter(), time.process_time()
+        ok = W.write_for(a.out)
+        print(f"companion {'made' if ok else 'NOT made'} in {time.perf_counter() - t:.1f} s "
+              f"({time.process_time() - c:.1f} CPU s)", file=sys.stderr)
+    else:
+        env["MSMEMSCOPE_COLUMN_CACHE"] = "0"
     results = {}
     tasks = [t for t in a.tasks.split(",") if t]
     if "bare" not in tasks:
@@ -166,6 +181,7 @@ def main(argv=None) -> int:
               f"| {m / 1024:.0f} | {m / bare_m:.2f}× |")
     if not a.keep:
         os.unlink(a.out)
+        shutil.rmtree(C.folder_of(a.out), ignore_errors=True)
     return 0
 
 

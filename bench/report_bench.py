@@ -1,9 +1,11 @@
 """The HTML report on a long dump: time to write it (``msmemscope report``, reading the CSV
 included), its size, and the time headless Chromium takes to draw it. Two reports, each in a
 process of its own: cold (the CSV alone: the dump's columnar companion deleted first) and warm
-(reading the companion the cold one left); ``--warm-only`` keeps the companion and times the warm one.
+(reading the companion the cold one left); ``--warm-only`` keeps the companion and times the warm one;
+``--writer`` writes the dump through the tool's own dump writer, capture-time companion included
+(io/columns.py), and times the first report of it (what a user's first report of a run costs).
 
-    python bench/report_bench.py --events 10000000 [--keep DIR] [--warm-only]
+    python bench/report_bench.py --events 10000000 [--keep DIR] [--warm-only | --writer]
 
 The dump is synthetic but shaped like training: weights and optimizer state made once,
 gradients and activations made and freed every step, temporaries inside ops, a STEP row
@@ -30,7 +32,10 @@ HEADER = ("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id
           "Call Stack(Python),Call Stack(C)\n")
 
 
-def synth(path: str, n_events: int, seed: int = 0) -> None:
+def synth(path: str, n_events: int, seed: int = 0, writer: bool = False) -> dict | None:
+    """The dump, written by polars (``writer=False``: the fastest way to make one) or by the tool's
+    own dump writer (``writer=True``: ``CsvWriter`` fed raw rows in flushes of ``FLUSH_ROWS``, with the
+    capture-time columnar companion unless ``MSMEMSCOPE_COLUMN_CACHE=0``; returns its CPU seconds)."""
     rng = np.random.default_rng(seed)
     n_alloc = n_events // 2
     steps = 200
@@ -69,6 +74,9 @@ def synth(path: str, n_events: int, seed: int = 0) -> None:
     has = last_of >= 0
     order_s = np.argsort(last_of[has])
     last, last_step = last_of[has][order_s], np.flatnonzero(has)[order_s]
+    if writer:
+        return _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops, stacks, last,
+                                     last_step)
     with open(path, "w", encoding="utf-8") as f:
         f.write(HEADER)
     # written in slices of rows so that a 10M-event dump needs little memory; IDs count the
@@ -101,6 +109,77 @@ def synth(path: str, n_events: int, seed: int = 0) -> None:
             rows = pl.concat([rows, srows], how="vertical_relaxed").sort("ID")
         with open(path, "a", encoding="utf-8") as f:
             rows.write_csv(f, include_header=False, quote_style="necessary")
+
+
+FLUSH_ROWS = 4096
+
+
+def _write_through_writer(path, n, ev_kind, ev_a, size, used, ts, cat, cats, ops, stacks, last, last_step):
+    """The synthetic run as the writer process gets it: raw rows (events.RawRow order), a flush at a
+    time, into ``CsvWriter`` (and its ``ColumnWriter``, as io/spool.py's writer process sets it up)."""
+    sys.path.insert(0, ROOT)
+    from msmemscope.io import column_writer as W
+    from msmemscope.io import columns as C
+    from msmemscope.io.writers import CsvWriter
+    w = CsvWriter(path)
+    if C.enabled():
+        w.columns = W.ColumnWriter(path)
+    cpu = {"rows": 0.0, "write": 0.0, "columns": 0.0}
+    inner_add = w.columns.add if w.columns is not None else None
+    if inner_add is not None:
+        def timed_add(*a, **k):
+            c = time.process_time()
+            inner_add(*a, **k)
+            cpu["columns"] += time.process_time() - c
+        w.columns.add = timed_add
+    step_at = dict(zip(last.tolist(), (last_step + 1).tolist()))
+    next_id = 1
+    pending = []
+    for lo in range(0, n, SLICE_ROWS):
+        c0 = time.process_time()
+        hi = min(n, lo + SLICE_ROWS)
+        kind = ev_kind[lo:hi].tolist()
+        a = ev_a[lo:hi]
+        aid = (a + 1).tolist()
+        addr = (a * 4096 + 1_000_000_000).tolist()
+        sz = size[a].tolist()
+        us = used[lo:hi].tolist()
+        tss = ts[lo:hi].tolist()
+        own = cats[cat[a]].tolist()
+        op = ops[a % 40].tolist()
+        st = stacks[a % 24].tolist()
+        rows = []
+        for j in range(hi - lo):
+            if kind[j] == 0:
+                rows.append(("MALLOC", "PTA", op[j], tss[j], 4242, "cpu", addr[j],
+                             (aid[j], addr[j], sz[j], us[j], us[j], own[j]), st[j], None))
+            else:
+                rows.append(("FREE", "PTA", "N/A", tss[j], 4242, "cpu", addr[j],
+                             (aid[j], addr[j], sz[j], us[j], us[j]), None, None))
+            s = step_at.get(lo + j)
+            if s is not None:
+                rows.append(("SYSTEM", "STEP", "N/A", tss[j], 4242, "cpu", None, {"step": s}, None, None))
+        cpu["rows"] += time.process_time() - c0
+        # the writer process holds one flush of rows at a time: the million made here are kept out
+        # of the collector's way, as they would not be there
+        import gc
+        gc.freeze()
+        pending += rows
+        del rows
+        done = 0  # flushes taken by index: no copy of the rest of the slice per flush
+        while len(pending) - done >= FLUSH_ROWS or (hi == n and done < len(pending)):
+            batch = pending[done:done + FLUSH_ROWS]
+            done += len(batch)
+            c = time.process_time()
+            w.write(batch, next_id, 4242)
+            cpu["write"] += time.process_time() - c
+            next_id += len(batch)
+        pending = pending[done:]
+    c = time.process_time()
+    w.close()
+    cpu["write"] += time.process_time() - c
+    cpu["csv_only"] = cpu["write"] - cpu["columns"]
+    return {k: round(v, 2) for k, v in cpu.items()}
 
 
 def reader_frame(n_events: int) -> pl.DataFrame:
@@ -201,6 +280,9 @@ def main():
                          "time and memory are left out)")
     ap.add_argument("--warm-only", action="store_true",
                     help="keep the dump's columnar companion and time the warm report only")
+    ap.add_argument("--writer", action="store_true",
+                    help="write the dump through the tool's own dump writer (with its capture-time columnar "
+                         "companion, io/columns.py) and time the first report of it")
     ns = ap.parse_args()
     d = ns.keep or tempfile.mkdtemp(prefix="msmemscope-report-bench-")
     os.makedirs(d, exist_ok=True)
@@ -243,18 +325,23 @@ def main():
             shutil.rmtree(d, ignore_errors=True)
         return
     t = time.perf_counter()
+    writer_cpu = None
     if not os.path.exists(dump):
-        synth(dump, ns.events)
+        writer_cpu = synth(dump, ns.events, writer=ns.writer)
     t_synth = time.perf_counter() - t
     sys.path.insert(0, ROOT)
-    from msmemscope.io.reader import companion_path
+    from msmemscope.io.reader import capture_parts, companion_path
     companion = companion_path(dump)
     if os.path.exists(companion) and not ns.warm_only:
-        os.remove(companion)  # the cold run: the CSV alone, as a run leaves it
+        os.remove(companion)  # the cold run: the CSV alone, as a run leaves it (and its capture companion)
+    if ns.writer:
+        assert capture_parts(dump) is not None, "the dump has no current capture-time companion"
     env = dict(os.environ, PYTHONPATH=ROOT)
     rows = sum(1 for _ in open(dump, "rb")) - 1
     out = {"rows": rows, "dump_bytes": os.path.getsize(dump), "synth_s": round(t_synth, 1), "folder": d}
-    runs = (["warm"] if ns.warm_only else ["cold", "warm"])
+    if writer_cpu:
+        out["writer_cpu_s"] = writer_cpu
+    runs = (["warm"] if ns.warm_only else ["first"] if ns.writer else ["cold", "warm"])
     for kind in runs:
         for p in (page, page + ".png"):
             if os.path.exists(p):

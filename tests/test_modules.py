@@ -256,17 +256,49 @@ def test_node_hooks_mark_as_the_multi_grad_hooks():
             M._on_first_grad = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn, mode="any")
             M._on_all_grads = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn)
         tr = M.ModuleTracker(types.SimpleNamespace(active=True)).install()
-        seq = []
-        tr._mark = lambda tid, ts, state: seq.append((tid == threading.get_ident(), state))
         try:
             for _ in range(2):
                 model(x).float().mean().backward()
         finally:
             tr.remove()
             M._on_first_grad, M._on_all_grads = saved
-        return seq
+        # every mark, in time order (each thread's list is in order already)
+        me = threading.get_ident()
+        seq = sorted(((t, tid == me, st) for tid, (ts, sts) in tr.marks.items() for t, st in zip(ts, sts)),
+                     key=lambda m: m[0])
+        return [m[1:] for m in seq]
 
     for kind in ("net", "leaf", "gpt"):
         ours, theirs = marks(kind, False), marks(kind, True)
         assert sum(1 for _, st in ours if st is not None and st[1] == M.BACKWARD) > 4
         assert ours == theirs, kind
+
+
+def test_leaf_input_hooks_do_not_pile_up():
+    """A module called on a tensor the program keeps (a leaf that requires grad, reused every
+    iteration) gets a multi-grad hook on it per call: it is removed once it has run, so the leaf's
+    hooks stay bounded and every iteration's marks are the first one's (before, iteration k ran
+    k hooks on the leaf)."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from msmemscope.capture import modules as M
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    tr = M.ModuleTracker(types.SimpleNamespace(active=True)).install()
+    per_iter, hooks = [], []
+    try:
+        for _ in range(6):
+            n0 = sum(len(v[1]) for v in tr.marks.values())
+            model(x).sum().backward()
+            per_iter.append([st for v in tr.marks.values() for st in v[1]][n0:])
+            hooks.append(len(x._backward_hooks or {}))
+    finally:
+        tr.remove()
+    assert any(st is not None and st[1] == M.BACKWARD and st[0].endswith(".0") for st in per_iter[0])
+    assert all(p == per_iter[0] for p in per_iter[1:])
+    assert max(hooks) <= 1, hooks

@@ -254,6 +254,104 @@ class Decomposition:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
 
 
+class FoldedDecomposition(Decomposition):
+    """``Decomposition`` whose rows are folded by the native ``Fold``: same state and result. The
+    fold's counters are this class's ``cur``/``peak``/``step_peak`` and the categories', read back
+    (``_sync``) at each step end and at the result; owner updates (``SYSTEM/OWNER``) stop the
+    fold's pass and are applied here."""
+
+    def __init__(self, mod):
+        self._fold = None
+        super().__init__()
+        self._ctr = {}     # (0, dev, owner) or (1, dev, category) -> counter id
+        self._cinfo = []   # counter id -> that key
+        self._kinfo = []   # key id -> (dev, owner)
+        self._by_owner = {}  # (dev, owner) -> key id
+        self._fold = mod.Fold(self._key, (OWNER_ROW,))
+
+    @property
+    def rows_since_step(self):
+        if self._fold is not None:
+            self._rows += self._fold.take_rows()
+        return self._rows
+
+    @rows_since_step.setter
+    def rows_since_step(self, v):
+        if self._fold is not None:
+            self._fold.take_rows()
+        self._rows = v
+
+    def _counter(self, k):
+        c = self._ctr.get(k)
+        if c is None:
+            c = self._ctr[k] = len(self._cinfo)
+            self._cinfo.append(k)
+        return c
+
+    def _spec(self, dev, owner):
+        self._kinfo.append((dev, owner))
+        self._by_owner.setdefault((dev, owner), len(self._kinfo) - 1)
+        return [self._counter((0, dev, owner)), self._counter((1, dev, category(owner)))], -1, []
+
+    def _key(self, pool, dev, owner, module, phase):
+        return self._spec(dev, owner or UNLABELLED)
+
+    def feed_raw(self, rows):
+        f = self._fold
+        n = len(rows)
+        i = f.feed(rows, 0)
+        while i < n:
+            a = rows[i][ATTR]
+            if a:
+                self.relabel(a.get("allocation_id"), a.get("owner"))
+            i = f.feed(rows, i + 1)
+
+    def relabel(self, aid, owner):
+        b = self._fold.block(aid) if isinstance(aid, int) else None
+        if b is None or not owner:
+            return
+        dev, old = self._kinfo[b[0]]
+        if old == owner:
+            return
+        k = self._by_owner.get((dev, owner))
+        if k is None:
+            k = self._fold.add_key(*self._spec(dev, owner))
+        self._fold.rekey(aid, k)
+
+    def _sync(self):
+        cur, peak, held, _since, made, order = self._fold.counters()
+        self.cur, self.peak, self.step_peak, self.cat_cur, self.cat_peak = {}, {}, {}, {}, {}
+        step_peak = []
+        for c, (kind, dev, name) in enumerate(self._cinfo):
+            if c >= len(made) or not made[c]:
+                continue
+            k = (dev, name)
+            if kind == 0:
+                self.cur[k] = cur[c]
+                if peak[c] is not None:
+                    self.peak[k] = peak[c]
+                if held[c] is not None:
+                    step_peak.append((order[c], k, held[c]))
+            else:
+                self.cat_cur[k] = cur[c]
+                if peak[c] is not None:
+                    self.cat_peak[k] = peak[c]
+        # the order the Python fold's dict has: what was held at the step's start, then first rises
+        self.step_peak = {k: v for _, k, v in sorted(step_peak, key=lambda t: t[0])}
+
+    def end_step(self, step):
+        self._sync()
+        super().end_step(step)
+        self._fold.end_window()
+
+    def result(self) -> dict:
+        self._sync()
+        return super().result()
+
+    def feed_frame(self, rows):
+        raise NotImplementedError("the folded decomposition is online only (Decomposition.feed_frame)")
+
+
 def _column(owner):
     return _COLUMN_OF.get(category(owner), "other")
 
@@ -411,6 +509,94 @@ class ModuleTable:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"), r[ATTR].get("module"))
 
 
+class FoldedModuleTable(ModuleTable):
+    """``ModuleTable`` whose rows are folded by the native ``Fold``: one counter per (device, module
+    prefix, column), one gauge per device (its ``used``: the step's peak, and the counters at it),
+    one mark per (device, prefix, phase) (the forward / backward peak). The dicts ``end_step`` reads
+    are rebuilt from the fold there (``_sync``), so the table is the Python one's."""
+
+    def __init__(self, mod, step=None):
+        super().__init__(step)
+        self._ctr, self._cinfo = {}, []     # (dev, prefix, column) <-> counter id
+        self._gauge, self._ginfo = {}, []   # dev <-> gauge id
+        self._mark, self._minfo = {}, []    # (dev, prefix, forward?) <-> mark id
+        self._kinfo = []                    # key id -> (dev, prefixes, column)
+        self._by_state = {}                 # (dev, prefixes, column) -> key id
+        self._fold = mod.Fold(self._key, (OWNER_ROW,))
+
+    @staticmethod
+    def _id(table, info, k):
+        i = table.get(k)
+        if i is None:
+            i = table[k] = len(info)
+            info.append(k)
+        return i
+
+    def _spec(self, dev, pres, col, module=None, phase=None):
+        self._kinfo.append((dev, pres, col))
+        self._by_state.setdefault((dev, pres, col), len(self._kinfo) - 1)
+        ctr = [self._id(self._ctr, self._cinfo, (dev, p, col)) for p in pres]
+        marks = [] if phase is None or module is None else [
+            self._id(self._mark, self._minfo, (dev, p, phase == "forward")) for p in pres]
+        return ctr, self._id(self._gauge, self._ginfo, dev), marks
+
+    def _key(self, pool, dev, owner, module, phase):
+        if pool != "PTA":
+            return None
+        if module is not None:
+            self.seen = True
+        return self._spec(dev, self._prefixes(module), _column(owner), module, phase)
+
+    def feed_raw(self, rows):
+        f = self._fold
+        n = len(rows)
+        i = f.feed(rows, 0)
+        while i < n:
+            a = rows[i][ATTR]
+            if a:
+                self.relabel(a.get("allocation_id"), a.get("owner"), a.get("module"))
+            i = f.feed(rows, i + 1)
+
+    def relabel(self, aid, owner, module=None):
+        b = self._fold.block(aid) if isinstance(aid, int) else None
+        if b is None:
+            return
+        dev, pres, col = self._kinfo[b[0]]
+        ncol = _column(owner) if owner else col
+        npres = self._prefixes(module) if module is not None else pres
+        if (ncol, npres) == (col, pres):
+            return
+        k = self._by_state.get((dev, npres, ncol))
+        if k is None:
+            k = self._fold.add_key(*self._spec(dev, npres, ncol))
+        self._fold.rekey(aid, k)
+
+    def _sync(self):
+        cur, _peak, held, since, made, _order = self._fold.counters()
+        used, gpeak, marks = self._fold.gauges()
+        self.cur, self.held, self.since = {}, {}, {}
+        for c, (dev, p, col) in enumerate(self._cinfo):
+            if c >= len(made) or not made[c]:
+                continue
+            k = (dev, p, col)
+            self.cur[k] = cur[c]
+            if held[c] is not None:
+                self.held[k] = held[c]
+            if since[c]:
+                self.since.setdefault(dev, {})[(p, col)] = since[c]
+        self.used = {dev: used[g] for g, dev in enumerate(self._ginfo) if g < len(used) and used[g] is not None}
+        self.peak = {dev: gpeak[g] for g, dev in enumerate(self._ginfo) if g < len(gpeak) and gpeak[g] is not None}
+        self.fwd, self.bwd = {}, {}
+        for m, (dev, p, fwd) in enumerate(self._minfo):
+            if m < len(marks) and marks[m] is not None:
+                (self.fwd if fwd else self.bwd)[(dev, p)] = marks[m]
+
+    def end_step(self, step):
+        self._sync()
+        super().end_step(step)
+        self._fold.end_window()
+
+
 def module_table(df, step=None) -> dict:
     """The per-module table of one dump (``read_dump`` with ``MODULE_COLUMNS_READ``), the online sink's numbers."""
     import polars as pl
@@ -529,8 +715,10 @@ def write_result(folder: str, res: dict) -> str:
 class DecomposeSink:
     def __init__(self, session):
         from ..capture.owners import labeler_for
-        self.dec = Decomposition()
-        self.mods = ModuleTable()
+        from .folds import native_module
+        mod = native_module()  # no Python per row where the native folds are built
+        self.dec = FoldedDecomposition(mod) if mod is not None else Decomposition()
+        self.mods = FoldedModuleTable(mod) if mod is not None else ModuleTable()
         self.labeler = labeler_for(session)
         session.labeler = self.labeler
         self.labeler.install()

@@ -392,6 +392,38 @@ def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
                         schema=CHUNK_SCHEMA)
 
 
+def chunk_from_columns(parts) -> pl.DataFrame:
+    """``chunk_from_rows``'s frame from the native ``chunk_columns`` of one or more flushes (in order)."""
+    def cat(j):
+        return b"".join(p[j] for p in parts)
+    pos = np.frombuffer(cat(0), dtype=np.int64)
+    kind = np.frombuffer(cat(1), dtype=np.int8)
+    aid, aid_ok = np.frombuffer(cat(2), dtype=np.int64), np.frombuffer(cat(3), dtype=np.bool_)
+    size, size_ok = np.frombuffer(cat(4), dtype=np.int64), np.frombuffer(cat(5), dtype=np.bool_)
+    before = np.frombuffer(cat(6), dtype=np.int8)
+
+    def strings(codes_at, uniq_at):
+        """A string column from each part's codes into its distinct strings."""
+        codes, uniq, off = [], [], 0
+        for p in parts:
+            c = np.frombuffer(p[codes_at], dtype=np.int32).astype(np.int64)
+            codes.append(np.where(c >= 0, c + off, -1))
+            uniq.extend(p[uniq_at])
+            off += len(p[uniq_at])
+        c = np.concatenate(codes) if codes else np.empty(0, np.int64)
+        u = pl.Series(uniq, dtype=pl.String)
+        return u.gather(np.maximum(c, 0)) if len(u) else pl.Series(values=[None] * len(c), dtype=pl.String), c >= 0
+    names, has_name = strings(7, 8)
+    stacks, has_stack = strings(9, 10)
+    df = pl.DataFrame({"pos": pos, "kind": kind, "name": names, "has_name": has_name,
+                       "alloc_id": aid, "aid_ok": aid_ok, "size": size, "size_ok": size_ok, "before": before,
+                       "stack": stacks, "has_stack": has_stack})
+    return df.select(
+        "pos", "kind", name=pl.when("has_name").then("name"), alloc_id=pl.when("aid_ok").then("alloc_id"),
+        size=pl.when("size_ok").then("size"), before=pl.when(pl.col("before") >= 0).then(pl.col("before") == 1),
+        stack=pl.when("has_stack").then("stack")).cast(CHUNK_SCHEMA)
+
+
 # ------------------------------------------------------------------ results
 def type_names(bits: int, wanted=TYPES) -> list[str]:
     return [t for t in TYPES if bits & _BIT[t] and t in wanted]
@@ -695,6 +727,10 @@ class InefficientSink:
         self.tracker = Tracker(self.idle_threshold)
         self.failed = None
         self.pending, self.pending_first = [], None
+        from .folds import native_module
+        mod = native_module()  # the chunk's columns made in C++ at each flush, where built
+        self._columns = mod.chunk_columns if mod is not None else None
+        self.n_pending = 0
 
     # The tracker's columnar work has a fixed cost per call: feed it in batches of
     # BATCH_ROWS (and at close), not at every step of a fast training loop.
@@ -703,19 +739,31 @@ class InefficientSink:
     def consume(self, rows, first_id):
         if self.failed:
             return
-        if self.pending_first is None:
-            self.pending_first = first_id
-        self.pending.extend(rows)
-        if len(self.pending) >= self.BATCH_ROWS:
+        if self._columns is not None:  # the flush's columns now: no row tuple is kept
+            try:
+                self.pending.append(self._columns(rows, first_id, SKIP_POOLS))
+            except Exception as e:
+                self._fail(e)
+                return
+        else:
+            if self.pending_first is None:
+                self.pending_first = first_id
+            self.pending.extend(rows)
+        self.n_pending += len(rows)
+        if self.n_pending >= self.BATCH_ROWS:
             self._feed()
+
+    def _fail(self, e):
+        self.failed = f"{type(e).__name__}: {e}"
+        logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)
 
     def _feed(self):
         rows, first = self.pending, self.pending_first
-        self.pending, self.pending_first = [], None
+        self.pending, self.pending_first, self.n_pending = [], None, 0
         if not rows or self.failed:
             return
         try:
-            self.tracker.feed(chunk_from_rows(rows, first))
+            self.tracker.feed(chunk_from_columns(rows) if self._columns is not None else chunk_from_rows(rows, first))
         except Exception as e:  # never let the analysis break the traced program
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)

@@ -65,7 +65,7 @@ def hex_addr(addr) -> str:
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
 from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
-                      NAME, PY_STACK, TID, Event, RawRow, System)
+                      NAME, PY_STACK, TID, Event, System)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -865,24 +865,44 @@ def replay(df, recorded=None) -> StepLeakTracker:
                           | ((pl.col("event") == "SYSTEM") & pl.col("event_type").is_in(["STEP", "STEP_SUMMARY"])))
          .sort("id").select(cols).collect())
     has = set(cols)
+    n = q.height
+    # rows made from whole columns (no dict per row): MALLOC/FREE attr tuples, the rest from Attr.
+    # The tracker keeps a tuple per live block: no collector passes over millions of them (they
+    # hold no cycles)
+    import gc
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        _replay_rows(t, q, has, n)
+    finally:
+        if was:
+            gc.enable()
+    return t
+
+
+def _replay_rows(t, q, has, n):
+    def col(c):
+        return q[c].to_list() if c in has else [None] * n
     batch, ids = [], []
-    for r in q.iter_rows(named=True):
-        ev = r["event"]
+    for i, ev, et, name, tid, dev, aid, addr, size, used, owner, ps, attr, step in zip(
+            col("id"), col("event"), col("event_type"), col("name"), col("tid"), col("device"), col("alloc_id"),
+            col("addr"), col("size"), col("used"), col("owner"), col("py_stack"), col("attr"), col("step")):
         if ev == Event.MALLOC:
-            attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None, r.get("owner"))
+            a = (aid, addr, size, used, None, owner)
         elif ev == Event.FREE:
-            attr = (r["alloc_id"], r.get("addr"), r["size"], r["used"], None)
+            a = (aid, addr, size, used, None)
+            ps = None
         else:
-            attr = _attr_json(r.get("attr")) or {}
-            if ev == Event.SYSTEM and r["event_type"] == System.STEP:
-                n = attr.get("step")
-                if isinstance(n, bool) or not isinstance(n, int):  # absent or not a number: its place
-                    n = r["step"] if "step" in has else None
-                attr = {"step": n} if n is not None else {}
-        batch.append(RawRow(event=ev, event_type=r["event_type"], name=r["name"], ts=None, tid=r.get("tid"),
-                            device=r["device"], ptr=None, attr=attr,
-                            py_stack=r.get("py_stack") if ev == Event.MALLOC else None))
-        ids.append(r["id"])
+            ps = None
+            a = _attr_json(attr) or {}
+            if ev == Event.SYSTEM and et == System.STEP:
+                k = a.get("step")
+                if isinstance(k, bool) or not isinstance(k, int):  # absent or not a number: its place
+                    k = step if "step" in has else None
+                a = {"step": k} if k is not None else {}
+        # a plain tuple in events.RawRow order (what the online sink gets)
+        batch.append((ev, et, name, None, tid, dev, None, a, ps, None))
+        ids.append(i)
         if len(batch) >= 65536:
             t.consume(batch, 0, ids)
             batch, ids = [], []

@@ -1577,6 +1577,638 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
   return (int64_t)i;
 }
 
+// ================================================================ analysis folds (issue 25)
+// Generic accumulators the online analyses drive (analysis/decompose.py, analysis/inefficient.py),
+// so that no Python runs per row: they read the session's row tuples (events.RawRow order,
+// MALLOC/FREE Attr tuples in events.MALLOC_ATTR_M order, or dicts) and know nothing of owners,
+// modules or categories, which the analysis gives them through `key_fn`. Nothing here touches the
+// recorder above.
+//
+// Fold: blocks (alloc_id -> key, size) and counters of bytes. A key is what a MALLOC row maps to:
+// `key_fn(pool, device, owner, module, phase)` (called once per distinct 5-tuple) returns None
+// (the row is not followed) or (counters, gauge, marks): the counters its block's bytes go to, the
+// gauge (-1: none) that the row's `used` updates, and the marks that keep the highest `used` seen
+// at such a MALLOC. Per counter: cur, peak (highest after a rise, whole run), held (highest in the
+// window since `end_window`), since (change since the gauge last rose above its peak, so cur -
+// since is the counter at that gauge's peak). A row kind it does not fold (a SYSTEM row of one of
+// `stop_types`: owner updates) ends `feed`, which returns its index for the analysis to handle.
+namespace fold {
+
+struct Key {
+  std::vector<int32_t> ctr;
+  int32_t gauge = -1;
+  std::vector<int32_t> marks;
+};
+
+struct Block {
+  int32_t key;
+  int64_t size;
+};
+
+static bool same_str(PyObject* a, PyObject* b) {
+  if (a == b) return true;
+  if (!PyUnicode_Check(a) || !PyUnicode_Check(b)) return false;
+  return PyUnicode_Compare(a, b) == 0;
+}
+
+// an int item or "none" (None, or not an int)
+static bool as_i64(PyObject* o, int64_t* v) {
+  if (o == nullptr || o == Py_None || !PyLong_Check(o)) return false;
+  *v = PyLong_AsLongLong(o);
+  if (*v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+static PyObject* dict_item(PyObject* d, const char* k) {  // borrowed or nullptr
+  PyObject* v = PyDict_GetItemString(d, k);
+  return v;
+}
+
+class Fold {
+ public:
+  Fold(py::object key_fn, py::tuple stop_types)
+      : key_fn_(std::move(key_fn)), stop_types_(std::move(stop_types)),
+        malloc_(py::str("MALLOC")), free_(py::str("FREE")), system_(py::str("SYSTEM")) {}
+
+  // Fold rows[start:] until a row it leaves to the analysis: its index, or len(rows).
+  Py_ssize_t feed(py::sequence rows, Py_ssize_t start) {
+    PyObject* seq = PySequence_Fast(rows.ptr(), "rows: a sequence");
+    if (seq == nullptr) throw py::error_already_set();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = start;
+    try {
+      for (; i < n; ++i) {
+        PyObject* r = items[i];
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 8) continue;
+        PyObject* ev = PyTuple_GET_ITEM(r, 0);
+        if (same_str(ev, malloc_.ptr())) {
+          on_malloc(r);
+        } else if (same_str(ev, free_.ptr())) {
+          on_free(r);
+        } else if (same_str(ev, system_.ptr())) {
+          PyObject* et = PyTuple_GET_ITEM(r, 1);
+          bool stop = false;
+          for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(stop_types_.ptr()); ++j)
+            if (same_str(et, PyTuple_GET_ITEM(stop_types_.ptr(), j))) stop = true;
+          if (stop) break;
+        }
+      }
+    } catch (...) {
+      Py_DECREF(seq);
+      throw;
+    }
+    Py_DECREF(seq);
+    return i;
+  }
+
+  // a key of the analysis' own (a relabelled block's): no row maps to it
+  int32_t add_key(py::sequence ctr, int32_t gauge, py::sequence marks) {
+    Key k;
+    for (auto c : ctr) k.ctr.push_back(c.cast<int32_t>());
+    for (auto m : marks) k.marks.push_back(m.cast<int32_t>());
+    k.gauge = gauge;
+    return install_key(std::move(k));
+  }
+
+  // (key, size) of a live block, or None
+  py::object block(int64_t aid) {
+    auto it = blocks_.find(aid);
+    if (it == blocks_.end()) return py::none();
+    return py::make_tuple(it->second.key, it->second.size);
+  }
+
+  // move a live block's bytes to another key (an owner update)
+  bool rekey(int64_t aid, int32_t key) {
+    auto it = blocks_.find(aid);
+    if (it == blocks_.end() || key < 0 || key >= (int32_t)keys_.size()) return false;
+    move(it->second.key, -it->second.size);
+    it->second.key = key;
+    move(key, it->second.size);
+    return true;
+  }
+
+  // rows counted since the last call: MALLOC rows with an id and a size, every FREE row
+  int64_t take_rows() {
+    int64_t r = rows_;
+    rows_ = 0;
+    return r;
+  }
+
+  // per counter (list index = counter id): (cur, peak or None, held or None, since, moved yet,
+  // the order held values were first set in since the window began)
+  py::tuple counters() {
+    size_t n = cur_.size();
+    py::list cur(n), peak(n), held(n), since(n), made(n), order(n);
+    for (size_t c = 0; c < n; ++c) {
+      cur[c] = py::int_(cur_[c]);
+      peak[c] = has_peak_[c] ? py::object(py::int_(peak_[c])) : py::none();
+      held[c] = has_held_[c] ? py::object(py::int_(held_[c])) : py::none();
+      int32_t g = gauge_of_[c];
+      since[c] = py::int_(g >= 0 && since_gen_[c] == g_gen_[g] ? since_[c] : 0);
+      made[c] = py::bool_(made_[c] != 0);
+      order[c] = py::int_(held_seq_[c]);
+    }
+    return py::make_tuple(cur, peak, held, since, made, order);
+  }
+
+  // per gauge: (used or None, peak or None); per mark: highest used or None
+  py::tuple gauges() {
+    size_t n = g_used_.size();
+    py::list used(n), peak(n);
+    for (size_t g = 0; g < n; ++g) {
+      used[g] = g_has_used_[g] ? py::object(py::int_(g_used_[g])) : py::none();
+      peak[g] = g_has_peak_[g] ? py::object(py::int_(g_peak_[g])) : py::none();
+    }
+    py::list marks(mark_.size());
+    for (size_t m = 0; m < mark_.size(); ++m)
+      marks[m] = has_mark_[m] ? py::object(py::int_(mark_[m])) : py::none();
+    return py::make_tuple(used, peak, marks);
+  }
+
+  // a new window (a step): held = cur (where not 0), since reset, each gauge's peak = its used,
+  // marks cleared
+  void end_window() {
+    for (size_t c = 0; c < cur_.size(); ++c) {
+      held_[c] = cur_[c];
+      has_held_[c] = cur_[c] != 0;
+      if (has_held_[c]) held_seq_[c] = ++seq_;
+    }
+    for (size_t g = 0; g < g_gen_.size(); ++g) {
+      g_gen_[g] = ++gen_;
+      if (g_has_peak_[g]) g_peak_[g] = g_has_used_[g] ? g_used_[g] : 0;
+    }
+    std::fill(has_mark_.begin(), has_mark_.end(), 0);
+  }
+
+  size_t live() const { return blocks_.size(); }
+
+ private:
+  py::object key_fn_;
+  py::tuple stop_types_;
+  py::str malloc_, free_, system_;
+  py::dict cache_;  // (pool, device, owner, module, phase) -> key id (-1: not followed)
+  std::vector<Key> keys_;
+  std::unordered_map<int64_t, Block> blocks_;
+  std::vector<int64_t> cur_, peak_, held_, since_;
+  std::vector<uint64_t> since_gen_;
+  std::vector<uint8_t> has_peak_, has_held_, made_;
+  std::vector<int32_t> gauge_of_;
+  std::vector<int64_t> g_used_, g_peak_;
+  std::vector<uint64_t> g_gen_;
+  std::vector<uint8_t> g_has_used_, g_has_peak_;
+  std::vector<int64_t> mark_;
+  std::vector<uint8_t> has_mark_;
+  std::vector<uint64_t> held_seq_;  // the order counters got a held value in (a dict's order)
+  uint64_t gen_ = 0, seq_ = 0;
+  int64_t rows_ = 0;
+
+  int32_t install_key(Key k) {
+    for (int32_t c : k.ctr) {
+      if (c < 0) throw std::invalid_argument("counter id < 0");
+      if ((size_t)c >= cur_.size()) {
+        size_t m = (size_t)c + 1;
+        cur_.resize(m, 0); peak_.resize(m, 0); held_.resize(m, 0); since_.resize(m, 0);
+        since_gen_.resize(m, 0); has_peak_.resize(m, 0); has_held_.resize(m, 0); made_.resize(m, 0);
+        gauge_of_.resize(m, -1);
+        held_seq_.resize(m, 0);
+      }
+      gauge_of_[c] = k.gauge;
+    }
+    if (k.gauge >= 0 && (size_t)k.gauge >= g_used_.size()) {
+      size_t m = (size_t)k.gauge + 1;
+      g_used_.resize(m, 0); g_peak_.resize(m, -1); g_gen_.resize(m, 0);
+      g_has_used_.resize(m, 0); g_has_peak_.resize(m, 0);
+      for (size_t g = 0; g < m; ++g)
+        if (g_gen_[g] == 0) g_gen_[g] = ++gen_;
+    }
+    for (int32_t mk : k.marks) {
+      if (mk < 0) throw std::invalid_argument("mark id < 0");
+      if ((size_t)mk >= mark_.size()) {
+        mark_.resize((size_t)mk + 1, -1);
+        has_mark_.resize((size_t)mk + 1, 0);
+      }
+    }
+    keys_.push_back(std::move(k));
+    return (int32_t)keys_.size() - 1;
+  }
+
+  // the rows of a flush mostly share their strings (the same objects): a map by the objects'
+  // addresses finds their key without a tuple and its hash; its entries keep those objects alive
+  // (`fast_refs_`), so an address in it never names another object
+  struct Ptrs {
+    PyObject* p[5];
+    bool operator==(const Ptrs& o) const {
+      for (int j = 0; j < 5; ++j)
+        if (p[j] != o.p[j]) return false;
+      return true;
+    }
+  };
+  struct PtrsHash {
+    size_t operator()(const Ptrs& k) const {
+      size_t h = 1469598103934665603ULL;
+      for (int j = 0; j < 5; ++j) h = (h ^ (size_t)k.p[j]) * 1099511628211ULL;
+      return h;
+    }
+  };
+  std::unordered_map<Ptrs, int32_t, PtrsHash> fast_;
+  std::vector<py::object> fast_refs_;
+
+  int32_t key_of(PyObject* pool, PyObject* dev, PyObject* owner, PyObject* module, PyObject* phase) {
+    Ptrs pk{{pool, dev, owner, module, phase}};
+    auto hit_fast = fast_.find(pk);
+    if (hit_fast != fast_.end()) return hit_fast->second;
+    int32_t id = key_by_value(pool, dev, owner, module, phase);
+    if (fast_.size() >= 65536) {  // a stream of ever new strings: start over (the dict still has them)
+      fast_.clear();
+      fast_refs_.clear();
+    }
+    fast_refs_.push_back(py::make_tuple(py::reinterpret_borrow<py::object>(pool), py::reinterpret_borrow<py::object>(dev),
+                                   py::reinterpret_borrow<py::object>(owner),
+                                   py::reinterpret_borrow<py::object>(module),
+                                   py::reinterpret_borrow<py::object>(phase)));
+    fast_.emplace(pk, id);
+    return id;
+  }
+
+  int32_t key_by_value(PyObject* pool, PyObject* dev, PyObject* owner, PyObject* module, PyObject* phase) {
+    PyObject* t = PyTuple_Pack(5, pool, dev, owner, module, phase);
+    if (t == nullptr) throw py::error_already_set();
+    PyObject* hit = PyDict_GetItemWithError(cache_.ptr(), t);
+    if (hit != nullptr) {
+      long v = PyLong_AsLong(hit);
+      Py_DECREF(t);
+      return (int32_t)v;
+    }
+    if (PyErr_Occurred()) {
+      Py_DECREF(t);
+      throw py::error_already_set();
+    }
+    int32_t id = -1;
+    try {
+      py::object spec = key_fn_(py::reinterpret_borrow<py::object>(pool), py::reinterpret_borrow<py::object>(dev),
+                                py::reinterpret_borrow<py::object>(owner), py::reinterpret_borrow<py::object>(module),
+                                py::reinterpret_borrow<py::object>(phase));
+      if (!spec.is_none()) {
+        py::tuple st = spec.cast<py::tuple>();
+        Key k;
+        for (auto c : st[0]) k.ctr.push_back(c.cast<int32_t>());
+        k.gauge = st[1].cast<int32_t>();
+        for (auto m : st[2]) k.marks.push_back(m.cast<int32_t>());
+        id = install_key(std::move(k));
+      }
+    } catch (...) {
+      Py_DECREF(t);
+      throw;
+    }
+    PyObject* v = PyLong_FromLong(id);
+    int bad = v == nullptr || PyDict_SetItem(cache_.ptr(), t, v) < 0;
+    Py_XDECREF(v);
+    Py_DECREF(t);
+    if (bad) throw py::error_already_set();
+    return id;
+  }
+
+  void move(int32_t key, int64_t n) {
+    const Key& k = keys_[(size_t)key];
+    for (int32_t c : k.ctr) {
+      int64_t v = cur_[c] + n;
+      cur_[c] = v;
+      made_[c] = 1;
+      if (n > 0) {
+        if (v > (has_peak_[c] ? peak_[c] : 0)) { peak_[c] = v; has_peak_[c] = 1; }
+        if (v > (has_held_[c] ? held_[c] : 0)) {
+          if (!has_held_[c]) held_seq_[c] = ++seq_;
+          held_[c] = v;
+          has_held_[c] = 1;
+        }
+      }
+      if (k.gauge >= 0) {
+        uint64_t g = g_gen_[k.gauge];
+        if (since_gen_[c] != g) { since_gen_[c] = g; since_[c] = 0; }
+        since_[c] += n;
+      }
+    }
+  }
+
+  void on_malloc(PyObject* r) {
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    PyObject *aid_o = nullptr, *size_o = nullptr, *used_o = nullptr, *owner = Py_None, *module = Py_None,
+             *phase = Py_None;
+    if (PyTuple_Check(a)) {
+      Py_ssize_t m = PyTuple_GET_SIZE(a);
+      if (m < 6) return;
+      aid_o = PyTuple_GET_ITEM(a, 0);
+      size_o = PyTuple_GET_ITEM(a, 2);
+      used_o = PyTuple_GET_ITEM(a, 3);
+      owner = PyTuple_GET_ITEM(a, 5);
+      if (m > 6) module = PyTuple_GET_ITEM(a, 6);
+      if (m > 7) phase = PyTuple_GET_ITEM(a, 7);
+    } else if (PyDict_Check(a) && PyDict_GET_SIZE(a)) {
+      aid_o = dict_item(a, "allocation_id");
+      size_o = dict_item(a, "size");
+      used_o = dict_item(a, "used");
+      PyObject* o;
+      if ((o = dict_item(a, "owner")) != nullptr) owner = o;
+      if ((o = dict_item(a, "module")) != nullptr) module = o;
+      if ((o = dict_item(a, "phase")) != nullptr) phase = o;
+    } else {
+      return;
+    }
+    int64_t aid, size, used;
+    if (!as_i64(aid_o, &aid) || !as_i64(size_o, &size)) return;
+    rows_ += 1;
+    int32_t key = key_of(PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 5), owner, module, phase);
+    if (key < 0) return;
+    blocks_[aid] = Block{key, size};
+    move(key, size);
+    const Key& k = keys_[(size_t)key];
+    if (!as_i64(used_o, &used)) return;
+    if (k.gauge >= 0) {
+      int32_t g = k.gauge;
+      g_used_[g] = used;
+      g_has_used_[g] = 1;
+      if (!g_has_peak_[g] || used > g_peak_[g]) {
+        g_peak_[g] = used;
+        g_has_peak_[g] = 1;
+        g_gen_[g] = ++gen_;  // since: from this peak on
+      }
+    }
+    for (int32_t mk : k.marks)
+      if (!has_mark_[mk] || used > mark_[mk]) { mark_[mk] = used; has_mark_[mk] = 1; }
+  }
+
+  void on_free(PyObject* r) {
+    rows_ += 1;
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    PyObject *aid_o = nullptr, *used_o = nullptr;
+    if (PyTuple_Check(a)) {
+      Py_ssize_t m = PyTuple_GET_SIZE(a);
+      if (m >= 1) aid_o = PyTuple_GET_ITEM(a, 0);
+      if (m >= 4) used_o = PyTuple_GET_ITEM(a, 3);
+    } else if (PyDict_Check(a)) {
+      aid_o = dict_item(a, "allocation_id");
+      used_o = dict_item(a, "used");
+    }
+    int64_t aid, used;
+    if (!as_i64(aid_o, &aid)) return;
+    auto it = blocks_.find(aid);
+    if (it == blocks_.end()) return;
+    Block b = it->second;
+    blocks_.erase(it);
+    move(b.key, -b.size);
+    int32_t g = keys_[(size_t)b.key].gauge;
+    if (g >= 0 && as_i64(used_o, &used)) {
+      g_used_[g] = used;
+      g_has_used_[g] = 1;
+    }
+  }
+};
+
+// The columns of analysis/inefficient.py's chunk from row tuples, in one pass (its
+// chunk_from_rows is the reference): kinds 1 op start, 2 op end, 3 MALLOC, 4 FREE, 5 ACCESS;
+// numbers as raw little-endian buffers (int64 pos, int8 kind, int64 alloc_id + uint8 valid,
+// int64 size + uint8 valid, int8 before: -1 none); op names and stacks as int32 codes (-1: none)
+// into a list of the distinct strings of this call (a batch has few distinct names and stacks).
+py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pools) {
+  PyObject* seq = PySequence_Fast(rows.ptr(), "rows: a sequence");
+  if (seq == nullptr) throw py::error_already_set();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  py::str op_launch("OP_LAUNCH"), aten_start("ATEN_START"), aten_end("ATEN_END"), access("ACCESS"),
+      malloc_s("MALLOC"), free_s("FREE");
+  std::string pos, kind, aid, aid_ok, size, size_ok, before, name_codes, stack_codes;
+  py::list names, stacks;     // the distinct strings
+  py::dict name_ids, stack_ids;
+  auto code_of = [](PyObject* o, py::dict& ids, py::list& uniq) -> int32_t {
+    if (o == nullptr || !PyUnicode_Check(o)) return -1;
+    PyObject* hit = PyDict_GetItemWithError(ids.ptr(), o);
+    if (hit != nullptr) return (int32_t)PyLong_AsLong(hit);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    int32_t c = (int32_t)PyList_GET_SIZE(uniq.ptr());
+    PyObject* v = PyLong_FromLong(c);
+    if (v == nullptr) throw py::error_already_set();
+    int bad = PyDict_SetItem(ids.ptr(), o, v);
+    Py_DECREF(v);
+    if (bad < 0 || PyList_Append(uniq.ptr(), o) < 0) throw py::error_already_set();
+    return c;
+  };
+  auto put32 = [](std::string& b, int32_t v) { b.append((const char*)&v, 4); };
+  auto put64 = [](std::string& b, int64_t v) { b.append((const char*)&v, 8); };
+  auto put8 = [](std::string& b, int8_t v) { b.push_back((char)v); };
+  auto in_skip = [&](PyObject* et) {
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(skip_pools.ptr()); ++j)
+      if (same_str(et, PyTuple_GET_ITEM(skip_pools.ptr(), j))) return true;
+    return false;
+  };
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* r = items[i];
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 9) continue;
+    PyObject* ev = PyTuple_GET_ITEM(r, 0);
+    PyObject* et = PyTuple_GET_ITEM(r, 1);
+    PyObject* at = PyTuple_GET_ITEM(r, 7);
+    int8_t k;
+    PyObject *a = nullptr, *sz = nullptr, *name = Py_None, *stack = Py_None;
+    int8_t bf = -1;
+    if (same_str(ev, op_launch.ptr())) {
+      if (same_str(et, aten_start.ptr())) {
+        k = 1;
+        name = PyTuple_GET_ITEM(r, 2);
+      } else if (same_str(et, aten_end.ptr())) {
+        k = 2;
+      } else {
+        continue;
+      }
+    } else if (same_str(ev, access.ptr())) {
+      k = 5;
+      if (PyTuple_Check(at)) {
+        if (PyTuple_GET_SIZE(at) > 3) a = PyTuple_GET_ITEM(at, 3);
+      } else if (PyDict_Check(at)) {
+        a = dict_item(at, "allocation_id");
+      }
+    } else if (same_str(ev, malloc_s.ptr()) || same_str(ev, free_s.ptr())) {
+      if (in_skip(et)) continue;
+      bool is_malloc = same_str(ev, malloc_s.ptr());
+      k = is_malloc ? 3 : 4;
+      bool b = false;
+      if (PyTuple_Check(at)) {
+        if (PyTuple_GET_SIZE(at) > 2) {
+          a = PyTuple_GET_ITEM(at, 0);
+          sz = PyTuple_GET_ITEM(at, 2);
+        }
+      } else if (PyDict_Check(at)) {
+        a = dict_item(at, "allocation_id");
+        sz = dict_item(at, "size");
+        PyObject* o = dict_item(at, "origin");
+        if (o != nullptr && PyUnicode_Check(o) && PyUnicode_CompareWithASCIIString(o, "before_op") == 0) b = true;
+      }
+      if (is_malloc) {
+        name = PyTuple_GET_ITEM(r, 2);
+        stack = PyTuple_GET_ITEM(r, 8);
+        bf = b ? 1 : 0;
+      }
+    } else {
+      continue;
+    }
+    int64_t v;
+    put64(pos, first_id + (int64_t)i);
+    put8(kind, k);
+    bool ok = as_i64(a, &v);
+    put64(aid, ok ? v : 0);
+    put8(aid_ok, ok);
+    ok = as_i64(sz, &v);
+    put64(size, ok ? v : 0);
+    put8(size_ok, ok);
+    put8(before, bf);
+    put32(name_codes, code_of(name, name_ids, names));
+    put32(stack_codes, code_of(stack, stack_ids, stacks));
+  }
+  Py_DECREF(seq);
+  return py::make_tuple(py::bytes(pos), py::bytes(kind), py::bytes(aid), py::bytes(aid_ok), py::bytes(size),
+                        py::bytes(size_ok), py::bytes(before), py::bytes(name_codes), names, py::bytes(stack_codes),
+                        stacks);
+}
+
+// Module attribution at a flush (capture/modules.py ModuleTracker.attribute is the caller and
+// the reference, `_attribute_py`): each MALLOC row of `buf` not attributed yet (a 6-item Attr
+// tuple, or a dict without "module") gets the state its thread had at its time, the last mark
+// (ts <= row ts) in `marks[tid] = (ts list, state list)`, else `base[tid]`; a state is
+// (module, phase) or None. `owned[alloc_id]` (the module owning the block) wins over the running
+// module; `cats[alloc_id]` gives an unlabelled owned block its owner (`<pool>@<category>`). The
+// row is replaced in `buf` by one whose Attr ends with (module, phase). Returns the rows changed.
+Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned, py::dict cats) {
+  struct Thread {
+    std::vector<int64_t> ts;
+    PyObject* states;  // borrowed: the list in `marks`
+    PyObject* base;    // borrowed or nullptr
+  };
+  std::unordered_map<PyObject*, Thread> by_tid;  // keyed by the tid object as found; ints compared below
+  py::str malloc_s("MALLOC");
+  Py_ssize_t changed = 0;
+  PyObject* module_key = nullptr;
+  PyObject* phase_key = nullptr;
+  auto state_of = [&](PyObject* tid, int64_t ts, bool* found) -> PyObject* {
+    *found = false;
+    PyObject* m = PyDict_GetItemWithError(marks.ptr(), tid);
+    if (m == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (m == nullptr || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2) {
+      PyObject* b = PyDict_GetItemWithError(base.ptr(), tid);
+      if (b == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      return b;  // borrowed, may be nullptr (None)
+    }
+    auto it = by_tid.find(m);
+    if (it == by_tid.end()) {
+      Thread t;
+      PyObject* tl = PyTuple_GET_ITEM(m, 0);
+      t.states = PyTuple_GET_ITEM(m, 1);
+      if (!PyList_Check(tl) || !PyList_Check(t.states)) throw std::invalid_argument("marks: (list, list)");
+      Py_ssize_t k = PyList_GET_SIZE(tl);
+      t.ts.reserve((size_t)k);
+      for (Py_ssize_t j = 0; j < k; ++j) {
+        int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
+        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+        t.ts.push_back(v);
+      }
+      t.base = PyDict_GetItemWithError(base.ptr(), tid);
+      if (t.base == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      it = by_tid.emplace(m, std::move(t)).first;
+    }
+    const Thread& t = it->second;
+    size_t j = (size_t)(std::upper_bound(t.ts.begin(), t.ts.end(), ts) - t.ts.begin());
+    if (j == 0 || j > (size_t)PyList_GET_SIZE(t.states)) return t.base;
+    return PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
+  };
+  Py_ssize_t n = PyList_GET_SIZE(buf.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(buf.ptr(), i);
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 8 || !same_str(PyTuple_GET_ITEM(r, 0), malloc_s.ptr())) continue;
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    PyObject* aid;
+    bool is_tuple = PyTuple_Check(a);
+    if (is_tuple) {
+      if (PyTuple_GET_SIZE(a) != 6) continue;
+      aid = PyTuple_GET_ITEM(a, 0);
+    } else if (PyDict_Check(a)) {
+      if (PyDict_GetItemString(a, "module") != nullptr) continue;
+      aid = PyDict_GetItemString(a, "allocation_id");
+      if (aid == nullptr) aid = Py_None;
+    } else {
+      continue;
+    }
+    int64_t ts = PyLong_AsLongLong(PyTuple_GET_ITEM(r, 3));
+    if (ts == -1 && PyErr_Occurred()) throw py::error_already_set();
+    bool found;
+    PyObject* state = state_of(PyTuple_GET_ITEM(r, 4), ts, &found);
+    if (state == Py_None) state = nullptr;
+    PyObject* own = PyDict_GetItemWithError(owned.ptr(), aid);
+    if (own == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (own == Py_None) own = nullptr;
+    if (state == nullptr && own == nullptr) continue;
+    if (state != nullptr && (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) < 2))
+      throw std::invalid_argument("a module state is (module, phase)");
+    PyObject* mod = own != nullptr ? own : PyTuple_GET_ITEM(state, 0);
+    PyObject* phase = state != nullptr ? PyTuple_GET_ITEM(state, 1) : Py_None;
+    py::object na;
+    if (is_tuple) {
+      PyObject* owner = PyTuple_GET_ITEM(a, 5);
+      PyObject* cat = nullptr;
+      if (own != nullptr && !PyObject_IsTrue(owner)) {
+        cat = PyDict_GetItemWithError(cats.ptr(), aid);
+        if (cat == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      }
+      PyObject* t = PyTuple_New(8);
+      if (t == nullptr) throw py::error_already_set();
+      na = py::reinterpret_steal<py::object>(t);
+      for (Py_ssize_t j = 0; j < 5; ++j) {
+        PyObject* x = PyTuple_GET_ITEM(a, j);
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(t, j, x);
+      }
+      if (cat != nullptr) {
+        PyObject* o = PyUnicode_FromFormat("%S@%S", PyTuple_GET_ITEM(r, 1), cat);
+        if (o == nullptr) throw py::error_already_set();
+        PyTuple_SET_ITEM(t, 5, o);
+      } else {
+        Py_INCREF(owner);
+        PyTuple_SET_ITEM(t, 5, owner);
+      }
+      Py_INCREF(mod);
+      PyTuple_SET_ITEM(t, 6, mod);
+      Py_INCREF(phase);
+      PyTuple_SET_ITEM(t, 7, phase);
+    } else {
+      PyObject* d = PyDict_Copy(a);
+      if (d == nullptr) throw py::error_already_set();
+      na = py::reinterpret_steal<py::object>(d);
+      if (module_key == nullptr) {
+        module_key = PyUnicode_InternFromString("module");
+        phase_key = PyUnicode_InternFromString("phase");
+      }
+      if (PyDict_SetItem(d, module_key, mod) < 0) throw py::error_already_set();
+      if (phase != Py_None && PyDict_SetItem(d, phase_key, phase) < 0) throw py::error_already_set();
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(r);
+    PyObject* nr = PyTuple_New(m);
+    if (nr == nullptr) throw py::error_already_set();
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* x = j == 7 ? na.ptr() : PyTuple_GET_ITEM(r, j);
+      Py_INCREF(x);
+      PyTuple_SET_ITEM(nr, j, x);
+    }
+    PyList_SetItem(buf.ptr(), i, nr);  // steals nr, drops the old row
+    ++changed;
+  }
+  Py_XDECREF(module_key);
+  Py_XDECREF(phase_key);
+  return changed;
+}
+
+}  // namespace fold
+// ================================================================ end of analysis folds
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("leak_rows", &leak_rows);
   m.def("set_owner_tag", &set_owner_tag);
@@ -1594,4 +2226,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("counted_block", &counted_block);
   m.def("block_ids", &block_ids);
   m.def("reset", &reset);
+  // analysis folds (issue 25)
+  py::class_<fold::Fold>(m, "Fold")
+      .def(py::init<py::object, py::tuple>(), py::arg("key_fn"), py::arg("stop_types"))
+      .def("feed", &fold::Fold::feed, py::arg("rows"), py::arg("start") = 0)
+      .def("add_key", &fold::Fold::add_key)
+      .def("block", &fold::Fold::block)
+      .def("rekey", &fold::Fold::rekey)
+      .def("take_rows", &fold::Fold::take_rows)
+      .def("counters", &fold::Fold::counters)
+      .def("gauges", &fold::Fold::gauges)
+      .def("end_window", &fold::Fold::end_window)
+      .def("live", &fold::Fold::live);
+  m.def("chunk_columns", &fold::chunk_columns);
+  m.def("attribute", &fold::attribute);
 }

@@ -67,6 +67,7 @@ def _grad_tensors(obj, out, depth=0):
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
 _will_run = torch._C._will_engine_execute_node
 
@@ -89,11 +90,35 @@ def _nodes_of(tensors):
 # put on the tensors' nodes directly (Node.register_prehook, one C++ call): the multi-grad hook's
 # Tensor.register_hook costs a hook dict and a RemovableHandle per tensor, on every module call.
 # A leaf among the tensors (no node) keeps the multi-grad hook.
+# A leaf (a tensor the program keeps: an input that requires grad, a parameter passed in) keeps
+# its hooks across iterations: the multi-grad hook of one module call is removed once it has run
+# (after the backward pass, not from inside it), else every later backward would run all of them.
+_fired_leaf_hooks = []
+
+
+def _leaf_hook(tensors, fn, mode):
+    box = []
+
+    def once(*_):
+        if box:
+            _fired_leaf_hooks.append(box.pop())
+            fn()
+    box.append(torch.autograd.graph.register_multi_grad_hook(tensors, once, mode=mode))
+
+
+def _remove_fired_leaf_hooks():
+    while _fired_leaf_hooks:
+        try:
+            _fired_leaf_hooks.pop().remove()
+        except Exception:
+            pass
+
+
 def _on_first_grad(tensors, fn):
     """``fn()`` when the first gradient of any of ``tensors`` is computed, once per backward pass."""
     nodes = _nodes_of(tensors)
     if nodes is None:
-        torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")
+        _leaf_hook(tensors, fn, "any")
         return
     ran = set()
 
@@ -110,7 +135,7 @@ def _on_all_grads(tensors, fn):
     """``fn()`` once the gradients of all of ``tensors`` that this backward pass computes are."""
     nodes = _nodes_of(tensors)
     if nodes is None:
-        torch.autograd.graph.register_multi_grad_hook(tensors, fn)
+        _leaf_hook(tensors, fn, "all")
         return
     if len(nodes) == 1:
         nodes[0].register_prehook(lambda _grads: fn())
@@ -135,6 +160,7 @@ class ModuleTracker:
     def __init__(self, session):
         self.s = session
         self.paths = weakref.WeakKeyDictionary()   # module -> path
+        self._path_get = self.paths.get
         self.roots = {}                            # root name -> weakref to the root
         self.stacks = {}                           # tid -> [[path, phase], ...] open now, innermost last
         self.marks = {}                            # tid -> ([ts, ...], [state, ...]) since the cut
@@ -145,6 +171,7 @@ class ModuleTracker:
         self._callback_queued = False
         self.attributed = 0
         self.optimizers = weakref.WeakSet()
+        self._tree, self._tree_roots = None, ()      # owned_blocks' walk of the roots' modules
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -153,6 +180,8 @@ class ModuleTracker:
             return self
         from torch.optim import optimizer as optim
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt))
+        self._tree = None  # modules registered while stopped are not seen by the hook
+        self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
         self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
         try:
             self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
@@ -164,6 +193,7 @@ class ModuleTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _remove_fired_leaf_hooks()
         # what is still open is closed now: rows made after stop carry no module
         with self.lock:
             ts = time_ns()
@@ -208,34 +238,50 @@ class ModuleTracker:
         m[1].append(state)
 
     def _push(self, path, phase):
-        tid = threading.get_ident()
+        tid = _get_ident()
         with self.lock:
             st = self.stacks.get(tid)
             if st is None:
                 st = self.stacks[tid] = []
-            i = len(st)
-            if phase == BACKWARD:
+            state = (path, phase)
+            if phase == BACKWARD and st:
                 # hooks on one tensor fire in registration order: a parent whose output is its last
                 # child's output (GPT and GPT.head) enters after it; it still encloses it
+                i = len(st)
                 pre = path + "."
                 while i and st[i - 1][1] == BACKWARD and st[i - 1][0].startswith(pre):
                     i -= 1
-            st.insert(i, (path, phase))
-            self._mark(tid, time_ns(), st[-1])
+                st.insert(i, state)
+                state = st[-1]
+            else:
+                st.append(state)
+            m = self.marks.get(tid)
+            if m is None:
+                m = self.marks[tid] = ([], [])
+            m[0].append(time_ns())
+            m[1].append(state)
 
     def _pop(self, path, phase):
-        tid = threading.get_ident()
+        tid = _get_ident()
         with self.lock:
             st = self.stacks.get(tid)
             if not st:
                 return
-            for i in range(len(st) - 1, -1, -1):
-                if st[i][0] == path and st[i][1] == phase:
-                    del st[i]
-                    break
+            top = st[-1]
+            if top[0] == path and top[1] == phase:  # the common case: the innermost ends
+                st.pop()
             else:
-                return
-            self._mark(tid, time_ns(), st[-1] if st else None)
+                for i in range(len(st) - 2, -1, -1):
+                    if st[i][0] == path and st[i][1] == phase:
+                        del st[i]
+                        break
+                else:
+                    return
+            m = self.marks.get(tid)
+            if m is None:
+                m = self.marks[tid] = ([], [])
+            m[0].append(time_ns())
+            m[1].append(st[-1] if st else None)
 
     # ------------------------------------------------------------ hooks
     def _opt(self, opt, args, kwargs):
@@ -245,9 +291,9 @@ class ModuleTracker:
         try:
             if not self.s.active:
                 return
-            p = self.paths.get(module)
+            p = self._path_get(module)
             if p is None:
-                st = self.stacks.get(threading.get_ident())
+                st = self.stacks.get(_get_ident())
                 fwd = [e for e in st if e[1] == FORWARD] if st else None
                 p = self._name(module, fwd[-1][0] if fwd else None)
             in_bw = _graph_task_id() != -1
@@ -262,7 +308,7 @@ class ModuleTracker:
 
     def _post(self, module, args, out):
         try:
-            p = self.paths.get(module)
+            p = self._path_get(module)
             if p is None:
                 return
             in_bw = _graph_task_id() != -1
@@ -296,6 +342,7 @@ class ModuleTracker:
     def _bw_done(self):
         """The backward pass ended: every module still in backward (no input needed a gradient) ends."""
         self._callback_queued = False
+        _remove_fired_leaf_hooks()
         with self.lock:
             ts = time_ns()
             for tid, st in self.stacks.items():
@@ -326,25 +373,48 @@ class ModuleTracker:
             out.append(s.alloc_id_of(st))
         return out
 
+    def _module_tree(self):
+        """[(path, weak reference)] of every module of the roots (``named_modules()``), walked again
+        only when the roots change or a module is registered anywhere (the global module
+        registration hook, installed while tracing): a flush reads the modules' parameters, not
+        the tree. Weak references: a module the program drops is not kept."""
+        roots = tuple((name, ref) for name, ref in self.roots.items())
+        if self._tree is not None and self._tree_roots == roots:
+            return self._tree
+        tree = []
+        for name, ref in roots:
+            root = ref()
+            if root is None:
+                continue
+            for sub_name, sub in root.named_modules():
+                tree.append((self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name), weakref.ref(sub)))
+        self._tree, self._tree_roots = tree, roots
+        return tree
+
+    def _tree_changed(self, *_):
+        self._tree = None
+
     def owned_blocks(self):
         """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
         modules seen (by the sources' allocation ids): what a run without owner labels (no
         ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
         tensors, meta, by_param = [], [], {}
-        for name, ref in list(self.roots.items()):
-            root = ref()
-            if root is None:
+        for path, ref in self._module_tree():
+            sub = ref()
+            if sub is None:
                 continue
-            for sub_name, sub in root.named_modules():
-                path = self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name)
-                for p in sub.parameters(recurse=False):
-                    by_param.setdefault(id(p), path)
-                    tensors.append(p)
-                    meta.append((path, "weight"))
-                    if p.grad is not None:
-                        tensors.append(p.grad)
-                        meta.append((path, "gradient"))
-                for bf in sub.buffers(recurse=False):
+            # the module's own parameters and buffers (parameters(recurse=False), buffers(recurse=False))
+            for p in sub._parameters.values():
+                if p is None:
+                    continue
+                by_param.setdefault(id(p), path)
+                tensors.append(p)
+                meta.append((path, "weight"))
+                if p.grad is not None:
+                    tensors.append(p.grad)
+                    meta.append((path, "gradient"))
+            for bf in sub._buffers.values():
+                if bf is not None:
                     tensors.append(bf)
                     meta.append((path, "weight"))
         for opt in list(self.optimizers):
@@ -377,44 +447,11 @@ class ModuleTracker:
                 found = {}
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
-        n = 0
-        get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
-        for i in range(len(buf)):
-            r = buf[i]
-            if r[EVENT] != malloc:
-                continue
-            a = r[ATTR]
-            if type(a) is tuple:
-                if len(a) != 6:
-                    continue
-                aid = a[A_ALLOC_ID]
-            elif isinstance(a, dict) and "module" not in a:
-                aid = a.get("allocation_id")
-            else:
-                continue
-            tid = r[TID]
-            m = get_marks(tid)
-            if m is None:
-                state = get_base(tid)
-            else:
-                j = right(m[0], r[TS]) - 1
-                state = m[1][j] if j >= 0 else get_base(tid)
-            own = get_own(aid)
-            if state is None and own is None:
-                continue
-            if own is not None:
-                mod = own
-                phase = state[1] if state is not None else None
-            else:
-                mod, phase = state
-            if type(a) is tuple:
-                if own is not None and not a[A_OWNER] and aid in cats:
-                    a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
-                buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
-            else:
-                extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
-                buf[i] = r[:ATTR] + ({**a, **extra},) + r[ATTR + 1:]
-            n += 1
+        mod = _native_module()
+        if mod is not None:
+            n = mod.attribute(buf, marks, base, owned, cats)
+        else:
+            n = _attribute_py(buf, marks, base, owned, cats)
         self.attributed += n
         self._prune()
         return n
@@ -431,3 +468,60 @@ class ModuleTracker:
                     del ts[:k], st[:k]
                 if not ts:
                     del self.marks[tid]
+
+
+def _native_module():
+    """The native module's ``attribute`` where it is built (``MSMEMSCOPE_FOLD=python``: the Python one)."""
+    if os.environ.get("MSMEMSCOPE_FOLD", "").strip().lower() == "python":
+        return None
+    try:
+        from . import native
+        mod = native.load_built()
+    except Exception:
+        return None
+    return mod if mod is not None and hasattr(mod, "attribute") else None
+
+
+def _attribute_py(buf, marks, base, owned, cats):
+    """``ModuleTracker.attribute``'s work on the rows in Python: the reference of the native
+    ``attribute`` (capture/_native.cpp), used where it is not built."""
+    malloc = Event.MALLOC
+    n = 0
+    get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
+    for i in range(len(buf)):
+        r = buf[i]
+        if r[EVENT] != malloc:
+            continue
+        a = r[ATTR]
+        if type(a) is tuple:
+            if len(a) != 6:
+                continue
+            aid = a[A_ALLOC_ID]
+        elif isinstance(a, dict) and "module" not in a:
+            aid = a.get("allocation_id")
+        else:
+            continue
+        tid = r[TID]
+        m = get_marks(tid)
+        if m is None:
+            state = get_base(tid)
+        else:
+            j = right(m[0], r[TS]) - 1
+            state = m[1][j] if j >= 0 else get_base(tid)
+        own = get_own(aid)
+        if state is None and own is None:
+            continue
+        if own is not None:
+            mod = own
+            phase = state[1] if state is not None else None
+        else:
+            mod, phase = state
+        if type(a) is tuple:
+            if own is not None and not a[A_OWNER] and aid in cats:
+                a = a[:A_OWNER] + (f"{r[EVENT_TYPE]}@{cats[aid]}",)
+            buf[i] = r[:ATTR] + (a + (mod, phase),) + r[ATTR + 1:]
+        else:
+            extra = {"module": mod} if phase is None else {"module": mod, "phase": phase}
+            buf[i] = r[:ATTR] + ({**a, **extra},) + r[ATTR + 1:]
+        n += 1
+    return n

@@ -190,6 +190,15 @@ def load_module():
     return _load(path)
 
 
+def load_built():
+    """The module where it is built already, else None: never builds (the analysis folds and the
+    module attribution use it when it is there; a run on the dispatch-mode source does not wait
+    for a build for them)."""
+    if _module is not None or _why_not is not None:
+        return _module
+    path = _so_path()
+    return _load(path) if os.path.exists(path) else None
+
 def _load(path):
     global _module, _why_not
     try:

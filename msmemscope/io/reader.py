@@ -86,13 +86,16 @@ def resolve_one(path: str) -> str:
     return dumps[0]
 
 
-def read_dump(path: str, columns=None, events=None, counts: dict | None = None) -> pl.DataFrame:
+def read_dump(path: str, columns=None, events=None, counts: dict | None = None, attr_of=None) -> pl.DataFrame:
     """Read one dump file (or a folder holding exactly one) into analysis columns, sorted by ID.
 
     ``columns``: the columns wanted (any of ``COLUMNS_OFFERED``; ``id`` always comes; default
     ``DEFAULT_COLUMNS``). ``events``: keep only the rows of these events (``step``, ``step_number``
     and ``op`` still count every row of the file). ``counts``: a dict to fill with the number of
-    rows of each event in the whole file. Raises ``DumpError``."""
+    rows of each event in the whole file. ``attr_of``: the events whose rows keep their ``attr``
+    text (null on the others; the Attr fields and ``origin`` are read from every row as ever): an
+    analysis that reads only the SYSTEM rows' Attr spares the text of millions of MALLOC/FREE rows.
+    Raises ``DumpError``."""
     want = _wanted(columns)
     keep = None if events is None else tuple(events)
     path = resolve_one(path)
@@ -112,13 +115,18 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None) 
         raise DumpError(f"{path}: cannot be read ({e.strerror})") from None
     # handed over in a list that _derive empties: no reference is left to the file's columns
     # once _derive has taken those it keeps (the others are freed before Attr is parsed)
+    if not head.startswith(b"SQLite format 3"):
+        got = capture_parts(path)
+        got = None if got is None else _from_capture(got, path, want, keep, counts, attr_of=attr_of)
+        if got is not None:
+            return got
     if head.startswith(b"SQLite format 3"):
         frame = [_read_db(path, want, None if counts is not None else keep)]
     elif head.startswith(ZSTD_MAGIC):
         frame = [_read_csv(path, _unzstd(path))]
     else:
         frame = [_read_csv(path)]
-    return _derive(frame, path, want, keep, counts)
+    return _derive(frame, path, want, keep, counts, attr_of)
 
 
 def _wanted(columns) -> tuple:
@@ -441,7 +449,7 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     start = (ev == "OP_LAUNCH") & (et == "ATEN_START")
     end = (ev == "OP_LAUNCH") & (et == "ATEN_END")
     if not df.select(start.any()).item():  # no op opened (a dump without launch events): none open
-        return pl.Series("op", [None] * df.height, dtype=df.schema["name"])
+        return pl.Series("op", [], dtype=df.schema["name"]).extend_constant(None, df.height)
     d = pl.when(start).then(1).when(end).then(-1).otherwise(0)
     q = df.lazy().select(_s=start, _e=end, _n=pl.col("name"), _t=pl.col("tid"), _d=d.cum_sum().over("tid"))
     q = q.with_columns(_op=pl.when(pl.col("_e")).then(None).otherwise(
@@ -449,7 +457,7 @@ def _enclosing_op(df: pl.DataFrame) -> pl.Series:
     return q.select(op=pl.when(pl.col("_d") > 0).then(pl.col("_op"))).collect()["op"]
 
 
-def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None) -> pl.DataFrame:
+def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts=None, attr_of=None) -> pl.DataFrame:
     """The analysis columns from the file's string columns (``frame``: the frame, or a list holding
     it, which is emptied so that the columns not kept are freed here)."""
     df = frame.pop() if isinstance(frame, list) else frame
@@ -501,6 +509,8 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     if "origin" in want:
         out = out.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
                                .then(_attr_field("origin", False)))
+    if attr_of is not None and "attr" in want:
+        out = out.with_columns(attr=pl.when(pl.col("event").is_in(list(attr_of))).then(pl.col("attr")))
     return out.select(want)
 
 
@@ -528,6 +538,10 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
     if size > max_input_bytes() or size == 0 or head.startswith(b"SQLite format 3") or head.startswith(ZSTD_MAGIC):
         df = read_dump(path, columns=columns, events=events)
         return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL if c in df.columns)
+    got = capture_parts(path)
+    df = None if got is None else _from_capture(got, path, want, keep, None, batched=True)
+    if df is not None:
+        return df.with_columns(pl.col(c).cast(pl.Categorical) for c in CATEGORICAL + ("op",) if c in df.columns)
     try:
         key = _companion_key(path, size) if keep is None else None
         if key is not None:
@@ -551,6 +565,113 @@ def read_dump_batched(path: str, columns=None, events=None, batch_bytes: int = B
                 raise e from None
             raise whole from None
         raise e from None
+
+
+# ---------------------------------------------------------------- capture-time companion
+# The columns the dump writer kept beside the dump while it wrote it (io/columns.py): used while its
+# manifest describes the dump file as it is now, and the code that wrote them is this code.
+_capture_code = None
+
+
+def capture_parts(path: str):
+    """``(parquet parts, rows)`` of the dump's capture-time companion, or None (none, stale, another
+    code's, turned off with ``MSMEMSCOPE_COLUMN_CACHE=0``)."""
+    global _capture_code
+    from . import columns as C
+    if not C.enabled():
+        return None
+    folder = C.folder_of(path)
+    meta = C.read_manifest(folder)
+    if meta is None or meta.get("version") != C.VERSION:
+        return None
+    try:
+        if meta.get("file") != C.file_key(path):
+            return None
+        if _capture_code is None:
+            _capture_code = C.code_key()
+        if meta.get("code") != _capture_code:
+            return None
+        parts = [os.path.join(folder, name) for name, _ in meta["parts"]]
+        rows = int(meta["rows"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    if not parts or not all(os.path.isfile(p) for p in parts):
+        return None
+    return parts, rows
+
+
+def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = False, attr_of=None) -> pl.DataFrame:
+    """``_derive``'s columns from the stored ones: the same steps, ops, checks and Attr fields (the
+    Attr texts that are not the writer's template parsed here, as the text read parses them)."""
+    from . import columns as C
+    parts, rows = got
+    fields = tuple(dict.fromkeys(tuple(c for c in _ATTR_COLUMNS if c in want) + ("alloc_id", "size")))
+    remake = "attr" in want and not batched and (attr_of is None or {"MALLOC", "FREE"} & set(attr_of))
+    if remake:  # the template rows' text is made again from all their fields
+        fields = fields + tuple(c for c in _ATTR_COLUMNS if c not in fields)
+    # id, event, event_type (steps), attr (the rows whose fields come from their text), what is asked
+    base = {"id", "event", "event_type", "attr"} | (set(want) & set(NAMES)) | ({"name", "tid"} if "op" in want else set())
+    read = [c for c in C.SCHEMA_NAMES if c in base or c in fields]
+    try:
+        df = pl.scan_parquet(parts).select(read).collect()
+        # the text read's types (a batched read keeps its CATEGORICAL ones categorical)
+        df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL
+                             if c in df.columns and not (batched and c in CATEGORICAL))
+    except Exception:  # parts that cannot be read (a disk error, a file replaced): the text
+        return None
+    if df.height != rows:  # parts that are not the ones the manifest counted: the text
+        return None
+    if not df["id"].is_sorted():
+        df = df.sort("id")
+    is_step = _IS_STEP.cast(pl.Int32)
+    df = df.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        df = df.with_columns(_step_number(df))
+    if "op" in want:
+        df = df.with_columns(_enclosing_op(df))
+    if counts is not None:
+        counts.update((k, int(v)) for k, v in df.group_by("event").len().iter_rows())
+    every = df.select("id")  # the text columns hold no NUL: the writer stores none (io/columns.py)
+    mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
+    if keep is not None:
+        df = df.filter(pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"})))
+    # the rows whose Attr fields were not stored (ACCESS rows keep their text and their fields)
+    text_rows = (df["attr"].is_not_null() & df["alloc_id"].is_null()).arg_true()
+    if text_rows.len():
+        slow = _attr_columns(df[text_rows].select("event", "attr"), fields)
+        df = df.with_columns(*(df[c].scatter(text_rows, slow[c]) for c in fields))
+    mem = df.filter(mem_rows)
+    if mem.height and mem["size"].null_count():
+        i = mem["size"].is_null().arg_max()
+        raise DumpError(f"{path}: {mem['event'][i]} row ID {mem['id'][i]} has no size in Attr "
+                        f"('{mem['attr'][i]}')")
+    del mem
+    text = pl.when(mem_rows).then(pl.col("attr"))
+    flags = df.select(text.str.contains(r"[:,]\s*-?\d{19,}").any()).item()
+    df = df.with_columns(_attr_big=validate._attr_number_too_big(df.select(text)[:, 0]) if flags else pl.lit(False),
+                         _attr_original=text.str.contains(validate._ORIGINAL_ATTR).fill_null(False))
+    validate.check_rows(df, path, every)
+    del every
+    if keep is not None and not {"MALLOC", "FREE"} <= set(keep):
+        df = df.filter(pl.col("event").is_in(list(keep)))
+    if "origin" in want:
+        df = df.with_columns(origin=pl.when(pl.col("attr").str.contains("origin", literal=True))
+                             .then(_attr_field("origin", False)))
+    if batched and "origin" not in want:  # as _batch keeps it: Attr text only where a later step reads it
+        df = df.with_columns(attr=pl.when(pl.col("event").is_in(["MALLOC", "FREE", "ACCESS"])).then(None)
+                             .otherwise(pl.col("attr")))
+    elif attr_of is not None and "attr" in want:
+        df = df.with_columns(attr=pl.when(pl.col("event").is_in(list(attr_of))).then(pl.col("attr")))
+    if remake:
+        tmpl = (df["attr"].is_null() & df["alloc_id"].is_not_null()
+                & df["event"].is_in([e for e in ("MALLOC", "FREE") if attr_of is None or e in attr_of]))
+        if tmpl.any():
+            idx = tmpl.arg_true()
+            df = df.with_columns(df["attr"].scatter(idx, C.template_attr(df[idx])))
+    if "ptr" in want:
+        df = df.with_columns(ptr=pl.when(pl.col("ptr").is_null()).then(pl.lit("N/A"))
+                             .otherwise(pl.lit("0x") + C.hex16(df["ptr"])))
+    return df.select(want)
 
 
 # ---------------------------------------------------------------- columnar companion

@@ -56,6 +56,22 @@ def _plain_rows(rows):
     return out
 
 
+def _site_of(*modules) -> list:
+    """The folders holding these installed packages (not imported here)."""
+    import importlib.util
+    out = []
+    for m in modules:
+        try:
+            spec = importlib.util.find_spec(m)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            d = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+            if d not in out:
+                out.append(d)
+    return out
+
+
 class SpoolWriter:
     """Looks like a writer to the session; started on the first batch (a process that never
     flushes, such as a discarded DataLoader worker, never starts one)."""
@@ -81,6 +97,11 @@ class SpoolWriter:
         if extra["level"] is not None:  # the writer process runs without site-packages (-I -S)
             import zstandard
             extra["path"].append(os.path.dirname(os.path.dirname(os.path.abspath(zstandard.__file__))))
+        if self.suffix != ".db":
+            from .columns import enabled
+            if enabled():  # the columnar companion (io/columns.py) writes with polars, found there
+                extra["columns"] = True
+                extra["path"].extend(_site_of("polars", "numpy"))
         if self.suffix != ".db":
             inner._f.flush()
             target = str(inner._f.fileno())
@@ -333,6 +354,9 @@ def serve(argv) -> None:
             writer = ZstdCsvWriter.attach(int(target), extra.get("level") or 3)
         else:
             writer = DbWriter.attach(target)
+        if extra.get("columns"):
+            from .column_writer import ColumnWriter
+            writer.columns = ColumnWriter(writer.path)
         if extra.get("keep_steps"):
             from .bounded import BoundedWriter
             writer = BoundedWriter(writer, extra["keep_steps"])

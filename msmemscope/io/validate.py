@@ -147,8 +147,10 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -
     if every.height == 0:
         raise _error(f"{path}: no rows after the header (nothing was recorded)")
     mem_mask = pl.col("event").is_in(["MALLOC", "FREE"])
-    mem = df.filter(mem_mask)
     flags = "_attr_big" in df.columns  # the text checked batch by batch (row_flags)
+    # only the columns the checks read: a filter copies every column it keeps
+    mem = df.select(c for c in ("id", "event", "alloc_id", "size", "attr", "_attr_big", "_attr_original")
+                    if c in df.columns and (c != "attr" or not flags)).filter(mem_mask)
     original = bool(mem.height) and bool(mem["_attr_original"].head(1000).any() if flags else
                                          mem["attr"].head(1000).str.contains(_ORIGINAL_ATTR).any())
     problems = []  # (row id, what)
@@ -172,11 +174,11 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -
               lambda r: f"{r['event']} row ID {r['id']} has a number too large for 64 bits in Attr")
         mallocs = mem.filter(pl.col("event") == "MALLOC").select("id", "alloc_id").drop_nulls()
         frees = mem.filter(pl.col("event") == "FREE").select("id", "alloc_id").drop_nulls()
-        found(~mallocs["alloc_id"].is_first_distinct(), mallocs,
-              lambda r: f"MALLOC row ID {r['id']} reuses allocation_id {r['alloc_id']}")
-        found(~frees["alloc_id"].is_first_distinct(), frees,
+        reused = _seen_before(mallocs["alloc_id"])
+        found(reused, mallocs, lambda r: f"MALLOC row ID {r['id']} reuses allocation_id {r['alloc_id']}")
+        found(_seen_before(frees["alloc_id"]), frees,
               lambda r: f"FREE row ID {r['id']} frees allocation_id {r['alloc_id']} a second time")
-        j = frees.join(mallocs, on="alloc_id", how="left", suffix="_malloc")
+        j = _with_malloc_id(frees, mallocs, bool(reused.any()))
         found((j["id_malloc"] > j["id"]).fill_null(False), j,
               lambda r: f"FREE row ID {r['id']} comes before the MALLOC of allocation_id {r['alloc_id']} "
                         f"(ID {r['id_malloc']})")
@@ -192,6 +194,32 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -
     total = sum(p[0] for p in problems)
     warnings.warn(f"{path}: {total} rows cannot be true (first: {what}); read as they are",
                   ImplausibleRowsWarning, stacklevel=3)
+
+
+def _seen_before(ids: pl.Series) -> pl.Series:
+    """``~ids.is_first_distinct()``; for small non-negative ids that never repeat (every dump we
+    write) found by counting instead of hashing."""
+    import numpy as np
+    if ids.len() and ids.min() >= 0 and ids.max() <= 4 * ids.len() + 1024:
+        if np.bincount(ids.to_numpy()).max() <= 1:
+            return pl.Series(ids.name, [], dtype=pl.Boolean).extend_constant(False, ids.len())
+    return ~ids.is_first_distinct()
+
+
+def _with_malloc_id(frees: pl.DataFrame, mallocs: pl.DataFrame, reused: bool) -> pl.DataFrame:
+    """``frees.join(mallocs, on="alloc_id", how="left")`` (``id_malloc``: the ID of the MALLOC row of
+    the FREE's allocation id, null: none). Where no allocation id has two MALLOC rows and the ids
+    are small numbers (every dump we write), a table indexed by them gives the same rows."""
+    import numpy as np
+    lo = min(frees["alloc_id"].min() if frees.height else 0, mallocs["alloc_id"].min() if mallocs.height else 0)
+    hi = max(frees["alloc_id"].max() if frees.height else 0, mallocs["alloc_id"].max() if mallocs.height else 0)
+    if reused or frees.height == 0 or lo < 0 or hi > 4 * (frees.height + mallocs.height) + 1024:
+        return frees.join(mallocs, on="alloc_id", how="left", suffix="_malloc")
+    none = np.iinfo(np.int64).min
+    table = np.full(hi + 1, none, dtype=np.int64)
+    table[mallocs["alloc_id"].to_numpy()] = mallocs["id"].to_numpy()
+    got = pl.Series(table[frees["alloc_id"].to_numpy()])
+    return frees.with_columns(id_malloc=pl.when(got != none).then(got))
 
 
 def check_raw(raw: pl.DataFrame, path: str) -> None:

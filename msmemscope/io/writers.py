@@ -72,6 +72,7 @@ class CsvWriter:
         self.path = path
         self._f = create_new(path)
         self._esc: dict = {}  # text -> its CSV field
+        self.columns = None   # the capture-time columnar companion (io/columns.py), in the writer process
         self._f.write(HEADER + "\n")
         self._f.flush()
 
@@ -82,6 +83,7 @@ class CsvWriter:
         w._f = os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace", newline="")
         w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
         w._esc = {}
+        w.columns = None
         return w
 
     def detach(self) -> None:
@@ -152,7 +154,10 @@ class CsvWriter:
                     "N/A" if ptr is None else "0x%016x" % ptr,
                     '"' + a.replace('"', '""') + '"' if a else "", st, cs))
             i += 1
-        self._put("".join(out))
+        text = "".join(out)
+        self._put(text)
+        if self.columns is not None:
+            self.columns.add(rows, first, pid, c_syms, ids, len(text))
 
     def _put(self, text: str) -> None:
         self._f.write(text)
@@ -168,6 +173,9 @@ class CsvWriter:
         if not self._f.closed:
             self._f.flush()
             self._f.close()
+        if getattr(self, "columns", None) is not None:
+            self.columns.close()  # commits the columns with the file as it is now
+            self.columns = None
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -187,6 +195,7 @@ class ZstdCsvWriter(CsvWriter):
         self._z = zstandard.ZstdCompressor(level=level)
         self._f = create_new(path, binary=True)
         self._esc = {}
+        self.columns = None
         self._put(HEADER + "\n")
 
     @classmethod
@@ -196,6 +205,7 @@ class ZstdCsvWriter(CsvWriter):
         w._f = os.fdopen(fd, "ab")
         w.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
         w._esc = {}
+        w.columns = None
         w.level = level
         w._z = zstandard.ZstdCompressor(level=level)
         return w

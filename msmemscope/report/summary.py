@@ -56,7 +56,10 @@ def load_columns(path: str):
     counts: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = read_dump(path, columns=COLUMNS + I.COLUMNS, events=EVENTS + I.EVENTS, counts=counts)
+        # Attr text is read on SYSTEM rows only (steps, owners, summarised steps): the MALLOC/FREE
+        # rows' fields come as columns, and their text would be most of the read
+        df = read_dump(path, columns=COLUMNS + I.COLUMNS, events=EVENTS + I.EVENTS, counts=counts,
+                       attr_of=("SYSTEM",))
     for w in caught:  # a dump cut short is read, and said so in one line
         print(f"msmemscope: warning: {w.message}", file=sys.stderr)
     if not (counts.get("ACCESS") and counts.get("OP_LAUNCH")):
