@@ -46,7 +46,9 @@ def online_sinks(session) -> list:
 # each step end, so that a process ended without its exit handlers (Ray's workers, SIGKILL, the OOM
 # killer) still leaves what its analyses had found; ``close`` then replaces them with the final ones.
 _OWNED: dict = {}   # (folder, name) -> the result file this process wrote (replaced, never another's)
-SAVE_BUDGET = 0.01  # saves of results that only moved (peaks, step counts): this share of the CPU time
+SAVE_BUDGET = 0.001  # saves of results that only moved (peaks, step counts): this share of the CPU time
+# (0.1%: on a small-op workload a save costs ~0.5 ms, so they come every ~0.5 s of CPU; at 1% they
+# were 1-2% of the run, the largest per-step cost of the online analyses after the leak rule)
 SAVE_NEW_BUDGET = 0.05  # saves of new findings: at once while all saves so far cost under this share
 
 

@@ -160,6 +160,9 @@ class StepLeakTracker:
         # online: the allocation ids the tracer knows to be live (a FREE that was not recorded,
         # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
         self.live_ids = None
+        # the C++ row loop of the native module (capture/_native.cpp ``leak_rows``), set by the online
+        # sink where the module is loaded; None: every row goes through the Python loop
+        self.fast_rows = None
 
     def _used(self, pk, used):
         s = self.step
@@ -301,87 +304,105 @@ class StepLeakTracker:
         line_of, lines, labels = self._line, self._lines, self.labels
         step = self.step
         cur: dict = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
-        for i, r in enumerate(rows):
-            ev = r[EVENT]
-            if ev == OP_LAUNCH or ev == ACCESS:  # most rows: nothing to do
-                continue
-            a = r[ATTR]
-            is_malloc = ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS
-            if is_malloc or (ev == FREE and type(a) is tuple):
-                # the step's lowest and highest ``used`` (fluctuation), then the block's site
-                device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
-                pk = (device, pool)
-                if step >= 2:
-                    mm = cur.get(pk)
-                    if mm is None:
-                        self._used(pk, used)
-                        mm = cur[pk] = fluct[pk][step]
-                    elif used < mm[0]:
-                        mm[0] = used
-                    elif used > mm[1]:
-                        mm[1] = used
-                level[pk] = used
-            if is_malloc:
-                stack = r[PY_STACK]
-                python = (lines[stack] if stack in lines else line_of(stack)) if stack else None
-                label = None
-                if python is None:
-                    owner = a[A_OWNER] if len(a) > A_OWNER else None
-                    if owner and owner.count("@") >= 2:  # <pool>@<category>@<labels...>: describe labels
-                        label = owner.split("@", 2)[2]
+        fast = self.fast_rows if ids is None and type(rows) is list else None
+        if fast is not None:
+            consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, CACHED_SEGMENTS, "live", "last_aid", "freed_at_step")
+            state = (sites, blocks, pending, level, cur, lines, labels, self.reported)
+        count = len(rows)
+        at = 0
+        while at < count:
+            if fast is not None:
+                # the rows this loop would take the inlined path for, in C++; it stops at the first
+                # other row, which goes through the loop below, alone
+                at = fast(rows, at, first_id, step, consts, state)
+                if at >= count:
+                    break
+                end = at + 1
+            else:
+                end = count
+            for i in range(at, end):
+                r = rows[i]
+                ev = r[EVENT]
+                if ev == OP_LAUNCH or ev == ACCESS:  # most rows: nothing to do
+                    continue
+                a = r[ATTR]
+                is_malloc = ev == MALLOC and type(a) is tuple and r[EVENT_TYPE] != CACHED_SEGMENTS
+                if is_malloc or (ev == FREE and type(a) is tuple):
+                    # the step's lowest and highest ``used`` (fluctuation), then the block's site
+                    device, pool, used = r[DEVICE], r[EVENT_TYPE], a[A_USED]
+                    pk = (device, pool)
+                    if step >= 2:
+                        mm = cur.get(pk)
+                        if mm is None:
+                            self._used(pk, used)
+                            mm = cur[pk] = fluct[pk][step]
+                        elif used < mm[0]:
+                            mm[0] = used
+                        elif used > mm[1]:
+                            mm[1] = used
+                    level[pk] = used
+                if is_malloc:
+                    stack = r[PY_STACK]
+                    python = (lines[stack] if stack in lines else line_of(stack)) if stack else None
+                    label = None
+                    if python is None:
+                        owner = a[A_OWNER] if len(a) > A_OWNER else None
+                        if owner and owner.count("@") >= 2:  # <pool>@<category>@<labels...>: describe labels
+                            label = owner.split("@", 2)[2]
+                        else:
+                            label = labels.get(r[TID])
+                    op, aid, size = r[NAME], a[A_ALLOC_ID], a[A_SIZE] or 0
+                    site = sites.get((device, pool, op, python, label))
+                    if site is None:
+                        site = new_site(device, pool, op, python, label)
+                    site.live += size
+                    site.last_aid = aid
+                    key = (device, pool, aid)
+                    blocks[key] = (site, size)
+                    if step >= 2:
+                        pending[key] = (step, first_id + i if ids is None else ids[i], a[A_ADDR], size, op, stack)
+                elif ev == FREE and type(a) is tuple:
+                    aid = a[A_ALLOC_ID]
+                    key = (device, pool, aid)
+                    v = blocks.pop(key, None)
+                    if v is not None:
+                        site = v[0]
+                        site.live -= v[1]
+                        if site.last_aid == aid:
+                            site.last_aid = None
+                    if pending.pop(key, None) is None and self.reported:
+                        rec = self.reported.pop(key, None)
+                        if rec is not None:
+                            rec["freed_at_step"] = step
+                elif ev == MALLOC:
+                    if type(a) is tuple:  # the cached segments' pool
+                        self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID],
+                                    a[A_ADDR], a[A_SIZE], a[A_USED], r[NAME], r[PY_STACK], r[TID],
+                                    a[A_OWNER] if len(a) > A_OWNER else None)
                     else:
-                        label = labels.get(r[TID])
-                op, aid, size = r[NAME], a[A_ALLOC_ID], a[A_SIZE] or 0
-                site = sites.get((device, pool, op, python, label))
-                if site is None:
-                    site = new_site(device, pool, op, python, label)
-                site.live += size
-                site.last_aid = aid
-                key = (device, pool, aid)
-                blocks[key] = (site, size)
-                if step >= 2:
-                    pending[key] = (step, first_id + i if ids is None else ids[i], a[A_ADDR], size, op, stack)
-            elif ev == FREE and type(a) is tuple:
-                aid = a[A_ALLOC_ID]
-                key = (device, pool, aid)
-                v = blocks.pop(key, None)
-                if v is not None:
-                    site = v[0]
-                    site.live -= v[1]
-                    if site.last_aid == aid:
-                        site.last_aid = None
-                if pending.pop(key, None) is None and self.reported:
-                    rec = self.reported.pop(key, None)
-                    if rec is not None:
-                        rec["freed_at_step"] = step
-            elif ev == MALLOC:
-                if type(a) is tuple:  # the cached segments' pool
-                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE], a[A_ALLOC_ID],
-                                a[A_ADDR], a[A_SIZE], a[A_USED], r[NAME], r[PY_STACK], r[TID],
-                                a[A_OWNER] if len(a) > A_OWNER else None)
-                else:
+                        a = a or {}
+                        self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE],
+                                    a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used"), r[NAME],
+                                    r[PY_STACK], r[TID], a.get("owner"))
+                    cur.clear()
+                elif ev == FREE:
                     a = a or {}
-                    self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE],
-                                a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used"), r[NAME],
-                                r[PY_STACK], r[TID], a.get("owner"))
-                cur.clear()
-            elif ev == FREE:
-                a = a or {}
-                self.free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
-                cur.clear()
-            elif ev == MSTX:
-                self.mstx(r[EVENT_TYPE], r[TID], r[NAME], a)
-            elif ev == SYSTEM and r[EVENT_TYPE] == STEP:
-                a = a or {}
-                n = a.get("step", self.step) if isinstance(a, dict) else self.step
-                found.extend(self.end_step(n))
-                step = self.step
-                fluct = self.fluct  # _bound_fluct may have replaced it
-                cur.clear()
-            elif ev == SYSTEM and r[EVENT_TYPE] == System.STEP_SUMMARY:
-                self.summary(a)
-                fluct = self.fluct
-                cur.clear()
+                    self.free(r[DEVICE], r[EVENT_TYPE], a.get("allocation_id"), a.get("used"))
+                    cur.clear()
+                elif ev == MSTX:
+                    self.mstx(r[EVENT_TYPE], r[TID], r[NAME], a)
+                elif ev == SYSTEM and r[EVENT_TYPE] == STEP:
+                    a = a or {}
+                    n = a.get("step", self.step) if isinstance(a, dict) else self.step
+                    found.extend(self.end_step(n))
+                    step = self.step
+                    fluct = self.fluct  # _bound_fluct may have replaced it
+                    cur.clear()
+                elif ev == SYSTEM and r[EVENT_TYPE] == System.STEP_SUMMARY:
+                    self.summary(a)
+                    fluct = self.fluct
+                    cur.clear()
+            at = end
         return found
 
     def summary(self, attr):
@@ -542,12 +563,23 @@ def result_json(t: StepLeakTracker, judged=True, res=None) -> dict:
             "fluctuation": fluct_json(t.fluctuation())}
 
 
+def fast_rows(session=None):
+    """The native module's ``leak_rows`` (the tracker's row loop in C++) where the session's native
+    source has it loaded, else None (the Python loop; offline replays never load torch for it).
+    ``MSMEMSCOPE_LEAK_ROWS=python`` keeps the Python loop."""
+    if os.environ.get("MSMEMSCOPE_LEAK_ROWS", "").strip().lower() == "python":
+        return None
+    m = getattr(getattr(session, "native", None), "m", None)
+    return getattr(m, "leak_rows", None)
+
+
 class LeakSink:
     """``--analysis=leaks``: the online sink."""
 
     def __init__(self, session):
         self.t = StepLeakTracker()
         self.t.live_ids = session.live_alloc_ids
+        self.t.fast_rows = fast_rows(session)
         self.session = session
 
     def consume(self, rows, first_id):

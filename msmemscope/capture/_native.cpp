@@ -29,10 +29,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
 #include <Python.h>
+#include <structmember.h>
 #include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -691,12 +694,108 @@ void uninstall() {
   detach();
 }
 
+PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less "torch."
+
+// ---------------------------------------------------------------- the rows as marshal bytes (issue 22d)
+// The hand-off to the dump's writer process (io/spool.py) sends each batch marshalled; the rows a
+// drain makes are written here, from the records, as the bytes marshal.dumps(list_of_rows, 2) would
+// give (no back-references: a piece loads on its own), so the traced process does not marshal
+// them again item by item. marshal.loads of these bytes equals the row tuples the drain appends
+// (tests/test_handoff.py). Little-endian, as marshal's own format.
+struct Marshal {
+  char* data = nullptr;
+  size_t len = 0, cap = 0;
+  bool ok = true;
+  ~Marshal() { std::free(data); }
+  // room for n more bytes; false (and ok = false) when memory runs out
+  bool room(size_t n) {
+    if (len + n <= cap) return true;
+    size_t want = std::max(cap * 2, len + n + 4096);
+    char* d = (char*)std::realloc(data, want);
+    if (d == nullptr) return ok = false;
+    data = d;
+    cap = want;
+    return true;
+  }
+  void byte(char c) {
+    if (room(1)) data[len++] = c;
+  }
+  inline void put_i32(char* p, int32_t v) {
+    uint32_t u = (uint32_t)v;
+    p[0] = (char)(u & 0xff);
+    p[1] = (char)((u >> 8) & 0xff);
+    p[2] = (char)((u >> 16) & 0xff);
+    p[3] = (char)(u >> 24);
+  }
+  void i32(int32_t v) {
+    if (!room(4)) return;
+    put_i32(data + len, v);
+    len += 4;
+  }
+  void integer(unsigned long long mag, bool neg) {
+    if (!room(16)) return;
+    char* p = data + len;
+    if ((!neg && mag <= 0x7fffffffULL) || (neg && mag <= 0x80000000ULL)) {
+      p[0] = 'i';
+      put_i32(p + 1, neg ? (int32_t)(-(long long)mag) : (int32_t)mag);
+      len += 5;
+      return;
+    }
+    // TYPE_LONG: the digit count (negative for a negative number), then 15-bit digits, low first
+    int n = 0;
+    char* d = p + 5;
+    while (mag != 0) {
+      unsigned v = (unsigned)(mag & 0x7fff);
+      d[2 * n] = (char)(v & 0xff);
+      d[2 * n + 1] = (char)(v >> 8);
+      ++n;
+      mag >>= 15;
+    }
+    p[0] = 'l';
+    put_i32(p + 1, neg ? -n : n);
+    len += 5 + 2 * (size_t)n;
+  }
+  void i64(long long v) { v < 0 ? integer((unsigned long long)(-(v + 1)) + 1, true) : integer((unsigned long long)v, false); }
+  void u64(unsigned long long v) { integer(v, false); }
+  void none() { byte('N'); }
+  void raw(const char* s, size_t n) {
+    if (!room(n)) return;
+    std::memcpy(data + len, s, n);
+    len += n;
+  }
+  void str(PyObject* o) {
+    Py_ssize_t n = 0;
+    const char* u = o == nullptr ? nullptr : PyUnicode_AsUTF8AndSize(o, &n);
+    if (u == nullptr) {  // not UTF-8 encodable (a lone surrogate in a path): no bytes for this batch
+      PyErr_Clear();
+      ok = false;
+      return;
+    }
+    if (!room((size_t)n + 5)) return;
+    if (PyUnicode_IS_ASCII(o) && n < 256) {
+      data[len++] = 'z';
+      data[len++] = (char)(unsigned char)n;
+    } else {
+      data[len++] = 'u';
+      put_i32(data + len, (int32_t)n);
+      len += 4;
+    }
+    std::memcpy(data + len, u, (size_t)n);
+    len += (size_t)n;
+  }
+  void small_tuple(int n) {
+    if (!room(2)) return;
+    data[len++] = ')';
+    data[len++] = (char)(unsigned char)n;
+  }
+};
+
 // Returns (rows appended, failed-allocation markers among them).
 // Append the recorded rows to `out` as the Python source's row tuples:
 // (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
 // `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
 // allocation).
-py::tuple drain(py::list out, py::tuple names) {
+py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // The records are copied out, made into tuples, and only then removed: a tuple that cannot be
   // made (no memory) raises with every record still here for the next drain. Records added
   // while the tuples are built (frees on other threads) stay after the copied ones.
@@ -706,7 +805,7 @@ py::tuple drain(py::list out, py::tuple names) {
   int64_t batch_shape_base;
   {
     std::lock_guard<std::mutex> g(mu);
-    if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0);
+    if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0, py::none());
     draining = true;
     batch.assign(recs.begin(), recs.end());
     batch_shapes.assign(shapes.begin(), shapes.end());
@@ -733,7 +832,6 @@ py::tuple drain(py::list out, py::tuple names) {
   py::list made;  // the tuples, appended to `out` once all are made
   PyObject* lst = made.ptr();
   py::str empty("");
-  static PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less "torch."
   size_t shapes_used = 0;  // shapes consumed by the batch's ACCESS records
   uint64_t tid_last = 0;
   PyObject* tid_obj = nullptr;
@@ -874,6 +972,85 @@ py::tuple drain(py::list out, py::tuple names) {
     Py_DECREF(t);
     if (rc != 0) throw py::error_already_set();
   }
+  py::object blob = py::none();
+  if (want_bytes && failed == 0) {
+    // the same rows as marshal bytes, from the same records and string objects (see Marshal)
+    Marshal m;
+    m.room(batch.size() * 96 + 16);
+    m.byte('[');
+    m.i32((int32_t)batch.size());
+    for (const Rec& r : batch) {
+      PyObject* name = r.op >= 0 ? op_str(r.op) : na;
+      PyObject* stack = nullptr;
+      if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
+        stack = stack_str(r.stack);
+      m.small_tuple(10);
+      bool launch = r.kind == OP_START || r.kind == OP_END;
+      bool access = r.kind == ACCESS_READ || r.kind == ACCESS_WRITE;
+      m.str(launch ? ev_launch : access ? ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? ev_malloc : ev_free);
+      m.str(launch ? (r.kind == OP_START ? ev_start : ev_end) : access ? (r.kind == ACCESS_WRITE ? acc_write : acc_read) : pool);
+      m.str(name);
+      m.i64(r.ts);
+      m.u64(r.tid);
+      m.str(device);
+      if (launch) {
+        m.none();
+        m.none();
+      } else if (access) {
+        m.u64(r.ptr);
+        int st = r.extra & 0xff, ndim = r.extra >> 8;
+        size_t at = (size_t)(r.used - batch_shape_base);
+        m.small_tuple(4);
+        m.str(dtype_strs[st]);
+        m.small_tuple(ndim);
+        for (int k = 0; k < ndim; ++k) m.i64(batch_shapes[at + k]);
+        m.i64(r.size);
+        m.i64(r.aid);
+      } else if (r.kind == FREE_UNTRACED || r.kind == MALLOC_BEFORE_OP) {
+        m.u64(r.ptr);
+        m.byte('{');
+        const char* keys[5] = {"allocation_id", "addr", "size", "used", "total"};
+        for (int k = 0; k < 5; ++k) {
+          m.byte('z');
+          m.byte((char)strlen(keys[k]));
+          m.raw(keys[k], strlen(keys[k]));
+          if (k == 0) m.i64(r.aid);
+          else if (k == 1) m.u64(r.ptr);
+          else if (k == 2) m.i64(r.size);
+          else m.i64(r.used);
+        }
+        if (r.kind == MALLOC_BEFORE_OP) {
+          m.byte('z');
+          m.byte((char)5);
+          m.raw("owner", 5);
+          m.str(empty.ptr());
+          m.str(origin_key);
+          m.str(before_op);
+        } else {
+          m.str(untraced_key);
+          m.byte('T');
+        }
+        m.byte('0');
+      } else {
+        m.u64(r.ptr);
+        m.small_tuple(r.kind == MALLOC ? 6 : 5);
+        m.i64(r.aid);
+        m.u64(r.ptr);
+        m.i64(r.size);
+        m.i64(r.used);
+        m.i64(r.used);
+        if (r.kind == MALLOC) m.str(empty.ptr());
+      }
+      if (stack != nullptr) m.str(stack);
+      else m.none();
+      m.none();
+      if (!m.ok) break;
+    }
+    if (m.ok) {
+      blob = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len));
+      if (!blob) throw py::error_already_set();
+    }
+  }
   {
     // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
     std::lock_guard<std::mutex> g(mu);
@@ -886,7 +1063,7 @@ py::tuple drain(py::list out, py::tuple names) {
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
-  return py::make_tuple((int64_t)batch.size(), failed);
+  return py::make_tuple((int64_t)batch.size(), failed, blob);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
@@ -1022,6 +1199,382 @@ py::list take_tagged() {
 int64_t last_alloc_id() {
   std::lock_guard<std::mutex> g(mu);
   return next_aid;
+}
+
+
+// ---------------------------------------------------------------- the online leak rule's row loop
+// (issue 22d) StepLeakTracker.consume's inlined MALLOC/FREE path (msmemscope/analysis/leaks.py),
+// the same dict operations on the tracker's own dicts and Site objects, without a Python
+// bytecode per row. It stops at the first row it does not handle exactly as the Python loop
+// would (a row of another kind, a dict attr, the cached segments' pool, the first row of a pool
+// in a step, a Python stack whose line is not cached yet, owner labels, a new site) and returns
+// its index: the Python loop takes that row, then calls again. Nothing is changed for the row it
+// stops at, so the Python loop sees it as if this function did not exist.
+namespace {
+
+inline bool same_str(PyObject* a, PyObject* b) {
+  if (a == b) return true;
+  if (!PyUnicode_CheckExact(a) || !PyUnicode_CheckExact(b)) return false;
+  return PyUnicode_Compare(a, b) == 0;
+}
+
+// Python's truth value of a field (-1 on error)
+inline int truthy(PyObject* o) { return o == Py_None ? 0 : PyObject_IsTrue(o); }
+
+struct Ref {  // a strong reference released on every way out
+  PyObject* o;
+  explicit Ref(PyObject* p = nullptr) : o(p) {}
+  ~Ref() { Py_XDECREF(o); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return o; }
+  PyObject* release() { PyObject* p = o; o = nullptr; return p; }
+};
+
+// site.<attr> += delta (delta may be negative: subtract)
+bool add_attr(PyObject* site, PyObject* name, PyObject* delta, bool subtract) {
+  Ref cur(PyObject_GetAttr(site, name));
+  if (cur.get() == nullptr) return false;
+  Ref v(subtract ? PyNumber_Subtract(cur.get(), delta) : PyNumber_Add(cur.get(), delta));
+  if (v.get() == nullptr) return false;
+  return PyObject_SetAttr(site, name, v.get()) == 0;
+}
+
+// Site (analysis/growth.py) has __slots__: its ``live`` and ``last_aid`` are read and written at
+// their offsets (the member descriptors' own), not through attribute lookups; another type (or a
+// slot left unset) goes through getattr/setattr.
+#ifndef T_OBJECT_EX
+#define T_OBJECT_EX Py_T_OBJECT_EX
+#endif
+struct SiteSlots {
+  PyTypeObject* type = nullptr;  // a strong reference: the offsets never outlive their type
+  Py_ssize_t live = -1, last = -1;
+};
+SiteSlots site_slots;
+
+Py_ssize_t member_offset(PyTypeObject* tp, PyObject* name) {
+  PyObject* d = _PyType_Lookup(tp, name);  // borrowed
+  if (d == nullptr || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+  PyMemberDef* m = ((PyMemberDescrObject*)d)->d_member;
+  return (m->type == T_OBJECT_EX && !(m->flags & READONLY)) ? m->offset : -1;
+}
+
+// the address of the site's slot (live: which=0, last_aid: 1), or null: use getattr/setattr
+PyObject** site_slot(PyObject* site, int which, PyObject* s_live, PyObject* s_last) {
+  PyTypeObject* tp = Py_TYPE(site);
+  if (site_slots.type != tp) {
+    Py_XDECREF((PyObject*)site_slots.type);
+    Py_INCREF((PyObject*)tp);
+    site_slots.type = tp;
+    site_slots.live = member_offset(tp, s_live);
+    site_slots.last = member_offset(tp, s_last);
+    if (site_slots.live < 0 || site_slots.last < 0) site_slots.live = site_slots.last = -1;
+  }
+  Py_ssize_t off = which == 0 ? site_slots.live : site_slots.last;
+  if (off < 0) return nullptr;
+  PyObject** slot = (PyObject**)((char*)site + off);
+  return *slot != nullptr ? slot : nullptr;
+}
+
+// site.live += delta (or -= delta)
+bool site_add_live(PyObject* site, PyObject* delta, bool subtract, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 0, s_live, s_last);
+  if (slot == nullptr) return add_attr(site, s_live, delta, subtract);
+  PyObject* v = subtract ? PyNumber_Subtract(*slot, delta) : PyNumber_Add(*slot, delta);
+  if (v == nullptr) return false;
+  PyObject* old = *slot;
+  *slot = v;
+  Py_DECREF(old);
+  return true;
+}
+
+bool site_set_last(PyObject* site, PyObject* value, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 1, s_live, s_last);
+  if (slot == nullptr) return PyObject_SetAttr(site, s_last, value) == 0;
+  PyObject* old = *slot;
+  Py_INCREF(value);
+  *slot = value;
+  Py_DECREF(old);
+  return true;
+}
+
+// site.last_aid, a new reference
+PyObject* site_get_last(PyObject* site, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 1, s_live, s_last);
+  if (slot == nullptr) return PyObject_GetAttr(site, s_last);
+  Py_INCREF(*slot);
+  return *slot;
+}
+
+// d.pop(key, None) in one lookup: a new reference, or Py_None (a new reference too); null on error
+PyObject* dict_pop(PyObject* d, PyObject* key) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* out = nullptr;
+  int rc = PyDict_Pop(d, key, &out);
+  if (rc < 0) return nullptr;
+  if (rc == 0) Py_RETURN_NONE;
+  return out;
+#else
+  return _PyDict_Pop(d, key, Py_None);
+#endif
+}
+
+PyObject* tuple_of(std::initializer_list<PyObject*> items) {
+  PyObject* t = PyTuple_New((Py_ssize_t)items.size());
+  if (t == nullptr) return nullptr;
+  Py_ssize_t k = 0;
+  for (PyObject* o : items) {
+    Py_INCREF(o);
+    PyTuple_SET_ITEM(t, k++, o);
+  }
+  return t;
+}
+
+}  // namespace
+
+// consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, cached segments' pool, "live", "last_aid",
+//           "freed_at_step"); state = (sites, blocks, pending, level, cur, lines, labels, reported)
+int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::handle step_h, py::tuple consts,
+                  py::tuple state) {
+  PyObject* rows = rows_h.ptr();
+  if (!PyList_Check(rows)) return start;
+  PyObject* ev_launch = consts[0].ptr();
+  PyObject* ev_access = consts[1].ptr();
+  PyObject* ev_malloc = consts[2].ptr();
+  PyObject* ev_free = consts[3].ptr();
+  PyObject* hal = consts[4].ptr();
+  PyObject* s_live = consts[5].ptr();
+  PyObject* s_last = consts[6].ptr();
+  PyObject* s_freed = consts[7].ptr();
+  PyObject* sites = state[0].ptr();
+  PyObject* blocks = state[1].ptr();
+  PyObject* pending = state[2].ptr();
+  PyObject* level = state[3].ptr();
+  PyObject* cur = state[4].ptr();
+  PyObject* lines = state[5].ptr();
+  PyObject* labels = state[6].ptr();
+  PyObject* reported = state[7].ptr();
+  PyObject* first = first_h.ptr();
+  PyObject* step = step_h.ptr();
+  long long step_no = PyLong_AsLongLong(step);
+  if (step_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+  bool late = step_no >= 2;  // blocks of steps >= 2 are pending until judged
+  Py_ssize_t n = PyList_GET_SIZE(rows);
+  Py_ssize_t i = (Py_ssize_t)start;
+  // the (device, pool) of the last row: most rows of a batch have the same objects, so their key
+  // is made, and their min/max looked up, once; ``level`` gets the pool's last ``used`` when the
+  // pool changes and when the loop ends (nothing reads it in between)
+  struct Pool {
+    PyObject* level;
+    PyObject* device = nullptr;  // borrowed (the rows hold them)
+    PyObject* pool = nullptr;
+    PyObject* key = nullptr;     // owned
+    PyObject* mm = nullptr;      // borrowed from cur
+    PyObject* used = nullptr;    // borrowed: the last row's ``used`` not yet in level
+    explicit Pool(PyObject* l) : level(l) {}
+    bool put_level() {
+      if (key == nullptr || used == nullptr) return true;
+      PyObject* u = used;
+      used = nullptr;
+      return PyDict_SetItem(level, key, u) == 0;
+    }
+    ~Pool() {
+      if (used != nullptr && key != nullptr) {  // an exception on the way out: keep it, put the level
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        if (!put_level()) PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+      }
+      Py_XDECREF(key);
+    }
+  } pk(level);
+  struct SiteHit {  // borrowed: the rows hold the keys' objects, ``sites`` the site
+    PyObject *device = nullptr, *pool = nullptr, *python = nullptr, *label = nullptr, *site = nullptr;
+  };
+  std::unordered_map<PyObject*, SiteHit> site_hits;  // op name object -> its last site
+  for (; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(rows, i);
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) < 10) break;
+    PyObject* ev = PyTuple_GET_ITEM(r, 0);
+    bool is_malloc;
+    if (ev == ev_malloc) {  // the sources' own string objects first, then any equal string
+      is_malloc = true;
+    } else if (ev == ev_free) {
+      is_malloc = false;
+    } else if (ev == ev_launch || ev == ev_access || same_str(ev, ev_launch) || same_str(ev, ev_access)) {
+      continue;  // most rows: nothing to do
+    } else if (same_str(ev, ev_malloc)) {
+      is_malloc = true;
+    } else if (same_str(ev, ev_free)) {
+      is_malloc = false;
+    } else {
+      break;
+    }
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) < 5) break;
+    PyObject* pool = PyTuple_GET_ITEM(r, 1);
+    if (is_malloc && (!PyUnicode_CheckExact(pool) || same_str(pool, hal))) break;
+    PyObject* device = PyTuple_GET_ITEM(r, 5);
+    PyObject* used = PyTuple_GET_ITEM(a, 3);
+    if (pk.key == nullptr || device != pk.device || pool != pk.pool) {
+      // another (device, pool) than the last row's: its key, and its min/max of this step
+      PyObject* key = tuple_of({device, pool});
+      if (key == nullptr) throw py::error_already_set();
+      PyObject* got = nullptr;
+      if (late) {
+        got = PyDict_GetItemWithError(cur, key);
+        if (got == nullptr || !PyList_CheckExact(got) || PyList_GET_SIZE(got) != 2) {
+          Py_DECREF(key);
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // the pool's first row in this step: the Python loop starts its min/max
+        }
+      }
+      if (!pk.put_level()) {
+        Py_DECREF(key);
+        throw py::error_already_set();
+      }
+      Py_XDECREF(pk.key);
+      pk.key = key;
+      pk.device = device;
+      pk.pool = pool;
+      pk.mm = got;
+    }
+    PyObject* mm = pk.mm;  // borrowed from cur
+    PyObject* op = PyTuple_GET_ITEM(r, 2);
+    PyObject* aid = PyTuple_GET_ITEM(a, 0);
+    PyObject* stack = PyTuple_GET_ITEM(r, 8);
+    PyObject* site = nullptr;  // borrowed from sites
+    PyObject* size = nullptr;  // borrowed (the row's, or the cached 0)
+    static PyObject* zero = PyLong_FromLong(0);
+    if (is_malloc) {
+      PyObject* python = Py_None;
+      int has_stack = truthy(stack);
+      if (has_stack < 0) throw py::error_already_set();
+      if (has_stack) {
+        python = PyDict_GetItemWithError(lines, stack);
+        if (python == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // the line of a new stack: the Python loop finds it
+        }
+      }
+      PyObject* label = Py_None;
+      Ref owned_label;  // a describe label cut from the owner text (a new string)
+      if (python == Py_None) {
+        PyObject* owner = PyTuple_GET_SIZE(a) > 5 ? PyTuple_GET_ITEM(a, 5) : Py_None;
+        int has_owner = truthy(owner);
+        if (has_owner < 0) throw py::error_already_set();
+        Py_ssize_t second = -1;
+        if (has_owner) {
+          // <pool>@<category>@<labels...>: the labels are the text after the second '@'
+          if (!PyUnicode_CheckExact(owner)) break;
+          Py_ssize_t len = PyUnicode_GET_LENGTH(owner);
+          Py_ssize_t first_at = PyUnicode_FindChar(owner, '@', 0, len, 1);
+          if (first_at == -2) throw py::error_already_set();
+          if (first_at >= 0) {
+            second = PyUnicode_FindChar(owner, '@', first_at + 1, len, 1);
+            if (second == -2) throw py::error_already_set();
+          }
+          if (second >= 0) {
+            owned_label.o = PyUnicode_Substring(owner, second + 1, len);
+            if (owned_label.o == nullptr) throw py::error_already_set();
+            label = owned_label.o;
+          }
+        }
+        if (second < 0) {
+          label = PyDict_GetItemWithError(labels, PyTuple_GET_ITEM(r, 4));
+          if (label == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            label = Py_None;
+          }
+        }
+      }
+      // the site: rows of one op (one name object) mostly have the same line and label; the sites
+      // found in this call are remembered by those objects (no site is added or removed meanwhile)
+      SiteHit& hit = site_hits[op];
+      if (owned_label.o == nullptr && hit.site != nullptr && hit.device == device && hit.pool == pool &&
+          hit.python == python && hit.label == label) {
+        site = hit.site;
+      } else {
+        Ref skey(tuple_of({device, pool, op, python, label}));
+        if (skey.get() == nullptr) throw py::error_already_set();
+        site = PyDict_GetItemWithError(sites, skey.get());
+        if (site == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // a new site: made by the Python loop
+        }
+        // a label made for this row dies with it: its address may come back as another string
+        if (owned_label.o == nullptr) hit = SiteHit{device, pool, python, label, site};
+      }
+      size = PyTuple_GET_ITEM(a, 2);
+      int has_size = truthy(size);
+      if (has_size < 0) throw py::error_already_set();
+      if (!has_size) size = zero;
+    }
+    // from here on the row is handled here: the step's lowest and highest ``used``, the level
+    if (late) {
+      PyObject* lo = PyList_GET_ITEM(mm, 0);
+      int lt = PyObject_RichCompareBool(used, lo, Py_LT);
+      if (lt < 0) throw py::error_already_set();
+      if (lt) {
+        Py_INCREF(used);
+        PyList_SetItem(mm, 0, used);
+      } else {
+        int gt = PyObject_RichCompareBool(used, PyList_GET_ITEM(mm, 1), Py_GT);
+        if (gt < 0) throw py::error_already_set();
+        if (gt) {
+          Py_INCREF(used);
+          PyList_SetItem(mm, 1, used);
+        }
+      }
+    }
+    pk.used = used;  // level[pk] = used, put when the pool changes or the loop ends
+    Ref key(tuple_of({device, pool, aid}));
+    if (key.get() == nullptr) throw py::error_already_set();
+    if (is_malloc) {
+      Py_INCREF(site);
+      Ref keep_site(site);
+      if (!site_add_live(site, size, false, s_live, s_last)) throw py::error_already_set();
+      if (!site_set_last(site, aid, s_live, s_last)) throw py::error_already_set();
+      Ref blk(tuple_of({site, size}));
+      if (blk.get() == nullptr || PyDict_SetItem(blocks, key.get(), blk.get()) != 0)
+        throw py::error_already_set();
+      if (late) {
+        Ref off(PyLong_FromSsize_t(i));
+        if (off.get() == nullptr) throw py::error_already_set();
+        Ref id(PyNumber_Add(first, off.get()));
+        if (id.get() == nullptr) throw py::error_already_set();
+        Ref rec(tuple_of({step, id.get(), PyTuple_GET_ITEM(a, 1), size, op, stack}));
+        if (rec.get() == nullptr || PyDict_SetItem(pending, key.get(), rec.get()) != 0)
+          throw py::error_already_set();
+      }
+    } else {
+      Ref held(dict_pop(blocks, key.get()));
+      PyObject* v = held.get();
+      if (v == nullptr) throw py::error_already_set();
+      if (v != Py_None) {
+        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) < 2) {
+          PyErr_SetString(PyExc_TypeError, "leak_rows: a block entry is not (site, size)");
+          throw py::error_already_set();
+        }
+        PyObject* vs = PyTuple_GET_ITEM(v, 0);
+        if (!site_add_live(vs, PyTuple_GET_ITEM(v, 1), true, s_live, s_last)) throw py::error_already_set();
+        Ref last(site_get_last(vs, s_live, s_last));
+        if (last.get() == nullptr) throw py::error_already_set();
+        int eq = PyObject_RichCompareBool(last.get(), aid, Py_EQ);
+        if (eq < 0) throw py::error_already_set();
+        if (eq && !site_set_last(vs, Py_None, s_live, s_last)) throw py::error_already_set();
+      }
+      Ref p(PyDict_GET_SIZE(pending) > 0 ? dict_pop(pending, key.get()) : Py_NewRef(Py_None));
+      if (p.get() == nullptr) throw py::error_already_set();
+      if (p.get() == Py_None && PyDict_GET_SIZE(reported) > 0) {
+        Ref rec(dict_pop(reported, key.get()));
+        if (rec.get() == nullptr) throw py::error_already_set();
+        if (rec.get() != Py_None && PyObject_SetItem(rec.get(), s_freed, step) != 0) throw py::error_already_set();
+      }
+    }
+  }
+  if (!pk.put_level()) throw py::error_already_set();
+  return (int64_t)i;
 }
 
 // ================================================================ analysis folds (issue 25)
@@ -1657,13 +2210,14 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
 // ================================================================ end of analysis folds
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("leak_rows", &leak_rows);
   m.def("set_owner_tag", &set_owner_tag);
   m.def("take_tagged", &take_tagged);
   m.def("last_alloc_id", &last_alloc_id);
   m.def("install", &install);
   m.def("uninstall", &uninstall);
   m.def("set_flags", &set_flags);
-  m.def("drain", &drain);
+  m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);
   m.def("live_alloc_ids", &live_alloc_ids);

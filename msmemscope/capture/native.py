@@ -288,19 +288,30 @@ class NativeSource(Source):
     def set_flags(self, f):
         self.m.set_flags(f.recording, f.count, f.alloc, f.free, f.free_untraced, f.launch, f.access)
 
-    def drain(self, buf: list) -> int:
+    def drain(self, buf: list, pieces: list | None = None) -> int:
         """Append the records as raw rows; returns how many failed-allocation markers
-        (``ALLOC_FAILED`` rows: the session makes OOM snapshots of them) are among them."""
+        (``ALLOC_FAILED`` rows: the session makes OOM snapshots of them) are among them. With
+        ``pieces`` (a list), the rows are also made as marshal bytes, noted there as
+        ``(position in buf, count, first row, last row, bytes)`` (the session's hand-off)."""
         if self.handed_over:
             # only FREE rows of the blocks counted here (and OP_END of ops closed at the
             # handover): merged by time with the dispatch-mode source's rows (account() gave those
             # their times from the same clock and lock)
             rows: list = []
-            _, failed = self.m.drain(rows, _NAMES)
+            _, failed, _ = self.m.drain(rows, _NAMES)
             if rows:
                 buf[:] = heapq.merge(buf, rows, key=_ts)
+                if pieces is not None:
+                    pieces.clear()  # the buffer's rows moved: no piece stands for its rows any more
             return failed
-        _, failed = self.m.drain(buf, _NAMES)
+        if pieces is None:
+            return self.m.drain(buf, _NAMES)[1]
+        start = len(buf)
+        n, failed, blob = self.m.drain(buf, _NAMES, True)
+        if blob is not None and n:
+            # these rows as marshal bytes (made in C++ from the same records): the hand-off sends
+            # them as they are if the buffer still holds these rows there at the flush
+            pieces.append((start, n, buf[start], buf[start + n - 1], blob))
         return failed
 
     def counters(self):

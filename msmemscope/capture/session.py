@@ -65,6 +65,9 @@ class _LogFile(logging.StreamHandler):
 
 
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
+# the native source's rows go to the writer process as the marshal bytes it makes in C++
+# (MSMEMSCOPE_HANDOFF=marshal: every row marshalled here, as before)
+_PIECES = os.environ.get("MSMEMSCOPE_HANDOFF", "").strip().lower() != "marshal"
 
 
 def _why(exc) -> str:
@@ -116,6 +119,10 @@ class Session:
         self._set_wants()
         self.pid = os.getpid()
         self.buf: list = []
+        # the native source's rows in ``buf`` already made as marshal bytes: (position, count,
+        # first row, last row, bytes); the hand-off sends those bytes instead of marshalling the
+        # rows again (``_pieces_of``). Emptied at each flush and wherever ``buf`` is rearranged.
+        self.pieces: list = []
         self.flush_rows = FLUSH_ROWS
         self.lock = threading.RLock()        # MALLOC/FREE rows and pool counters change together
         self.flush_lock = threading.RLock()
@@ -386,7 +393,9 @@ class Session:
         self.dispatch.drain(self.buf)
         nat = self.native
         if nat is not None:
-            failed = nat.drain(self.buf)
+            # rows nothing rewrites before the flush (owner labels and modules rewrite MALLOC rows)
+            plain = self.native_ops and self.labeler is None and self.modules is None and _PIECES
+            failed = nat.drain(self.buf, self.pieces if plain else None)
             if failed:
                 from .snapshot import oom_snapshots
                 oom_snapshots(self, self.buf, failed)
@@ -560,6 +569,7 @@ class Session:
                 self.labeler.before_flush()  # label the rows of both parts while they are in the buffer
             rest = self.buf[idx:]
             del self.buf[idx:]
+            self.pieces.clear()  # their positions move: these rows are marshalled at the flush
             self._device_step_end(1)
             self.buf.append(row)
             self.flush(step_end=1, drain=False)
@@ -596,6 +606,7 @@ class Session:
     def _flush(self, step_end=None, drain=True):
         if self.closed or self.failure is not None:
             self.buf.clear()
+            self.pieces.clear()
             return
         if self.labeler is not None:
             self.labeler.before_flush()
@@ -611,13 +622,14 @@ class Session:
         n = len(self.buf)
         rows = self.buf[:n]
         del self.buf[:n]
+        pieces = self._pieces_of(rows)
         self._flushes += 1
         first = self.next_id + 1
         self.next_id += n
         if rows:
             try:
                 c_syms = self._symbolize(rows) if self.c_depth else None
-                self.writer.write(rows, first, self.pid, c_syms)
+                self.writer.write(rows, first, self.pid, c_syms, pieces)
             except Exception as e:  # the disk is full, the folder went away: the tool's failure
                 self._tool_failed("cannot write the dump", e)
                 return
@@ -640,6 +652,25 @@ class Session:
             except Exception as e:  # an analysis's failure never reaches the program
                 self._sink_failed(s, e)
 
+    def _pieces_of(self, rows):
+        """The flushed rows for the hand-off as pieces: the native source's marshal bytes where
+        ``rows`` holds, at the noted positions, the very rows they were made with, and lists of the
+        other rows between them; None (marshal every row) when any piece does not hold."""
+        noted, self.pieces = self.pieces, []
+        if not noted or self.labeler is not None or self.modules is not None:
+            return None
+        out, pos, n = [], 0, len(rows)
+        for start, k, head, tail, blob in noted:
+            if start < pos or start + k > n or rows[start] is not head or rows[start + k - 1] is not tail:
+                return None
+            if start > pos:
+                out.append(rows[pos:start])
+            out.append(blob)
+            pos = start + k
+        if pos < n:
+            out.append(rows[pos:])
+        return out
+
     def _sink_failed(self, sink, exc):
         if sink in self.sinks:
             self.sinks.remove(sink)
@@ -657,6 +688,7 @@ class Session:
         reason = f"{what}: {_why(exc)}"
         self.failure = reason
         self.buf.clear()
+        self.pieces.clear()
         try:
             self.dispatch.stop()
             if self.native is not None:
@@ -922,6 +954,7 @@ class Session:
         self.closed = True
         self._update_flags()
         self.buf = []
+        self.pieces = []
         self.writer.abort()
         log.removeHandler(self._log_handler)
         self._log_handler.close()
@@ -947,5 +980,6 @@ class Session:
         self.active = False
         self.closed = True
         self.buf = []
+        self.pieces = []
         self._update_flags()
         self.writer.forget()  # the parent's writer process is the parent's

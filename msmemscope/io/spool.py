@@ -140,7 +140,9 @@ class SpoolWriter:
         return True
 
     # ------------------------------------------------------------------ writing
-    def write(self, rows, first, pid, c_syms=None) -> None:
+    def write(self, rows, first, pid, c_syms=None, pieces=None) -> None:
+        """``pieces``: the same rows as a list of marshal bytes (made by the native source) and
+        lists of row tuples, in order (``Session._pieces_of``); the writer process joins them."""
         if not self._inline and self._fd is None and not self._start():
             self._inline = True
         if self._inline:
@@ -148,7 +150,10 @@ class SpoolWriter:
             self._sent = first + len(rows) - 1
             return
         try:
-            data = marshal.dumps((first, pid, rows, c_syms or None))
+            if pieces is not None:
+                data = marshal.dumps((first, pid, None, c_syms or None, pieces))
+            else:
+                data = marshal.dumps((first, pid, rows, c_syms or None))
         except ValueError:  # a C traceback object or an exotic attribute value
             data = marshal.dumps((first, pid, _plain_rows(rows), c_syms or None))
         try:
@@ -322,6 +327,14 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def join_pieces(pieces) -> list:
+    """A frame's rows from its pieces: marshal bytes (the native source's rows) and lists of rows."""
+    rows: list = []
+    for p in pieces:
+        rows.extend(marshal.loads(p) if type(p) is bytes else p)
+    return rows
+
+
 def serve(argv) -> None:
     """Main of the writer process: frames from stdin into the dump until the stream ends."""
     from . import files
@@ -357,7 +370,10 @@ def serve(argv) -> None:
             data = _read_exact(0, n)
             if data is None:
                 break
-            first, pid, rows, c_syms = marshal.loads(data)
+            frame = marshal.loads(data)
+            first, pid, rows, c_syms = frame[:4]
+            if len(frame) > 4:
+                rows = join_pieces(frame[4])
             writer.write(rows, first, pid, c_syms)
         writer.close()
     except Exception as e:

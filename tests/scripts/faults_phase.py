@@ -44,11 +44,11 @@ elif phase == "flush":
 
     fired = []
 
-    def write(rows, first, pid, c_syms=None):
+    def write(rows, first, pid, c_syms=None, pieces=None):
         if not fired and any(r[0] == "SYSTEM" and r[1] == "STEP" for r in rows) and step == at:
             fired.append(1)  # once, as a signal arrives once
             fire()
-        return real_write(rows, first, pid, c_syms)
+        return real_write(rows, first, pid, c_syms, pieces)
     s.writer.write = write
 for step in range(1, 51):
     if phase == "start":

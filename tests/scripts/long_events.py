@@ -25,9 +25,9 @@ batches = []
 real_write = s.writer.write
 
 
-def write(rows, first, pid, c_syms=None):
+def write(rows, first, pid, c_syms=None, pieces=None):
     batches.append(len(rows))
-    return real_write(rows, first, pid, c_syms)
+    return real_write(rows, first, pid, c_syms, pieces)
 
 
 s.writer.write = write
