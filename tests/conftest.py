@@ -145,6 +145,22 @@ def shared_run(tmp_path_factory, worker_id):
     return get
 
 
+#: the transformer example as test_capture.py and test_watch.py compare it, plain and traced
+TRANSFORMER_SMALL = ["--steps", "2", "--batch", "1", "--layers", "1"]
+
+
+def plain_transformer(shared_run):
+    """stdout of the plain (untraced) run of examples/transformer.py with ``TRANSFORMER_SMALL``,
+    made once for the session: the losses the traced runs must print bit for bit."""
+    def make(folder):
+        r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "transformer.py"), *TRANSFORMER_SMALL],
+                           env=env_for_tests(), capture_output=True, text=True, timeout=600)
+        return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr[-3000:]}
+    _, res = shared_run("plain-transformer", make)
+    assert res["returncode"] == 0, res["stderr"]
+    return res["stdout"]
+
+
 #: the FSDP2 job that test_summary.py and test_combinations.py both assert on (one run, shared)
 FSDP2_LAUNCHER = ("fsdp2_ranks.py", "native", "leaks,decompose,inefficient")
 

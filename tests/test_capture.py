@@ -7,8 +7,8 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, FULL, ROOT, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
-                      run_cli, run_folders)
+from conftest import (EXAMPLES, FULL, ROOT, TRANSFORMER_SMALL, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
+                      plain_transformer, run_cli, run_folders)
 from msmemscope.events import HEADER
 
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -51,6 +51,8 @@ def test_mlp_all_events(out_dir, fmt):
     assert len(logs) == 1
 
 
+@pytest.mark.skipif(not FULL, reason="long form: make test checks the same on the 20-step default-events run "
+                    "of test_leaks.py::test_clean_transformer_reports_no_leak")
 def test_transformer_default_events(out_dir):
     r = run_cli(["-o", str(out_dir), os.path.join(EXAMPLES, "transformer.py"), "--steps", "2", "--layers", "1"])
     assert r.returncode == 0, r.stderr
@@ -72,13 +74,14 @@ def _losses(cmd, env):
     return r.stdout
 
 
-@pytest.mark.parametrize("script,args", full([("transformer.py", ["--steps", "3", "--layers", "1"])],
-                                              [("transformer.py", ["--steps", "3", "--layers", "1"]),
+@pytest.mark.parametrize("script,args", full([("transformer.py", TRANSFORMER_SMALL)],
+                                              [("transformer.py", TRANSFORMER_SMALL),
                                                ("mlp.py", ["--steps", "5"])]))
-def test_losses_bit_identical(out_dir, script, args):
+def test_losses_bit_identical(out_dir, shared_run, script, args):
     path = os.path.join(EXAMPLES, script)
     env = env_for_tests()
-    plain = _losses([sys.executable, path, *args], env)
+    # the transformer's plain run is shared with test_watch.py
+    plain = plain_transformer(shared_run) if script == "transformer.py" else _losses([sys.executable, path, *args], env)
     traced = _losses([sys.executable, "-m", "msmemscope", "-o", str(out_dir), "--events=alloc,free,launch,access",
                       "--call-stack=python:5", path, *args], env)
     assert "loss" in plain and plain == traced

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 import torch
 
-from conftest import check_invariants, read
+from conftest import FULL, check_invariants, read
 
 from msmemscope.analysis import fragmentation as fr
 from msmemscope.analysis.oom import report_lines
@@ -650,7 +650,7 @@ def test_leak_rule_leaves_cached_segments_out(tmp_path):
     assert [(lk["pool"], lk["size"]) for lk in step_leaks(df)] == [("PTA", 4 * MiB)]
 
 
-@pytest.mark.parametrize("source", ["auto", "python"])
+@pytest.mark.parametrize("source", ["auto"] + (["python"] if FULL else []))  # the dispatch source: long form
 def test_session_with_the_allocator_source_end_to_end(tmp_path, source):
     """A real Session (CPU training, its own sources) with the allocator-trace source on a fake device:
     the session's wiring (drain at flush, Step End snapshots, OOM, fragmentation sink, config)."""

@@ -87,7 +87,9 @@ def _case_of(site, stacks):
 
 
 # the combined program: every leak and every look-alike in one training loop, online
-VARIANTS = [("native", False), ("python", False), ("native", True)] + ([("python", True)] if FULL else [])
+# make test: each source once and stacks once (native with stacks, the dispatch source without);
+# the long form adds the other two
+VARIANTS = [("python", False), ("native", True)] + ([("native", False), ("python", True)] if FULL else [])
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{'stacks' if v[1] else 'nostack'}")
@@ -238,8 +240,8 @@ def full(short, long):
     return long if FULL else short
 
 
-# MLP on both sources; the long form adds a tiny GPT-2 (transformers) on both
-CLEAN = [("native", "none"), ("python", "none")] + full([], [("native", "gpt2"), ("python", "gpt2")])
+# MLP on the native source; the long form adds the dispatch source and a tiny GPT-2 (transformers) on both
+CLEAN = [("native", "none")] + full([], [("python", "none"), ("native", "gpt2"), ("python", "gpt2")])
 
 
 @pytest.fixture(scope="module", params=CLEAN, ids=lambda v: f"{v[0]}-{v[1]}")

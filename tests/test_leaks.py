@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+import polars as pl
 import pytest
 
 from conftest import EXAMPLES, PEER, check_invariants, dump_of, read, run_cli, run_folders
@@ -169,7 +170,13 @@ def test_clean_transformer_reports_no_leak(tmp_path):
     assert "Detected memory leaks" not in r.stderr and not _leak_lines(r.stderr)
     assert [s["step"] for s in res["fluctuation"][0]["steps"]] == list(range(2, 21))
     from msmemscope.analysis.leaks import step_leaks
-    assert step_leaks(read(dump_of(folder))) == []
+    df = read(dump_of(folder))
+    assert step_leaks(df) == []
+    # the default events and nothing else (test_capture.py's default-events case, in make test here)
+    check_invariants(df)
+    assert set(df["event"].unique().to_list()) == {"SYSTEM", "MALLOC", "FREE", "OP_LAUNCH"}
+    assert "torch._ops.aten.native_layer_norm_backward.default" in set(df["name"].to_list())
+    assert df.filter((pl.col("event") == "MALLOC") & (pl.col("name") == "torch._ops.aten.mm.default")).height > 0
 
 
 @pytest.fixture(scope="module", params=["csv", "db"])

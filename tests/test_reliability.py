@@ -18,7 +18,7 @@ import warnings
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders)
+from conftest import (EXAMPLES, FULL, ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders)
 from msmemscope import cli
 from msmemscope.events import HEADER
 
@@ -33,9 +33,14 @@ def _fault_cases():
     cases = []
     for mode in STATUS:
         rng = random.Random(f"fault-{mode}")
-        cases.append((mode, rng.randint(2, 50), rng.choice(["start", "forward", "backward", "optimizer"])))
-    # make test: every fault once, and a signal inside a flush; the long form adds every fault
-    # inside backward and an exit inside a flush
+        case = (mode, rng.randint(2, 50), rng.choice(["start", "forward", "backward", "optimizer"]))
+        # make test: an exception, a refused allocation and SIGKILL at random points (exit and
+        # os._exit: test_faults.py's long form and the signal tests; SIGTERM: inside a flush below,
+        # and test_launcher_forwards_sigterm; SIGINT: test_reliability_signals.py)
+        if FULL or mode in ("exception", "alloc", "sigkill"):
+            cases.append(case)
+    # make test: a signal inside a flush too; the long form adds every fault inside backward and
+    # an exit inside a flush
     cases += full([], [(m, 13, "backward") for m in ("exception", "sigterm", "alloc", "sigkill")])
     cases += [("sigterm", 9, "flush")] + full([], [("exit", 4, "flush")])
     return cases

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, env_for_tests, run_cli, run_folders
+from conftest import EXAMPLES, ROOT, TRANSFORMER_SMALL, env_for_tests, plain_transformer, run_cli, run_folders
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -403,13 +403,11 @@ def test_op_patterns():
     assert OpPattern("aten.mm#3").nth == 3 and OpPattern("aten.mm").nth == 1
 
 
-def test_watching_does_not_change_results(tmp_path, out_dir):
+def test_watching_does_not_change_results(tmp_path, out_dir, shared_run):
     """SPEC §6: the same losses, bit for bit, with a watch window over the forward pass."""
-    args = [os.path.join(EXAMPLES, "transformer.py"), "--steps", "2", "--batch", "1", "--layers", "1"]
-    plain = subprocess.run([sys.executable, *args], env=env_for_tests(), capture_output=True, text=True,
-                           timeout=600)
-    assert plain.returncode == 0, plain.stderr
+    args = [os.path.join(EXAMPLES, "transformer.py"), *TRANSFORMER_SMALL]
+    plain = plain_transformer(shared_run)  # one plain run for this file and test_capture.py
     p = check(run_cli(["-o", str(out_dir), "--watch=aten.mm.default:0,aten.nll_loss_forward", *args]))
-    assert p.stdout == plain.stdout and plain.stdout.count("loss") == 2
+    assert p.stdout == plain and plain.count("loss") == 2
     rep = watch_json(one_run(out_dir))
     assert rep["window"]["closed"] == "aten.nll_loss_forward.default#1" and rep["stomps"] == []
