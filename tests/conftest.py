@@ -145,6 +145,20 @@ def shared_run(tmp_path_factory, worker_id):
     return get
 
 
+def mlp_all_events(shared_run, fmt):
+    """``msmemscope --data-format=<fmt> --events=alloc,free,launch,access examples/mlp.py --steps 4``,
+    made once for the session (test_capture.py checks the run, test_reader.py reads its dumps):
+    (output root, CompletedProcess-like result)."""
+    import types
+
+    def make(folder):
+        r = run_cli(["-o", str(folder), f"--data-format={fmt}", "--events=alloc,free,launch,access",
+                     os.path.join(EXAMPLES, "mlp.py"), "--steps", "4"])
+        return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+    folder, res = shared_run(f"mlp-all-events-{fmt}", make)
+    return folder, types.SimpleNamespace(**res)
+
+
 #: the transformer example as test_capture.py and test_watch.py compare it, plain and traced
 TRANSFORMER_SMALL = ["--steps", "2", "--batch", "1", "--layers", "1"]
 

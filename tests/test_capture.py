@@ -7,7 +7,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import (EXAMPLES, FULL, ROOT, TRANSFORMER_SMALL, check_invariants, config_of, dump_of, env_for_tests, full, read, read_after_stop,
+from conftest import (EXAMPLES, FULL, ROOT, TRANSFORMER_SMALL, check_invariants, mlp_all_events, config_of, dump_of, env_for_tests, full, read, read_after_stop,
                       plain_transformer, run_cli, run_folders)
 from msmemscope.events import HEADER
 
@@ -15,9 +15,8 @@ SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 
 
 @pytest.mark.parametrize("fmt", ["csv", "db"])
-def test_mlp_all_events(out_dir, fmt):
-    r = run_cli(["-o", str(out_dir), f"--data-format={fmt}", "--events=alloc,free,launch,access",
-                 os.path.join(EXAMPLES, "mlp.py"), "--steps", "4"])
+def test_mlp_all_events(shared_run, fmt):
+    out_dir, r = mlp_all_events(shared_run, fmt)  # test_reader.py reads these dumps too
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("loss") == 4  # the program's stdout passes through
     [folder] = run_folders(out_dir)

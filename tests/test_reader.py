@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import EXAMPLES, PEER, check_invariants, dump_of, read, run_cli, run_folders
+from conftest import PEER, dump_of, mlp_all_events, read, run_folders
 from msmemscope.events import HEADER
 from msmemscope.io.reader import DumpError, TruncatedDumpWarning, read_dump
 
@@ -28,13 +28,12 @@ def test_peer_dumps(name, mallocs, frees, rows):
 
 
 @pytest.fixture(scope="module")
-def real_dumps(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dumps")
+def real_dumps(shared_run):
     paths = {}
-    for fmt in ("csv", "db"):
-        r = run_cli(["-o", str(out / fmt), f"--data-format={fmt}", os.path.join(EXAMPLES, "mlp.py"), "--steps", "2"])
+    for fmt in ("csv", "db"):  # the runs test_capture.py checks (every event kind), not two more
+        out, r = mlp_all_events(shared_run, fmt)
         assert r.returncode == 0, r.stderr
-        paths[fmt] = dump_of(run_folders(out / fmt)[0])
+        paths[fmt] = dump_of(run_folders(out)[0])
     return paths
 
 
