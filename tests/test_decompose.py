@@ -122,11 +122,20 @@ def test_transformer_adamw(out_dir):
     assert dev["owners"]["PTA@weight"]["peak"] == p + b
 
 
-def test_mlp_sgd_momentum(out_dir):
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    """The MLP example (SGD with momentum), 3 steps, online decompose: (output root, result, frame);
+    checked here and read again offline by test_offline_cli_summary."""
+    out = tmp_path_factory.mktemp("mlp_decompose")
+    _, res, df = run_decompose(out, os.path.join(EXAMPLES, "mlp.py"), "--steps", "3")
+    return out, res, df
+
+
+def test_mlp_sgd_momentum(mlp_run):
     from torch import nn
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
     p, b, n = model_sizes(model)
-    _, res, df = run_decompose(out_dir, os.path.join(EXAMPLES, "mlp.py"), "--steps", "3")
+    _, res, df = mlp_run
     check_identities(res, df, weight=p + b, grad=p, opt=p, nsteps=3)
 
 
@@ -173,8 +182,8 @@ def test_bad_labels_are_refused(bad, why):
     assert why in str(e.value) and "\n" not in str(e.value)
 
 
-def test_offline_cli_summary(out_dir, tmp_path):
-    _, res, df = run_decompose(out_dir, os.path.join(EXAMPLES, "mlp.py"), "--steps", "2")
+def test_offline_cli_summary(mlp_run, tmp_path):
+    out_dir, res, df = mlp_run
     (folder,) = run_folders(out_dir)
     out = tmp_path / "d.json"
     r = run_cli.__globals__["subprocess"].run(

@@ -24,7 +24,11 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
-#include <torch/extension.h>
+// the headers this file uses, not <torch/extension.h> (all of libtorch's C++ API, twice the build time)
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
