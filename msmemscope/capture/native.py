@@ -308,10 +308,15 @@ class NativeSource(Source):
             return self.m.drain(buf, _NAMES)[1]
         start = len(buf)
         n, failed, blob = self.m.drain(buf, _NAMES, True)
-        if blob is not None and n:
+        if blob is not None and n and len(buf) == start + n:
             # these rows as marshal bytes (made in C++ from the same records): the hand-off sends
-            # them as they are if the buffer still holds these rows there at the flush
-            pieces.append((start, n, buf[start], buf[start + n - 1], blob))
+            # them as they are if the buffer still holds these rows there at the flush. Another
+            # thread may have appended to or flushed the buffer around this drain (it holds the
+            # GIL, not the flush lock): then no piece, and these rows are marshalled one by one
+            try:
+                pieces.append((start, n, buf[start], buf[start + n - 1], blob))
+            except IndexError:
+                pass
         return failed
 
     def counters(self):
