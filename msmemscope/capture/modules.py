@@ -472,14 +472,8 @@ class ModuleTracker:
 
 def _native_module():
     """The native module's ``attribute`` where it is built (``MSMEMSCOPE_FOLD=python``: the Python one)."""
-    if os.environ.get("MSMEMSCOPE_FOLD", "").strip().lower() == "python":
-        return None
-    try:
-        from . import native
-        mod = native.load_built()
-    except Exception:
-        return None
-    return mod if mod is not None and hasattr(mod, "attribute") else None
+    from . import native
+    return native.built_with("attribute")
 
 
 def _attribute_py(buf, marks, base, owned, cats):

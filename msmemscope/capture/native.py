@@ -367,3 +367,15 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def built_with(name: str):
+    """The built native module if it has ``name`` (an analysis fold, ``attribute``) and the native
+    folds are wanted (``MSMEMSCOPE_FOLD=python``: the Python ones); None otherwise. Never builds."""
+    if os.environ.get("MSMEMSCOPE_FOLD", "").strip().lower() == "python":
+        return None
+    try:
+        mod = load_built()
+    except Exception:
+        return None
+    return mod if mod is not None and hasattr(mod, name) else None

@@ -428,6 +428,20 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
 _IS_STEP = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
 
 
+def _in_order_with_steps(df: pl.DataFrame, want) -> pl.DataFrame:
+    """Rows in ID order (the original writes them out of order) with the columns every read derives
+    the same way, from the text or the companion: ``step``, and ``step_number`` / ``op`` if asked."""
+    if not df["id"].is_sorted():
+        df = df.sort("id")
+    is_step = _IS_STEP.cast(pl.Int32)
+    df = df.with_columns(step=(is_step.cum_sum() - is_step + 1))
+    if "step_number" in want:
+        df = df.with_columns(_step_number(df))
+    if "op" in want:
+        df = df.with_columns(_enclosing_op(df))
+    return df
+
+
 def _step_number(df: pl.DataFrame) -> pl.Series:
     """The step of each row as the dump numbers it: a STEP row with ``{"step": N}`` ends step N, so
     a row belongs to the number of the next STEP row, rows after the last one to the step after it.
@@ -475,14 +489,7 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     out = df.select([c for c in NAMES if c in need]).with_columns(id=ids, ts=ts)
     del df
     out = out.with_columns(pl.col(c).cast(pl.Int64, strict=False) for c in ("pid", "tid") if c in out.columns)
-    if not out["id"].is_sorted():
-        out = out.sort("id")  # the original writes rows out of ID order
-    is_step = _IS_STEP.cast(pl.Int32)
-    out = out.with_columns(step=(is_step.cum_sum() - is_step + 1))
-    if "step_number" in want:
-        out = out.with_columns(_step_number(out))
-    if "op" in want:
-        out = out.with_columns(_enclosing_op(out))
+    out = _in_order_with_steps(out, want)
     if counts is not None:
         counts.update((k, int(v)) for k, v in out.group_by("event").len().iter_rows())
     # every row of the file is checked, whatever is kept: the checks of every row (IDs, NUL in the
@@ -621,14 +628,7 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
         return None
     if df.height != rows:  # parts that are not the ones the manifest counted: the text
         return None
-    if not df["id"].is_sorted():
-        df = df.sort("id")
-    is_step = _IS_STEP.cast(pl.Int32)
-    df = df.with_columns(step=(is_step.cum_sum() - is_step + 1))
-    if "step_number" in want:
-        df = df.with_columns(_step_number(df))
-    if "op" in want:
-        df = df.with_columns(_enclosing_op(df))
+    df = _in_order_with_steps(df, want)
     if counts is not None:
         counts.update((k, int(v)) for k, v in df.group_by("event").len().iter_rows())
     every = df.select("id")  # the text columns hold no NUL: the writer stores none (io/columns.py)
@@ -834,14 +834,7 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
             settle()
     out = pl.concat(parts, how="vertical_relaxed", rechunk=False)  # chunked: never two copies at once
     del parts
-    if not out["id"].is_sorted():
-        out = out.sort("id")
-    is_step = _IS_STEP.cast(pl.Int32)
-    out = out.with_columns(step=(is_step.cum_sum() - is_step + 1))
-    if "step_number" in want:
-        out = out.with_columns(_step_number(out))
-    if "op" in want:
-        out = out.with_columns(_enclosing_op(out))
+    out = _in_order_with_steps(out, want)
     every = out.select("id", *(c for c in out.columns if c.startswith("_nul_")))
     validate.check_rows(out, path, every)
     del every
