@@ -3,22 +3,30 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# bytecode is written (some shells set PYTHONDONTWRITEBYTECODE): the install compiles none, and
+# without it each of the test suite's ~200 Python processes would compile torch again (+3.4 CPU s)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv native browser demo test test-full bench clean
 
-$(BIN)/.ready: pyproject.toml
+# torch and the C++ build tool first: the native build starts from here, beside the rest of the
+# install. torch pinned and first: the project's range (torch>=2.3) is then already met and pulls
+# nothing else. No byte-compiling at install (pip's serial pass over ~15k files was half of the
+# setup): the modules a run imports are compiled at their first import instead.
+$(BIN)/.torch:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: the project's range (torch>=2.3) is then already met and pulls nothing else
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]' $(TORCH)
+	$(BIN)/pip install -q --no-compile $(TORCH) ninja
+	touch $@
+
+$(BIN)/.ready: pyproject.toml $(BIN)/.torch
+	$(BIN)/pip install -q --no-compile -e '.[test]' $(TORCH)
 	touch $@
 
 venv: $(BIN)/.ready
 
 # the native capture source (C++, ~30 s once per torch/Python/source version, into ~/.cache/msmemscope);
 # without a compiler the runs use the dispatch-mode source, slower, and say so in their log
-native: venv
+native: $(BIN)/.torch
 	@$(BIN)/python -m msmemscope.capture.native build || echo "the native source was not built: tracing falls back to the dispatch-mode source"
 
 demo: venv native
@@ -32,12 +40,13 @@ browser:
 	    ($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 || \
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
-# four workers, a test file each (files share module fixtures: traced runs); on 2 cores the suite is
-# CPU-bound (~960 CPU s of tests and their subprocesses): 521 s with four, 500-593 s with three
-test: venv
-	@$(MAKE) --no-print-directory -j2 native browser  # the C++ build and the apt install side by side
-	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
-	  exit $$rc
+# set-up side by side (the venv's install, the C++ build once torch is in, the browser's apt
+# install), then four workers, a test file each (files share module fixtures: traced runs); on 2
+# cores the suite is CPU-bound (~930 CPU s of tests and their subprocesses).
+test:
+	@$(MAKE) --no-print-directory -j3 venv native browser
+	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 # the long forms of the tests (conftest.full): more steps, examples and repetitions
 test-full: venv native browser
