@@ -119,10 +119,21 @@ def worker():
     global c
     c = torch.full((3000,), 2.0)
 t = threading.Thread(target=worker); t.start(); t.join()
+# a top-level op with nested ops (linear -> t, matmul, mm): nested ops make no rows, and a
+# profiler started inside the traced window (or after it) still sees them
+x, w = torch.randn(4, 8), torch.randn(6, 8)
+y = torch.nn.functional.linear(x, w)
+from torch.profiler import profile
+def seen():
+    with profile() as p:
+        torch.nn.functional.linear(x, w)
+    return sorted({e.name for e in p.events()} & {"aten::linear", "aten::t", "aten::mm"})
+print("PROF_TRACED", seen())
 msmemscope.step()
 del a
 msmemscope.stop()
 d = torch.ones(5000)          # after stop: not recorded
+print("PROF_AFTER", seen())   # nothing left RecordFunction off on this thread
 print("TIDS", threading.get_ident(), t.ident)
 """
 
@@ -154,6 +165,17 @@ def test_native_rows_keep_their_order_threads_and_stop(tmp_path):
     assert 20000 not in order  # allocated after stop()
     tids = dict(df.filter(df["event"] == "MALLOC").select("size", "tid").iter_rows())
     assert tids[12000] == worker_tid and tids[4000] == main_tid
+    # a profiler inside and after the traced window sees nested ops as without tracing
+    want = ["aten::linear", "aten::mm", "aten::t"]
+    for tag in ("PROF_TRACED", "PROF_AFTER"):
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(tag))
+        assert line == f"{tag} {want}", line
+    # the linear is one top-level op, its output made inside it; its nested ops make no rows
+    starts = df.filter(df["event_type"] == "ATEN_START")["name"].to_list()
+    assert starts.count("torch._ops.aten.linear.default") == 2  # once bare, once under the profiler
+    assert not any(n.startswith(("torch._ops.aten.mm", "torch._ops.aten.t.")) for n in starts), starts
+    out = df.filter((df["event"] == "MALLOC") & (df["size"] == 4 * 6 * 4))["name"].to_list()
+    assert out and set(out) == {"torch._ops.aten.linear.default"}, out
 
 
 @needs_native
