@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 # without it each of the test suite's ~200 Python processes would compile torch again (+3.4 CPU s)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv native browser bytecode demo test test-full bench clean
+.PHONY: venv native browser demo test test-full bench clean
 
 # torch and the C++ build tool first: the native build starts from here, beside the rest of the
 # install. torch pinned and first: the project's range (torch>=2.3) is then already met and pulls
@@ -23,12 +23,6 @@ $(BIN)/.ready: pyproject.toml $(BIN)/.torch
 	touch $@
 
 venv: $(BIN)/.ready
-
-# the bytecode of the modules the test suite's programs import, written once beside the C++ build
-# (which keeps one core busy): otherwise the first programs of each worker compile them together
-bytecode: venv
-	@$(BIN)/python -c "import torch, torch._dynamo, torch.profiler, torch.distributed.fsdp, polars, rich, \
-	  hypothesis, numpy, pyarrow, ray, msmemscope.cli; from transformers import GPT2LMHeadModel" 2>/dev/null || true
 
 # the native capture source (C++, ~30 s once per torch/Python/source version, into ~/.cache/msmemscope);
 # without a compiler the runs use the dispatch-mode source, slower, and say so in their log
@@ -47,10 +41,10 @@ browser:
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
 # set-up side by side (the venv's install, the C++ build once torch is in, the browser's apt
-# install, the bytecode), then four workers, a test file each (files share module fixtures: traced runs); on 2
+# install), then four workers, a test file each (files share module fixtures: traced runs); on 2
 # cores the suite is CPU-bound (~930 CPU s of tests and their subprocesses).
 test:
-	@$(MAKE) --no-print-directory -j3 venv native browser bytecode
+	@$(MAKE) --no-print-directory -j3 venv native browser
 	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 

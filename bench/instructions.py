@@ -96,7 +96,7 @@ def main(argv=None):
     jobs = [(w, c) for w in workloads for c in configs]
     with cf.ThreadPoolExecutor(max_workers=2) as ex:
         res = dict(zip(jobs, ex.map(lambda j: measure(j[0], j[1], a.steps, keep), jobs)))
-    print(f"| workload | config | instructions a step | × plain |")
+    print("| workload | config | instructions a step | × plain |")
     print("|---|---|---|---|")
     for w in workloads:
         base = res[(w, "plain")][0]
