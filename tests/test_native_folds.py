@@ -26,8 +26,11 @@ from msmemscope.analysis import decompose as D  # noqa: E402
 from msmemscope.analysis import inefficient as I  # noqa: E402
 from msmemscope.analysis.folds import native_module  # noqa: E402
 from msmemscope.capture import modules as M  # noqa: E402
+from msmemscope import events as EV  # noqa: E402
+from msmemscope.capture import native as _native_source  # noqa: E402
 
 MOD = native_module()
+MOD_NATIVE = _native_source.load_module()
 pytestmark = pytest.mark.skipif(MOD is None, reason="the native module is not built (make native)")
 
 SETTINGS = dict(max_examples=full(80, 800), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
@@ -216,6 +219,17 @@ CAPTURE = textwrap.dedent(r'''
             bufs.append((before, marks, base, owned, cats, list(buf), n))
             return n
     modules._native_module = lambda: Recorder()
+    from msmemscope.capture import native as native_source
+    nm = native_source.load_module()
+    real_relabel = nm.relabel_mallocs
+    relabels = []
+    def relabel(buf, owner, info, cats, plain, in_buf, prev_upto, consts):  # the owner labeller's loop
+        before, ib = list(buf), set(in_buf)
+        todo = real_relabel(buf, owner, info, cats, plain, in_buf, prev_upto, consts)
+        relabels.append((before, dict(owner), set(info), dict(cats), plain, ib, prev_upto, list(buf),
+                         set(in_buf), list(todo)))
+        return todo
+    nm.relabel_mallocs = relabel
     import msmemscope
     from examples.transformer import GPT
     import torch.nn.functional as F
@@ -231,7 +245,7 @@ CAPTURE = textwrap.dedent(r'''
         msmemscope.step()
     msmemscope.stop()
     from msmemscope import capture
-    pickle.dump({"stream": stream, "bufs": bufs, "source": capture.current().config["source"]},
+    pickle.dump({"stream": stream, "bufs": bufs, "relabels": relabels, "source": capture.current().config["source"]},
                 open(sys.argv[1], "wb"))
 ''')
 
@@ -283,3 +297,74 @@ def test_real_run_folds_are_the_python_folds(real_run):
     for before, marks, base, owned, cats, after, n in real_run["bufs"]:
         ref = list(before)
         assert (M._attribute_py(ref, marks, base, owned, cats), ref) == (n, after)
+
+
+# ------------------------------------------------------------------ owner labels of the buffer's MALLOC rows
+def _relabel_py(buf, owner, info, cats, plain, in_buf, prev_upto):
+    """What NativeLabeler.before_flush's Python loop does with the rows the C++ loop takes; the
+    indices of the others (handed back to that loop)."""
+    todo = []
+    for i, r in enumerate(buf):
+        if r[EV.EVENT] != "MALLOC":
+            continue
+        a = r[EV.ATTR]
+        if type(a) is not tuple:
+            todo.append(i)
+            continue
+        aid = a[EV.A_ALLOC_ID]
+        new = owner.get(aid)
+        if new is None:
+            if aid <= prev_upto:
+                continue
+            if aid in info or aid in cats:
+                todo.append(i)
+                continue
+            new = plain
+        in_buf.add(aid)
+        if a[EV.A_OWNER] != new:
+            buf[i] = r[:EV.ATTR] + (a[:EV.A_OWNER] + (new,) + a[EV.A_OWNER + 1:],) + r[EV.ATTR + 1:]
+    return todo
+
+
+CONSTS = ("MALLOC", EV.EVENT, EV.ATTR, EV.A_ALLOC_ID, EV.A_OWNER)
+
+
+@st.composite
+def relabel_case(draw):
+    labels = st.sampled_from(["", "cpu@ops", "cpu@weight", "cpu@activation@GPT.h.0", "cpu@gradient"])
+    rows = []
+    for _ in range(draw(st.integers(0, 25))):
+        ev = draw(st.sampled_from(["MALLOC", "MALLOC", "FREE", "OP_LAUNCH"]))
+        aid = draw(st.integers(0, 12))
+        if ev == "MALLOC" and draw(st.integers(0, 9)) == 0:
+            attr = {"allocation_id": aid, "owner": draw(labels)}
+        else:
+            attr = (aid, 4096, 64, 128, 0, draw(labels))
+        rows.append((ev, "PTA", "torch._ops.aten.empty.memory_format", 1, 2, "cpu", 4096, attr, "", ""))
+    owner = {a: draw(labels) for a in draw(st.lists(st.integers(0, 12), unique=True))}
+    info = set(draw(st.lists(st.integers(0, 12), unique=True)))
+    cats = {a: ("weight", ()) for a in draw(st.lists(st.integers(0, 12), unique=True))}
+    return rows, owner, info, cats, draw(labels), draw(st.integers(-1, 12))
+
+
+@settings(**SETTINGS)
+@given(relabel_case())
+def test_native_relabel_is_the_python_loop(case):
+    rows, owner, info, cats, plain, prev = case
+    want, got = list(rows), list(rows)
+    want_in, got_in = set(), set()
+    want_todo = _relabel_py(want, owner, info, cats, plain, want_in, prev)
+    got_todo = MOD_NATIVE.relabel_mallocs(got, owner, {a: None for a in info}, cats, plain, got_in, prev, CONSTS)
+    assert (list(got_todo), got, got_in) == (want_todo, want, want_in)
+
+
+def test_real_run_relabels_are_the_python_loop(real_run):
+    calls = real_run["relabels"]
+    assert calls and sum(len(c[0]) for c in calls) > 300
+    changed = 0
+    for before, owner, info, cats, plain, in_buf, prev, after, in_after, todo in calls:
+        ref, ref_in = list(before), set(in_buf)
+        assert _relabel_py(ref, owner, info, cats, plain, ref_in, prev) == todo
+        assert ref == after and ref_in == in_after
+        changed += sum(a is not b for a, b in zip(before, after))
+    assert changed > 100  # most new blocks got their label here, in C++

@@ -1067,7 +1067,10 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
-  return py::make_tuple((int64_t)batch.size(), failed, blob);
+  if (!want_bytes) return py::make_tuple((int64_t)batch.size(), failed, blob);
+  // with the bytes: where the rows went in ``out`` and the rows themselves, taken here with the
+  // GIL held since the append (no other thread's flush can have moved them in between)
+  return py::make_tuple((int64_t)batch.size(), failed, blob, (int64_t)n, made);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
@@ -1335,6 +1338,86 @@ PyObject* tuple_of(std::initializer_list<PyObject*> items) {
 }
 
 }  // namespace
+
+// The owner labeller's row loop (capture/owners.py NativeLabeler.before_flush), over the MALLOC rows
+// of the buffer with a tuple attr: each gets its block's owner, owner[aid]; a block not there (freed
+// since it was made) gets ``plain`` unless ``info`` or ``cats`` know it (those rows, and rows with
+// another attr, are returned by index for the Python loop); blocks labelled at an earlier flush
+// and freed since (aid <= prev_upto) keep their row. Every allocation id that reaches a label goes
+// into ``in_buf``. consts = (MALLOC, EVENT, ATTR, A_ALLOC_ID, A_OWNER).
+py::list relabel_mallocs(py::list buf, py::dict owner, py::dict info, py::dict cats, py::object plain,
+                         py::set in_buf, int64_t prev_upto, py::tuple consts) {
+  PyObject* ev_malloc = consts[0].ptr();
+  Py_ssize_t ev_i = consts[1].cast<Py_ssize_t>(), attr_i = consts[2].cast<Py_ssize_t>();
+  Py_ssize_t aid_i = consts[3].cast<Py_ssize_t>(), owner_i = consts[4].cast<Py_ssize_t>();
+  py::list todo;
+  PyObject* lst = buf.ptr();
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(lst); ++i) {
+    PyObject* r = PyList_GET_ITEM(lst, i);
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) <= std::max(ev_i, attr_i)) {
+      todo.append(i);
+      continue;
+    }
+    PyObject* ev = PyTuple_GET_ITEM(r, ev_i);
+    if (ev != ev_malloc) {
+      int eq = PyObject_RichCompareBool(ev, ev_malloc, Py_EQ);
+      if (eq < 0) throw py::error_already_set();
+      if (!eq) continue;
+    }
+    PyObject* a = PyTuple_GET_ITEM(r, attr_i);
+    if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) <= std::max(aid_i, owner_i)) {
+      todo.append(i);  // a dict attr (or none): the Python loop's general path
+      continue;
+    }
+    PyObject* aid = PyTuple_GET_ITEM(a, aid_i);
+    PyObject* label = PyDict_GetItemWithError(owner.ptr(), aid);
+    if (label == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      long long id = PyLong_AsLongLong(aid);
+      if (id == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (id <= prev_upto) continue;
+      int known = PyDict_Contains(info.ptr(), aid);
+      if (known == 0) known = PyDict_Contains(cats.ptr(), aid);
+      if (known < 0) throw py::error_already_set();
+      if (known) {
+        todo.append(i);
+        continue;
+      }
+      label = plain.ptr();
+    }
+    if (PySet_Add(in_buf.ptr(), aid) != 0) throw py::error_already_set();
+    PyObject* was = PyTuple_GET_ITEM(a, owner_i);
+    if (was == label) continue;
+    int same = PyObject_RichCompareBool(was, label, Py_EQ);
+    if (same < 0) throw py::error_already_set();
+    if (same) continue;
+    // the row again with the new owner in its attr (rows are tuples: shared, never changed)
+    Py_ssize_t na = PyTuple_GET_SIZE(a), nr = PyTuple_GET_SIZE(r);
+    PyObject* a2 = PyTuple_New(na);
+    if (a2 == nullptr) throw py::error_already_set();
+    for (Py_ssize_t k = 0; k < na; ++k) {
+      PyObject* x = k == owner_i ? label : PyTuple_GET_ITEM(a, k);
+      Py_INCREF(x);
+      PyTuple_SET_ITEM(a2, k, x);
+    }
+    PyObject* r2 = PyTuple_New(nr);
+    if (r2 == nullptr) {
+      Py_DECREF(a2);
+      throw py::error_already_set();
+    }
+    for (Py_ssize_t k = 0; k < nr; ++k) {
+      PyObject* x = PyTuple_GET_ITEM(r, k);
+      if (k == attr_i) {
+        PyTuple_SET_ITEM(r2, k, a2);
+        continue;
+      }
+      Py_INCREF(x);
+      PyTuple_SET_ITEM(r2, k, x);
+    }
+    PyList_SetItem(lst, i, r2);  // steals r2, drops the old row
+  }
+  return todo;
+}
 
 // consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, cached segments' pool, "live", "last_aid",
 //           "freed_at_step"); state = (sites, blocks, pending, level, cur, lines, labels, reported)
@@ -2215,6 +2298,7 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("leak_rows", &leak_rows);
+  m.def("relabel_mallocs", &relabel_mallocs);
   m.def("set_owner_tag", &set_owner_tag);
   m.def("take_tagged", &take_tagged);
   m.def("last_alloc_id", &last_alloc_id);

@@ -30,6 +30,7 @@ gets a ``SYSTEM/OWNER`` row ``{"allocation_id": N, "owner": "..."}``.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 
@@ -728,6 +729,14 @@ class NativeLabeler(Labeler):
             o = self._plain[key] = self.compose(_NB(aid, pool), resolved)
         return o
 
+    def _plain_label(self, pool):
+        """The owner of a block nothing particular is known of (``_owner_of``'s cached case)."""
+        key = (pool, None)
+        o = self._plain.get(key)
+        if o is None:
+            o = self._plain[key] = self.compose(_NB(-1, pool), None)
+        return o
+
     def before_flush(self):
         s = self.s
         nat = self.nat
@@ -756,7 +765,15 @@ class NativeLabeler(Labeler):
         in_buf = set()
         buf = s.buf
         malloc = Event.MALLOC
-        for i in range(len(buf)):
+        relabel = getattr(nat.m, "relabel_mallocs", None) if os.environ.get("MSMEMSCOPE_FOLD") != "python" else None
+        if relabel is not None:
+            # the loop below in C++ for the rows it can take (tuple attrs, blocks whose label is
+            # known); it hands back the others, which take this loop
+            rows = relabel(buf, owner, self.info, cats, self._plain_label(pool),
+                           in_buf, prev_upto, (malloc, EVENT, ATTR, A_ALLOC_ID, A_OWNER))
+        else:
+            rows = range(len(buf))
+        for i in rows:
             r = buf[i]
             if r[EVENT] != malloc:
                 continue
