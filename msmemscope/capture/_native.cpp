@@ -1067,10 +1067,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
-  if (!want_bytes) return py::make_tuple((int64_t)batch.size(), failed, blob);
-  // with the bytes: where the rows went in ``out`` and the rows themselves, taken here with the
-  // GIL held since the append (no other thread's flush can have moved them in between)
-  return py::make_tuple((int64_t)batch.size(), failed, blob, (int64_t)n, made);
+  return py::make_tuple((int64_t)batch.size(), failed, blob);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded

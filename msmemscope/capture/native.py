@@ -292,7 +292,7 @@ class NativeSource(Source):
         """Append the records as raw rows; returns how many failed-allocation markers
         (``ALLOC_FAILED`` rows: the session makes OOM snapshots of them) are among them. With
         ``pieces`` (a list), the rows are also made as marshal bytes, noted there as
-        ``(position in buf, count, the rows, bytes)`` (the session's hand-off)."""
+        ``(position in buf, count, first row, last row, bytes)`` (the session's hand-off)."""
         if self.handed_over:
             # only FREE rows of the blocks counted here (and OP_END of ops closed at the
             # handover): merged by time with the dispatch-mode source's rows (account() gave those
@@ -306,14 +306,17 @@ class NativeSource(Source):
             return failed
         if pieces is None:
             return self.m.drain(buf, _NAMES)[1]
-        got = self.m.drain(buf, _NAMES, True)
-        n, failed, blob = got[:3]
-        if blob is not None and n and len(got) == 5 and len(got[4]) == n:
-            # these rows as marshal bytes (made in C++ from the same records), where the drain put
-            # them: the hand-off sends the bytes, with a patch for the rows rewritten since, if the
-            # buffer still holds them there at the flush (another thread may flush or append
-            # around this drain: it holds the GIL, not the flush lock; _pieces_of checks)
-            pieces.append((got[3], n, got[4], blob))
+        start = len(buf)
+        n, failed, blob = self.m.drain(buf, _NAMES, True)
+        if blob is not None and n and len(buf) == start + n:
+            # these rows as marshal bytes (made in C++ from the same records): the hand-off sends
+            # them as they are if the buffer still holds these rows there at the flush. Another
+            # thread may have appended to or flushed the buffer around this drain (it holds the
+            # GIL, not the flush lock): then no piece, and these rows are marshalled one by one
+            try:
+                pieces.append((start, n, buf[start], buf[start + n - 1], blob))
+            except IndexError:
+                pass
         return failed
 
     def counters(self):

@@ -120,9 +120,8 @@ class Session:
         self.pid = os.getpid()
         self.buf: list = []
         # the native source's rows in ``buf`` already made as marshal bytes: (position, count,
-        # the rows as drained, bytes); the hand-off sends those bytes instead of marshalling the
-        # rows again, with the rows rewritten since (owner labels, modules) as a patch
-        # (``_pieces_of``). Emptied at each flush and wherever ``buf`` is rearranged.
+        # first row, last row, bytes); the hand-off sends those bytes instead of marshalling the
+        # rows again (``_pieces_of``). Emptied at each flush and wherever ``buf`` is rearranged.
         self.pieces: list = []
         self.flush_rows = FLUSH_ROWS
         self.lock = threading.RLock()        # MALLOC/FREE rows and pool counters change together
@@ -394,9 +393,8 @@ class Session:
         self.dispatch.drain(self.buf)
         nat = self.native
         if nat is not None:
-            # the rows as marshal bytes too (owner labels and modules rewrite some MALLOC rows
-            # before the flush: those go with the bytes as a patch)
-            plain = self.native_ops and _PIECES
+            # rows nothing rewrites before the flush (owner labels and modules rewrite MALLOC rows)
+            plain = self.native_ops and self.labeler is None and self.modules is None and _PIECES
             failed = nat.drain(self.buf, self.pieces if plain else None)
             if failed:
                 from .snapshot import oom_snapshots
@@ -656,27 +654,18 @@ class Session:
 
     def _pieces_of(self, rows):
         """The flushed rows for the hand-off as pieces: the native source's marshal bytes where
-        ``rows`` holds, at the noted positions, the rows they were made with; ``(bytes, patch)``
-        where some of those rows were rewritten since (``patch``: (index in the piece, row now));
-        and lists of the other rows between them. None (marshal every row) when a piece's rows
-        moved (more than half of them differ)."""
+        ``rows`` holds, at the noted positions, the very rows they were made with, and lists of the
+        other rows between them; None (marshal every row) when any piece does not hold."""
         noted, self.pieces = self.pieces, []
-        if not noted:
+        if not noted or self.labeler is not None or self.modules is not None:
             return None
         out, pos, n = [], 0, len(rows)
-        for start, k, drained, blob in noted:
-            if start < pos or start + k > n:
+        for start, k, head, tail, blob in noted:
+            if start < pos or start + k > n or rows[start] is not head or rows[start + k - 1] is not tail:
                 return None
             if start > pos:
                 out.append(rows[pos:start])
-            now = rows[start:start + k]
-            if now == drained:  # the same rows (by identity first): the bytes as they are
-                out.append(blob)
-            else:
-                patch = [(j, r) for j, (r, d) in enumerate(zip(now, drained)) if r is not d]
-                if len(patch) > k // 2:
-                    return None
-                out.append((blob, patch))
+            out.append(blob)
             pos = start + k
         if pos < n:
             out.append(rows[pos:])

@@ -328,21 +328,10 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 
 def join_pieces(pieces) -> list:
-    """A frame's rows from its pieces: marshal bytes (the native source's rows), those bytes with a
-    patch (``(bytes, [(index, row now), ...])``: rows rewritten after they were drained) and
-    lists of rows."""
+    """A frame's rows from its pieces: marshal bytes (the native source's rows) and lists of rows."""
     rows: list = []
     for p in pieces:
-        kind = type(p)
-        if kind is bytes:
-            rows.extend(marshal.loads(p))
-        elif kind is tuple:
-            part = marshal.loads(p[0])
-            for j, r in p[1]:
-                part[j] = r
-            rows.extend(part)
-        else:
-            rows.extend(p)
+        rows.extend(marshal.loads(p) if type(p) is bytes else p)
     return rows
 
 
