@@ -27,10 +27,8 @@ from msmemscope.analysis import inefficient as I  # noqa: E402
 from msmemscope.analysis.folds import native_module  # noqa: E402
 from msmemscope.capture import modules as M  # noqa: E402
 from msmemscope import events as EV  # noqa: E402
-from msmemscope.capture import native as _native_source  # noqa: E402
 
 MOD = native_module()
-MOD_NATIVE = _native_source.load_module()
 pytestmark = pytest.mark.skipif(MOD is None, reason="the native module is not built (make native)")
 
 SETTINGS = dict(max_examples=full(80, 800), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
@@ -354,7 +352,7 @@ def test_native_relabel_is_the_python_loop(case):
     want, got = list(rows), list(rows)
     want_in, got_in = set(), set()
     want_todo = _relabel_py(want, owner, info, cats, plain, want_in, prev)
-    got_todo = MOD_NATIVE.relabel_mallocs(got, owner, {a: None for a in info}, cats, plain, got_in, prev, CONSTS)
+    got_todo = MOD.relabel_mallocs(got, owner, {a: None for a in info}, cats, plain, got_in, prev, CONSTS)
     assert (list(got_todo), got, got_in) == (want_todo, want, want_in)
 
 

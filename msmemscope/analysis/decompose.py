@@ -254,6 +254,17 @@ class Decomposition:
                 self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
 
 
+def _feed_fold(fold, rows, relabel):
+    """Rows into a native fold; each row it stops at (an OWNER row) relabels its block."""
+    n = len(rows)
+    i = fold.feed(rows, 0)
+    while i < n:
+        a = rows[i][ATTR]
+        if a:
+            relabel(a.get("allocation_id"), a.get("owner"), a.get("module"))
+        i = fold.feed(rows, i + 1)
+
+
 class FoldedDecomposition(Decomposition):
     """``Decomposition`` whose rows are folded by the native ``Fold``: same state and result. The
     fold's counters are this class's ``cur``/``peak``/``step_peak`` and the categories', read back
@@ -297,16 +308,9 @@ class FoldedDecomposition(Decomposition):
         return self._spec(dev, owner or UNLABELLED)
 
     def feed_raw(self, rows):
-        f = self._fold
-        n = len(rows)
-        i = f.feed(rows, 0)
-        while i < n:
-            a = rows[i][ATTR]
-            if a:
-                self.relabel(a.get("allocation_id"), a.get("owner"))
-            i = f.feed(rows, i + 1)
+        _feed_fold(self._fold, rows, self.relabel)
 
-    def relabel(self, aid, owner):
+    def relabel(self, aid, owner, module=None):
         b = self._fold.block(aid) if isinstance(aid, int) else None
         if b is None or not owner:
             return
@@ -548,14 +552,7 @@ class FoldedModuleTable(ModuleTable):
         return self._spec(dev, self._prefixes(module), _column(owner), module, phase)
 
     def feed_raw(self, rows):
-        f = self._fold
-        n = len(rows)
-        i = f.feed(rows, 0)
-        while i < n:
-            a = rows[i][ATTR]
-            if a:
-                self.relabel(a.get("allocation_id"), a.get("owner"), a.get("module"))
-            i = f.feed(rows, i + 1)
+        _feed_fold(self._fold, rows, self.relabel)
 
     def relabel(self, aid, owner, module=None):
         b = self._fold.block(aid) if isinstance(aid, int) else None

@@ -30,13 +30,13 @@ gets a ``SYSTEM/OWNER`` row ``{"allocation_id": N, "owner": "..."}``.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 
 import torch
 
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event
+from . import native
 
 WEIGHT, GRADIENT, OPT_STATE, ACTIVATION, OPS = "weight", "gradient", "optimizer_state", "activation", "ops"
 OWNER_ROW = "OWNER"  # SYSTEM event type of an owner update row
@@ -589,6 +589,8 @@ class NativeLabeler(Labeler):
         # pointer itself (ModuleTracker.owned_blocks through session.alloc_id_of)
         self.owned = None
         self._plain = {}       # (pool, resolved) -> owner of a block without Info (compose's answer)
+        # the row loop of before_flush in C++ where built (MSMEMSCOPE_FOLD=python: this loop)
+        self._relabel_rows = getattr(native.built_with("relabel_mallocs"), "relabel_mallocs", None)
 
     def install(self):
         global _on_labels_changed
@@ -729,14 +731,6 @@ class NativeLabeler(Labeler):
             o = self._plain[key] = self.compose(_NB(aid, pool), resolved)
         return o
 
-    def _plain_label(self, pool):
-        """The owner of a block nothing particular is known of (``_owner_of``'s cached case)."""
-        key = (pool, None)
-        o = self._plain.get(key)
-        if o is None:
-            o = self._plain[key] = self.compose(_NB(-1, pool), None)
-        return o
-
     def before_flush(self):
         s = self.s
         nat = self.nat
@@ -765,12 +759,12 @@ class NativeLabeler(Labeler):
         in_buf = set()
         buf = s.buf
         malloc = Event.MALLOC
-        relabel = getattr(nat.m, "relabel_mallocs", None) if os.environ.get("MSMEMSCOPE_FOLD") != "python" else None
-        if relabel is not None:
+        if self._relabel_rows is not None:
             # the loop below in C++ for the rows it can take (tuple attrs, blocks whose label is
-            # known); it hands back the others, which take this loop
-            rows = relabel(buf, owner, self.info, cats, self._plain_label(pool),
-                           in_buf, prev_upto, (malloc, EVENT, ATTR, A_ALLOC_ID, A_OWNER))
+            # known); it hands back the others, which take this loop. A block freed since its
+            # MALLOC that nothing is known of gets owner_of's plain answer (no Info has id -1)
+            rows = self._relabel_rows(buf, owner, self.info, cats, owner_of(-1, pool, None),
+                                      in_buf, prev_upto, (malloc, EVENT, ATTR, A_ALLOC_ID, A_OWNER))
         else:
             rows = range(len(buf))
         for i in rows:
