@@ -44,13 +44,16 @@ def _rows(df, event, **where):
     return q
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_stop_start_gaps_threads_and_watch(tmp_path, source):
+@pytest.mark.parametrize("source,analysis", [(s, None) for s in SOURCES] + [("native", "leaks,decompose")],
+                         ids=lambda v: str(v))
+def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
     """Frees between stop() and start() get their FREE row (flagged ``untraced``), so ``used`` stays
     the running sum after the restart; other threads are inside ops at every stop, start and at
-    the handover that watch() makes; the blocks the dump leaves live are the ones still held."""
+    the handover that watch() makes; the blocks the dump leaves live are the ones still held.
+    With decompose, the native owner labeller (its C++ row loop) labels every flush meanwhile."""
     out = tmp_path / "out"
-    r = _python([os.path.join(PROGS, "combo_gaps.py"), str(out)], source)
+    r = _python([os.path.join(PROGS, "combo_gaps.py"), str(out), "all", *([analysis] if analysis else [])],
+                source)
     (folder,) = run_folders(out)
     cfg = config_of(folder)
     assert cfg["source"].startswith("native" if source == "native" else "dispatch"), cfg["source"]
@@ -73,6 +76,11 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source):
     assert held == [4000]
     sizes = sorted(live.values())
     assert sizes.count(4000) >= 1, sizes
+    if analysis:
+        # every MALLOC row has its owner label, and the optimizer's blocks are told apart
+        owners = _rows(df, "MALLOC")["owner"].to_list()
+        assert owners and all(owners), sorted({o for o in owners if not o})
+        assert any("@weight" in o for o in owners) and any("@ops" in o for o in owners), sorted(set(owners))
 
 
 def _torchrun():

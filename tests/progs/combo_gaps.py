@@ -14,7 +14,11 @@ import msmemscope
 
 out = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else "all"
-msmemscope.config(output=out, events="alloc,free,launch")
+# e.g. leaks,decompose: owner labels at every flush; tracing then starts here (immediate), before
+# the model exists, so that the native source can label it (a deferred start needs the other one)
+analysis = sys.argv[3] if len(sys.argv) > 3 else None
+msmemscope.config(output=out, events="alloc,free,launch",
+                  **({"analysis": analysis, "collect_mode": "immediate"} if analysis else {}))
 
 stop_worker = threading.Event()
 
