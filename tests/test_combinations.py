@@ -113,6 +113,13 @@ def test_fsdp_under_the_launcher_keeps_the_running_sum(out_dir, shared_run, prog
         df = read(dump_of(f))
         check_invariants(df)
         assert _rows(df, "MALLOC").height > 50
+        if "decompose" in analysis and prog == "fsdp2_ranks.py":
+            # FSDP2's all-gather and reduce-scatter are wrapped when the program imports FSDP2
+            # (after tracing started, as here: the labeller waits for that import)
+            with open(os.path.join(f, "analysis", "decompose.json")) as fh:
+                peaks = [s["peak"] for s in json.load(fh)["steps"] if s["step"] is not None]
+            assert peaks and all(p.get("PTA@ops@fsdp2@all_gather", 0) > 0 for p in peaks), peaks
+            assert all(p.get("PTA@weight@fsdp2@unsharded", 0) > 0 for p in peaks), peaks
     gap_lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith(("MinGap", "MaxGap"))]
     assert len(gap_lines) == 4, gap_lines
     for ln in gap_lines:

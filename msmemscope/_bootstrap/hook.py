@@ -1,9 +1,10 @@
 """Start tracing in a launched process as soon as it has imported torch."""
 from __future__ import annotations
 
-import importlib.abc
 import os
 import sys
+
+from ..after_import import after_import
 
 _SKIP_MAIN = ("torch.distributed.run", "torch.distributed.launch")
 
@@ -18,7 +19,7 @@ def _is_launcher_agent() -> bool:
     return argv0 in ("torchrun",)
 
 
-def start_from_env():
+def start_from_env(_module=None):
     from .. import capture
     from ..options import Options
     if _is_launcher_agent():
@@ -51,34 +52,7 @@ def _in_ray_worker() -> bool:
     return os.path.basename(argv0) == "default_worker.py" and "ray" in argv0
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` right after the module ``name`` is imported (by wrapping its loader); a
-    failure of ``then`` is one stderr line starting with ``failed``, never the import's."""
-
-    def __init__(self, name, then, failed="process {pid}"):
-        self.name, self.then, self.failed = name, then, failed
-
-    def find_spec(self, name, path=None, target=None):
-        if name != self.name:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        orig_exec, then = spec.loader.exec_module, self.then
-
-        def exec_module(module):
-            orig_exec(module)
-            try:
-                then()
-            except Exception as e:
-                print(f"[msmemscope] {self.failed.format(pid=os.getpid())}: {e}", file=sys.stderr)
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _ray_call_hook():
+def _ray_call_hook(_module=None):
     from ..integrations.ray import install_call_hook
     install_call_hook()
 
@@ -87,12 +61,6 @@ def install():
     if _in_ray_worker():
         # each task and actor method saves the trace when it returns (Ray ends workers with _exit):
         # hooked before the first task, whose loading is what imports torch
-        if "ray._private.function_manager" in sys.modules:
-            _ray_call_hook()
-        else:
-            sys.meta_path.insert(0, _AfterImport("ray._private.function_manager", _ray_call_hook))
-    if "torch" in sys.modules:
-        start_from_env()
-    else:
-        # tracing starts right after `import torch` completes
-        sys.meta_path.insert(0, _AfterImport("torch", start_from_env, "tracing disabled in process {pid}"))
+        after_import("ray._private.function_manager", _ray_call_hook)
+    # tracing starts right after `import torch` completes
+    after_import("torch", start_from_env, "tracing disabled in process {pid}")

@@ -35,8 +35,12 @@ import weakref
 
 import torch
 
+from ..after_import import after_import
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event
 from . import native
+
+#: the module whose all-gather and reduce-scatter the labeller wraps (FSDP2, torch >= 2.4)
+FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 WEIGHT, GRADIENT, OPT_STATE, ACTIVATION, OPS = "weight", "gradient", "optimizer_state", "activation", "ops"
 OWNER_ROW = "OWNER"  # SYSTEM event type of an owner update row
@@ -193,7 +197,9 @@ class Labeler:
             self._hooks_pushed = True
         except Exception:  # hooks disabled by the program (torch.func): no activation labels
             pass
-        self._patch_fsdp2()
+        # FSDP2's wrappers wait for the program's own import of it: importing it here would cost
+        # every run ~1.3 s (it pulls in torch._dynamo and sympy)
+        self._fsdp2_wait = after_import(FSDP2_PARAM_GROUP, self._patch_fsdp2, "no FSDP2 labels in process {pid}")
 
     def _module_hooks(self):
         from torch.nn.modules import module as nn_module
@@ -219,6 +225,9 @@ class Labeler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self, "_fsdp2_wait", None) is not None:
+            self._fsdp2_wait.cancel()
+            self._fsdp2_wait = None
         for mod, name, orig in self._patched:
             setattr(mod, name, orig)
         self._patched.clear()
@@ -479,11 +488,8 @@ class Labeler:
             self.info = {k: v for k, v in self.info.items() if k in alive}
 
     # ------------------------------------------------------------ FSDP2
-    def _patch_fsdp2(self):
-        try:
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg_mod
-        except Exception:
-            return
+    def _patch_fsdp2(self, pg_mod):
+        self._fsdp2_wait = None
         labeler = self
 
         def wrap(name, comp, grads_arg=None):
