@@ -1219,6 +1219,8 @@ namespace {
 inline bool same_str(PyObject* a, PyObject* b) {
   if (a == b) return true;
   if (!PyUnicode_CheckExact(a) || !PyUnicode_CheckExact(b)) return false;
+  // two interned strings are one object or unequal: most calls are an event name against another
+  if (PyUnicode_CHECK_INTERNED(a) && PyUnicode_CHECK_INTERNED(b)) return false;
   return PyUnicode_Compare(a, b) == 0;
 }
 
@@ -1692,7 +1694,16 @@ struct Block {
 static bool same_str(PyObject* a, PyObject* b) {
   if (a == b) return true;
   if (!PyUnicode_Check(a) || !PyUnicode_Check(b)) return false;
+  // two interned strings are one object or unequal (a str subclass is never interned)
+  if (PyUnicode_CHECK_INTERNED(a) && PyUnicode_CHECK_INTERNED(b)) return false;
   return PyUnicode_Compare(a, b) == 0;
+}
+
+// the interned str of a constant name (the event and pool names rows carry are interned)
+static py::object interned(const char* text) {
+  PyObject* o = PyUnicode_InternFromString(text);
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
 }
 
 // an int item or "none" (None, or not an int)
@@ -1715,7 +1726,8 @@ class Fold {
  public:
   Fold(py::object key_fn, py::tuple stop_types)
       : key_fn_(std::move(key_fn)), stop_types_(std::move(stop_types)),
-        malloc_(py::str("MALLOC")), free_(py::str("FREE")), system_(py::str("SYSTEM")) {}
+        // interned, as the rows' event names are (Python's literals): a match is the same object
+        malloc_(interned("MALLOC")), free_(interned("FREE")), system_(interned("SYSTEM")) {}
 
   // Fold rows[start:] until a row it leaves to the analysis: its index, or len(rows).
   Py_ssize_t feed(py::sequence rows, Py_ssize_t start) {
@@ -1833,7 +1845,7 @@ class Fold {
  private:
   py::object key_fn_;
   py::tuple stop_types_;
-  py::str malloc_, free_, system_;
+  py::object malloc_, free_, system_;
   py::dict cache_;  // (pool, device, owner, module, phase) -> key id (-1: not followed)
   std::vector<Key> keys_;
   std::unordered_map<int64_t, Block> blocks_;
@@ -2062,8 +2074,10 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
   if (seq == nullptr) throw py::error_already_set();
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
-  py::str op_launch("OP_LAUNCH"), aten_start("ATEN_START"), aten_end("ATEN_END"), access("ACCESS"),
-      malloc_s("MALLOC"), free_s("FREE");
+  // interned, as the rows' names are (Python's literals): same_str's mismatches cost no compare
+  py::object op_launch = interned("OP_LAUNCH"), aten_start = interned("ATEN_START"),
+             aten_end = interned("ATEN_END"), access = interned("ACCESS"), malloc_s = interned("MALLOC"),
+             free_s = interned("FREE");
   std::string pos, kind, aid, aid_ok, size, size_ok, before, name_codes, stack_codes;
   py::list names, stacks;     // the distinct strings
   py::dict name_ids, stack_ids;
@@ -2170,7 +2184,7 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
     PyObject* base;    // borrowed or nullptr
   };
   std::unordered_map<PyObject*, Thread> by_tid;  // keyed by the tid object as found; ints compared below
-  py::str malloc_s("MALLOC");
+  py::object malloc_s = interned("MALLOC");
   Py_ssize_t changed = 0;
   PyObject* module_key = nullptr;
   PyObject* phase_key = nullptr;
