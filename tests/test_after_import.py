@@ -19,10 +19,11 @@ def new_module(tmp_path, monkeypatch):
         made.append(name)
         return name
     monkeypatch.syspath_prepend(str(tmp_path))
+    before = list(sys.meta_path)  # a session of another test in this worker may have its own waiting
     yield make
     for name in made:
         sys.modules.pop(name, None)
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, AfterImport)]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, AfterImport) or f in before]
 
 
 def test_runs_after_the_import_with_the_executed_module(new_module):
@@ -47,9 +48,10 @@ def test_runs_now_when_already_imported(new_module):
 def test_cancelled_before_the_import_never_runs(new_module):
     name = new_module("msm_after_c")
     seen = []
-    after_import(name, seen.append).cancel()
+    finder = after_import(name, seen.append)
+    finder.cancel()
     __import__(name)
-    assert seen == [] and not any(isinstance(f, AfterImport) for f in sys.meta_path)
+    assert seen == [] and finder not in sys.meta_path
 
 
 def test_a_failing_patch_is_one_line_and_the_import_succeeds(new_module, capsys):
