@@ -2,7 +2,7 @@
 # The interpreter: Debian's own python3.11 where it can make a venv and compile against its headers.
 # It is built with PGO and LTO, with libpython linked in; pyenv's python3 (first on PATH here) is
 # a shared-library build without them, and the suite's ~400 Python processes spend ~15% more CPU
-# under it (import torch alone: 3.6 vs 4.2 CPU s). torch's file on disk is for 3.11.
+# under it (a small training program, torch imported: 3.6 vs 4.2 CPU s). torch's file on disk is for 3.11.
 SYS_PY := $(shell p=/usr/bin/python3.11; $$p -c 'import ensurepip, os, sys, sysconfig; \
   sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null && echo $$p)
 PY ?= $(or $(SYS_PY),python3)
