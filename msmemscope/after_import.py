@@ -14,8 +14,8 @@ import sys
 
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then(module)`` right after the module ``name`` has been executed (its loader is
-    wrapped), once; a failure of ``then`` is one stderr line starting with ``failed``, never the
-    import's. ``cancel()`` takes the finder back if the module has not been imported yet."""
+    wrapped), once; an import that fails leaves it waiting for the next; a failure of ``then`` is
+    one stderr line starting with ``failed``, never the import's. ``cancel()`` takes the finder back if the module has not been imported yet."""
 
     def __init__(self, name, then, failed="process {pid}"):
         self.name, self.then, self.failed = name, then, failed
@@ -30,7 +30,11 @@ class AfterImport(importlib.abc.MetaPathFinder):
         orig_exec = spec.loader.exec_module
 
         def exec_module(module):
-            orig_exec(module)
+            try:
+                orig_exec(module)
+            except BaseException:
+                sys.meta_path.insert(0, self)  # the import failed: a later one runs ``then``
+                raise
             self._run(module)
         spec.loader.exec_module = exec_module
         return spec

@@ -65,10 +65,27 @@ def test_a_failing_patch_is_one_line_and_the_import_succeeds(new_module, capsys)
     assert len(err) == 1 and err[0].startswith("[msmemscope] no labels in process ") and "no such attribute" in err[0]
 
 
-def test_a_module_that_fails_to_import_runs_nothing(new_module):
+def test_a_module_that_fails_to_import_runs_nothing_until_it_imports(new_module, tmp_path):
     name = new_module("msm_after_e", "raise ImportError('broken on purpose')\n")
     seen = []
-    after_import(name, seen.append)
+    finder = after_import(name, lambda m: seen.append(m.VALUE))
     with pytest.raises(ImportError, match="broken on purpose"):
         __import__(name)
-    assert seen == []
+    assert seen == [] and finder in sys.meta_path
+    (tmp_path / f"{name}.py").write_text("VALUE = 7\n")  # the program imports it again, fixed
+    import importlib
+    importlib.invalidate_caches()
+    sys.modules.pop(name, None)
+    __import__(name)
+    assert seen == [7] and finder not in sys.meta_path
+
+
+def test_two_waits_on_one_module_both_run(new_module):
+    # the decompose labeller and the framework hooks may both wait on one FSDP module
+    name = new_module("msm_after_f")
+    seen = []
+    after_import(name, lambda m: seen.append("first"))
+    after_import(name, lambda m: seen.append("second"))
+    __import__(name)
+    assert sorted(seen) == ["first", "second"]
+    assert not any(isinstance(f, AfterImport) and f.name == name for f in sys.meta_path)

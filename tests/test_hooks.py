@@ -326,12 +326,24 @@ def test_import_watcher_patches_modules_imported_later(hooks, tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     hooks.auto_apply()
     assert "verl.workers.fsdp_workers" not in sys.modules
+    from msmemscope.after_import import AfterImport
+
+    def waiting():
+        return [f for f in sys.meta_path if isinstance(f, AfterImport) and f.name == "verl.workers.fsdp_workers"]
+    assert len(waiting()) == 1  # one finder for the module, whatever number of entries wait on it
     import verl.workers.fsdp_workers as fw
+    assert waiting() == []
     g = fw.ActorRolloutRefWorker.__dict__["generate_sequences"]
     assert g._msmemscope_hook == ("verl.workers.fsdp_workers:ActorRolloutRefWorker.generate_sequences", "decompose")
     assert fw.ActorRolloutRefWorker().generate_sequences(7) == 7
     hooks.cleanup_framework_hooks()
     assert not hasattr(fw.ActorRolloutRefWorker.__dict__["generate_sequences"], "_msmemscope")
+    # a framework still waiting for its import at cleanup: its finder goes with it
+    del sys.modules["verl.workers.fsdp_workers"]
+    hooks.auto_apply()
+    assert len(waiting()) == 1
+    hooks.cleanup_framework_hooks()
+    assert waiting() == []
 
 
 # ------------------------------------------------------------------ the real sources

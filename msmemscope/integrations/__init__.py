@@ -17,19 +17,20 @@ deleted when the method was inherited).
 
 With ``--analysis=decompose`` the decompose entries of every supported framework
 are applied by themselves: at session start for the modules already imported,
-and for the others when they get imported (a ``sys.meta_path`` finder).
+and for the others when they get imported (``msmemscope.after_import``).
 """
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
 import importlib.metadata
 import logging
 import re
 import sys
 import threading
 from dataclasses import dataclass, field
+
+from ..after_import import after_import
 
 log = logging.getLogger("msmemscope")
 
@@ -247,7 +248,7 @@ def make_wrapper(orig, entry: Entry, hook_type: str):
 _lock = threading.RLock()
 _applied: dict = {}     # (target, hook_type) -> (owner object, attr name, original raw, had_own_attr)
 _pending: dict = {}     # module name -> [(entry, hook_type)] waiting for the import
-_finder = None
+_waiting: dict = {}     # module name -> its after_import finder (one per module not imported yet)
 
 
 class TargetMissing(Exception):
@@ -305,50 +306,17 @@ def _unpatch(key):
             pass
 
 
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Applies pending hooks right after a watched module has been executed."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _pending:
-            return None
-        for f in sys.meta_path:
-            if f is self or not hasattr(f, "find_spec"):
-                continue
-            spec = f.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        orig_exec = loader.exec_module
-
-        def exec_module(module):
-            orig_exec(module)
-            _apply_pending(fullname, module)
-        try:
-            loader.exec_module = exec_module
-        except Exception:
-            return spec
-        return spec
+def _wait_for(modname):
+    if modname not in _waiting:
+        _waiting[modname] = after_import(modname, functools.partial(_apply_pending, modname),
+                                         f"framework hooks of {modname} not applied in process {{pid}}")
 
 
-def _install_finder():
-    global _finder
-    if _finder is None:
-        _finder = _ImportWatcher()
-        sys.meta_path.insert(0, _finder)
-
-
-def _remove_finder():
-    global _finder
-    if _finder is not None:
-        try:
-            sys.meta_path.remove(_finder)
-        except ValueError:
-            pass
-        _finder = None
+def _stop_waiting():
+    for finder in _waiting.values():
+        if finder is not None:
+            finder.cancel()
+    _waiting.clear()
 
 
 def _apply_pending(modname, module):
@@ -360,8 +328,7 @@ def _apply_pending(modname, module):
             except TargetMissing:
                 if not entry.optional:
                     log.warning("msmemscope: hook target %s not found (version mismatch?)", entry.target)
-        if not _pending:
-            _remove_finder()
+        _waiting.pop(modname, None)
 
 
 def _apply(entries, hook_type, strict: bool, import_now: bool):
@@ -380,7 +347,7 @@ def _apply(entries, hook_type, strict: bool, import_now: bool):
                     lst = _pending.setdefault(e.module, [])
                     if (e, hook_type) not in lst:
                         lst.append((e, hook_type))
-                    _install_finder()
+                    _wait_for(e.module)
                     continue
                 try:
                     if _patch(e, hook_type, mod):
@@ -421,7 +388,7 @@ def cleanup_framework_hooks():
         for key in reversed(list(_applied)):
             _unpatch(key)
         _pending.clear()
-        _remove_finder()
+        _stop_waiting()
         lab, _own_labeler = _own_labeler, None
     if lab is not None:
         from ..capture import current
