@@ -15,7 +15,8 @@ import sys
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then(module)`` right after the module ``name`` has been executed (its loader is
     wrapped), once; an import that fails leaves it waiting for the next; a failure of ``then`` is
-    one stderr line starting with ``failed``, never the import's. ``cancel()`` takes the finder back if the module has not been imported yet."""
+    one stderr line starting with ``failed``, never the import's. ``cancel()`` takes the finder
+    back if the module has not been imported yet."""
 
     def __init__(self, name, then, failed="process {pid}"):
         self.name, self.then, self.failed = name, then, failed
@@ -55,10 +56,10 @@ class AfterImport(importlib.abc.MetaPathFinder):
 def after_import(name, then, failed="process {pid}"):
     """``then(module)`` now if ``name`` is imported already, else right after its import; returns
     the waiting finder (``cancel()`` it when the patch is no longer wanted), or None."""
+    finder = AfterImport(name, then, failed)
     module = sys.modules.get(name)
     if module is not None:
-        AfterImport(name, then, failed)._run(module)
+        finder._run(module)
         return None
-    finder = AfterImport(name, then, failed)
     sys.meta_path.insert(0, finder)
     return finder

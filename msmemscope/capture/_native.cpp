@@ -1325,6 +1325,20 @@ PyObject* dict_pop(PyObject* d, PyObject* key) {
 #endif
 }
 
+// a new tuple: ``t`` with item k replaced by v (rows and their attrs are tuples: shared, never
+// changed); nullptr with the error set
+PyObject* with_item(PyObject* t, Py_ssize_t k, PyObject* v) {
+  Py_ssize_t n = PyTuple_GET_SIZE(t);
+  PyObject* out = PyTuple_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    PyObject* x = j == k ? v : PyTuple_GET_ITEM(t, j);
+    Py_INCREF(x);
+    PyTuple_SET_ITEM(out, j, x);
+  }
+  return out;
+}
+
 PyObject* tuple_of(std::initializer_list<PyObject*> items) {
   PyObject* t = PyTuple_New((Py_ssize_t)items.size());
   if (t == nullptr) return nullptr;
@@ -1390,29 +1404,12 @@ py::list relabel_mallocs(py::list buf, py::dict owner, py::dict info, py::dict c
     int same = PyObject_RichCompareBool(was, label, Py_EQ);
     if (same < 0) throw py::error_already_set();
     if (same) continue;
-    // the row again with the new owner in its attr (rows are tuples: shared, never changed)
-    Py_ssize_t na = PyTuple_GET_SIZE(a), nr = PyTuple_GET_SIZE(r);
-    PyObject* a2 = PyTuple_New(na);
+    // the row again with the new owner in its attr
+    PyObject* a2 = with_item(a, owner_i, label);
     if (a2 == nullptr) throw py::error_already_set();
-    for (Py_ssize_t k = 0; k < na; ++k) {
-      PyObject* x = k == owner_i ? label : PyTuple_GET_ITEM(a, k);
-      Py_INCREF(x);
-      PyTuple_SET_ITEM(a2, k, x);
-    }
-    PyObject* r2 = PyTuple_New(nr);
-    if (r2 == nullptr) {
-      Py_DECREF(a2);
-      throw py::error_already_set();
-    }
-    for (Py_ssize_t k = 0; k < nr; ++k) {
-      PyObject* x = PyTuple_GET_ITEM(r, k);
-      if (k == attr_i) {
-        PyTuple_SET_ITEM(r2, k, a2);
-        continue;
-      }
-      Py_INCREF(x);
-      PyTuple_SET_ITEM(r2, k, x);
-    }
+    PyObject* r2 = with_item(r, attr_i, a2);
+    Py_DECREF(a2);
+    if (r2 == nullptr) throw py::error_already_set();
     PyList_SetItem(lst, i, r2);  // steals r2, drops the old row
   }
   return todo;
@@ -2288,14 +2285,8 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
       if (PyDict_SetItem(d, module_key, mod) < 0) throw py::error_already_set();
       if (phase != Py_None && PyDict_SetItem(d, phase_key, phase) < 0) throw py::error_already_set();
     }
-    Py_ssize_t m = PyTuple_GET_SIZE(r);
-    PyObject* nr = PyTuple_New(m);
+    PyObject* nr = with_item(r, 7, na.ptr());
     if (nr == nullptr) throw py::error_already_set();
-    for (Py_ssize_t j = 0; j < m; ++j) {
-      PyObject* x = j == 7 ? na.ptr() : PyTuple_GET_ITEM(r, j);
-      Py_INCREF(x);
-      PyTuple_SET_ITEM(nr, j, x);
-    }
     PyList_SetItem(buf.ptr(), i, nr);  // steals nr, drops the old row
     ++changed;
   }

@@ -183,6 +183,7 @@ class Labeler:
         self._handles = []
         self._hooks_pushed = False
         self._patched = []
+        self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
 
     # ------------------------------------------------------------ install / remove
@@ -225,7 +226,7 @@ class Labeler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if getattr(self, "_fsdp2_wait", None) is not None:
+        if self._fsdp2_wait is not None:
             self._fsdp2_wait.cancel()
             self._fsdp2_wait = None
         for mod, name, orig in self._patched:

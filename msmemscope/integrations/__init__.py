@@ -308,14 +308,15 @@ def _unpatch(key):
 
 def _wait_for(modname):
     if modname not in _waiting:
-        _waiting[modname] = after_import(modname, functools.partial(_apply_pending, modname),
-                                         f"framework hooks of {modname} not applied in process {{pid}}")
+        finder = after_import(modname, functools.partial(_apply_pending, modname),
+                              f"framework hooks of {modname} not applied in process {{pid}}")
+        if finder is not None:  # None: imported meanwhile, and patched already
+            _waiting[modname] = finder
 
 
 def _stop_waiting():
     for finder in _waiting.values():
-        if finder is not None:
-            finder.cancel()
+        finder.cancel()
     _waiting.clear()
 
 
