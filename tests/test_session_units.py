@@ -232,3 +232,19 @@ def test_dump_format_version(tmp_path, session_factory):
     with open(os.path.join(s.folder, "config.json")) as f:
         assert json.load(f)["format_version"] == FORMAT_VERSION
     check_invariants(read(s.dump_path))
+
+
+def test_fsdp2_wrapped_when_already_imported_kept_over_a_gap_restored_at_close(session_factory):
+    """The decompose labeller's FSDP2 wrappers (after_import): FSDP2 imported before tracing
+    starts is wrapped at start, stays wrapped over a stop/start gap, and is given back at close."""
+    pg = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+    orig = pg.foreach_all_gather, pg.foreach_reduce
+    s = session_factory("python", analysis="decompose")
+    assert s.labeler is not None
+    assert getattr(pg.foreach_all_gather, "_msmemscope", False) and getattr(pg.foreach_reduce, "_msmemscope", False)
+    s.stop()
+    s.start()
+    assert getattr(pg.foreach_all_gather, "_msmemscope", False)
+    s.close()
+    assert (pg.foreach_all_gather, pg.foreach_reduce) == orig
+    assert s.labeler is None or s.labeler._fsdp2_wait is None
