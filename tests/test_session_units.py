@@ -248,3 +248,4 @@ def test_fsdp2_wrapped_when_already_imported_kept_over_a_gap_restored_at_close(s
     s.close()
     assert (pg.foreach_all_gather, pg.foreach_reduce) == orig
     assert s.labeler is None or s.labeler._fsdp2_wait is None
+    check_invariants(read(s.dump_path))
