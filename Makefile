@@ -61,7 +61,7 @@ test-full: venv native browser
 	MSMEMSCOPE_TEST_FULL=1 MSMEMSCOPE_SOURCE=python $(BIN)/python -m pytest tests/test_capture.py tests/test_leaks.py
 
 bench: venv native
-	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10
+	$(BIN)/python bench/run.py --workloads transformer,mlp,gpt2 --repeats 5 --steps 10 --min-seconds 1
 
 clean:
 	rm -rf $(VENV) demo-output memscopeDumpResults .pytest_cache

@@ -3,13 +3,21 @@
     python bench/run.py [--workloads transformer,mlp] [--configs plain,default,...] [--repeats 5] [--steps 20]
 
 Each (workload, config) runs in a fresh process; the time measured is the
-training loop after two warm-up steps. The table shows medians and the ratio
-to the plain run of the same workload.
+training loop after two warm-up steps. Configurations run in rounds (every
+configuration once per round), so that the machine's drift hits them alike. The
+table shows each configuration's median, its ratio to the plain run's median,
+and the median and spread of the per-round ratios (each run against the plain
+run of its own round: the steadier figure where the machine drifts).
+
+``--min-seconds S`` lengthens the loop of a workload whose plain run is shorter
+than S (measured once before the rounds): 20 steps of the MLP are 0.1 s, less
+than the spread between two runs of the same program.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -107,6 +115,8 @@ elif config == "memtracker":
 for _ in range(2):
     step()
     if config == "memtracker": ctx.reset_mod_stats()  # it refuses a second iteration otherwise
+import resource
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t0 = time.perf_counter()
 c0 = time.process_time()
 for _ in range(steps):
@@ -119,20 +129,21 @@ if config in ("profiler", "profiler+read"):
     ctx = None
 dt = time.perf_counter() - t0
 cpu = time.process_time() - c0
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 if ctx is not None:
     ctx.__exit__(None, None, None)
 source = None
 if config in {traced!r}:
     from msmemscope import capture
     source = capture.current().config["source"]
-json.dump({{"seconds": dt, "cpu_seconds": cpu, "source": source}}, open(out, "w"))
+json.dump({{"seconds": dt, "cpu_seconds": cpu, "faults": faults, "source": source}}, open(out, "w"))
 ''')
 
 
 CPU_TIME = False  # --cpu-time: the traced process's CPU time (user+sys), steadier on a loaded machine
 
 
-def run_one(workload, config, steps, env=None):
+def run_one(workload, config, steps, env=None, full=False):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out, traced=TRACED)
@@ -147,7 +158,16 @@ def run_one(workload, config, steps, env=None):
     if want == "native" and res["source"] != "native":
         # the native source is not built for this checkout: the figure would be the other source's
         raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")
-    return res["cpu_seconds"] if CPU_TIME else res["seconds"]
+    t = res["cpu_seconds"] if CPU_TIME else res["seconds"]
+    return (t, res.get("faults")) if full else t
+
+
+def quantile(xs, q):
+    """The q-quantile of xs, linear between the two nearest (xs not empty)."""
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def main(argv=None):
@@ -163,6 +183,8 @@ def main(argv=None):
     p.add_argument("--cpu-time", action="store_true",
                    help="time the loop by the process's CPU time instead of the wall clock (a loaded, shared "
                         "machine; leaves out the writer process's share)")
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="run more steps than --steps where a workload's plain loop would take less than this")
     a = p.parse_args(argv)
     global CPU_TIME
     CPU_TIME = a.cpu_time
@@ -170,28 +192,48 @@ def main(argv=None):
     env = None
     if a.stable_malloc:
         env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.trim_threshold=268435456:glibc.malloc.mmap_threshold=33554432")
+    configs = a.configs.split(",")
+    faults = {}
+    steps_of = {}
     for w in a.workloads.split(","):
+        steps_of[w] = a.steps
+        if a.min_seconds > 0:
+            t = run_one(w, "plain", a.steps, env)
+            steps_of[w] = max(a.steps, math.ceil(a.steps * a.min_seconds / max(t, 1e-9)))
         for rep in range(a.repeats):  # interleave configs so drift hits all alike
-            for c in a.configs.split(","):
+            for c in configs:
                 try:
-                    results.setdefault((w, c), []).append(run_one(w, c, a.steps, env))
+                    t, flt = run_one(w, c, steps_of[w], env, full=True)
                 except RuntimeError as e:
                     print(f"  skipped: {e}", file=sys.stderr)
-                    results.setdefault((w, c), [])
-    print(f"| workload | config | median {'CPU ' if CPU_TIME else ''}s/{a.steps} steps | ratio to plain |")
-    print("|---|---|---|---|")
+                    t = flt = None
+                results.setdefault((w, c), []).append(t)
+                faults.setdefault((w, c), []).append(flt)
+    print(f"| workload | steps | config | median {'CPU ' if CPU_TIME else ''}s | ratio of medians | "
+          "median of the rounds' ratios [25%-75%] | page faults a step |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for w in a.workloads.split(","):
-        base = statistics.median(results[(w, "plain")]) if results.get((w, "plain")) else None
-        for c in a.configs.split(","):
-            xs = results.get((w, c))
-            if not xs:
-                print(f"| {w} | {c} | failed | |")
+        plain = results.get((w, "plain"), [])
+        got = [x for x in plain if x is not None]
+        base = statistics.median(got) if got else None
+        for c in configs:
+            xs = results.get((w, c), [])
+            ok = [x for x in xs if x is not None]
+            if not ok:
+                print(f"| {w} | {steps_of[w]} | {c} | failed | | | |")
                 continue
-            m = statistics.median(xs)
+            m = statistics.median(ok)
             ratio = m / base if base else float("nan")
-            rows.append({"workload": w, "config": c, "median_s": m, "ratio": ratio, "runs": xs})
-            print(f"| {w} | {c} | {m:.3f} | {ratio:.2f}x |")
+            # each run against the plain run of its own round (same position in the lists)
+            paired = [x / p for x, p in zip(xs, plain) if x is not None and p]
+            pr = statistics.median(paired) if paired else float("nan")
+            spread = f"[{quantile(paired, .25):.2f}-{quantile(paired, .75):.2f}]" if paired else ""
+            fl = [f for f in faults.get((w, c), []) if f is not None]
+            fps = statistics.median(fl) / steps_of[w] if fl else float("nan")
+            rows.append({"workload": w, "config": c, "steps": steps_of[w], "median_s": m, "ratio": ratio,
+                         "paired_ratio": pr, "paired": paired, "runs": xs, "faults": faults.get((w, c))})
+            print(f"| {w} | {steps_of[w]} | {c} | {m:.3f} | {ratio:.2f}x | {pr:.2f}x {spread} | {fps:.0f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
