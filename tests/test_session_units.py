@@ -249,3 +249,42 @@ def test_fsdp2_wrapped_when_already_imported_kept_over_a_gap_restored_at_close(s
     assert (pg.foreach_all_gather, pg.foreach_reduce) == orig
     assert s.labeler is None or s.labeler._fsdp2_wait is None
     check_invariants(read(s.dump_path))
+
+
+
+def test_fsdp2_first_imported_during_a_gap_is_wrapped_and_labels_after_the_restart(session_factory, monkeypatch):
+    """FSDP2 imported for the first time while tracing is stopped: the labeller's finder (after_import)
+    wraps it then, the wrapper labels the blocks made inside it once tracing starts again, and close
+    gives the module back. (A Python-API decompose session runs on the dispatch-mode source.) The
+    module is executed afresh as a new module object; the worker's own is put back after."""
+    name = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+    pytest.importorskip(name)
+    monkeypatch.delitem(sys.modules, name)  # put back at the test's end
+    import importlib
+    import torch
+    s = session_factory("python", analysis="decompose")
+    lab = s.labeler
+    assert lab is not None and lab._fsdp2_wait in sys.meta_path
+    s.stop()
+    pg = importlib.import_module(name)  # the program's first import, in the gap
+    wrapper = pg.foreach_all_gather
+    assert getattr(wrapper, "_msmemscope", False) and getattr(pg.foreach_reduce, "_msmemscope", False)
+    assert lab._fsdp2_wait is None
+    s.start()
+    # the wrapper around a stand-in for the all-gather that allocates (no process group here): the
+    # wrapper calls the original through its closure, so the stand-in goes into that cell
+    inner = wrapper.__wrapped__
+    cells = [c for c in wrapper.__closure__ if c.cell_contents is inner]
+    assert len(cells) == 1
+    cells[0].cell_contents = lambda *a, **k: torch.empty(4096, dtype=torch.float32).add_(1)
+    try:
+        kept = wrapper()
+    finally:
+        cells[0].cell_contents = inner
+    s.flush()
+    s.close()
+    assert pg.foreach_all_gather is inner  # given back at close
+    df = read(s.dump_path)
+    check_invariants(df)
+    mine = df.filter((df["event"] == "MALLOC") & (df["size"] == kept.untyped_storage().nbytes()))
+    assert mine.height >= 1 and all(o.split("@")[-2:] == ["fsdp2", "all_gather"] for o in mine["owner"].to_list()), mine["owner"]
