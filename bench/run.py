@@ -143,7 +143,8 @@ json.dump({{"seconds": dt, "cpu_seconds": cpu, "faults": faults, "source": sourc
 CPU_TIME = False  # --cpu-time: the traced process's CPU time (user+sys), steadier on a loaded machine
 
 
-def run_one(workload, config, steps, env=None, full=False):
+def run_one(workload, config, steps, env=None):
+    """(seconds of the timed loop, its page faults), from a fresh process."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     code = CHILD.format(root=ROOT, workload=workload, config=config, steps=steps, out=out, traced=TRACED)
@@ -158,8 +159,7 @@ def run_one(workload, config, steps, env=None, full=False):
     if want == "native" and res["source"] != "native":
         # the native source is not built for this checkout: the figure would be the other source's
         raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")
-    t = res["cpu_seconds"] if CPU_TIME else res["seconds"]
-    return (t, res.get("faults")) if full else t
+    return res["cpu_seconds"] if CPU_TIME else res["seconds"], res.get("faults")
 
 
 def quantile(xs, q):
@@ -198,12 +198,12 @@ def main(argv=None):
     for w in a.workloads.split(","):
         steps_of[w] = a.steps
         if a.min_seconds > 0:
-            t = run_one(w, "plain", a.steps, env)
+            t, _ = run_one(w, "plain", a.steps, env)
             steps_of[w] = max(a.steps, math.ceil(a.steps * a.min_seconds / max(t, 1e-9)))
         for rep in range(a.repeats):  # interleave configs so drift hits all alike
             for c in configs:
                 try:
-                    t, flt = run_one(w, c, steps_of[w], env, full=True)
+                    t, flt = run_one(w, c, steps_of[w], env)
                 except RuntimeError as e:
                     print(f"  skipped: {e}", file=sys.stderr)
                     t = flt = None

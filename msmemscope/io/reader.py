@@ -632,27 +632,25 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
         return None
     if df.height != rows:  # parts that are not the ones the manifest counted: the text
         return None
-    if not df["id"].is_sorted():
-        df = df.sort("id")
+    # Steps, enclosing ops and the rows an analysis keeps are worked out on the stored categorical
+    # columns, and only the kept rows' text is made: a filter after the cast moved 10M rows of
+    # strings (2.5 s of the summary's read)
+    df = _in_order_with_steps(df, want)
     if counts is not None:
-        counts.update((str(k), int(v)) for k, v in df.group_by("event").len().iter_rows())
+        counts.update((k, int(v)) for k, v in df.group_by("event").len().iter_rows())
     every = df.select("id")  # the text columns hold no NUL: the writer stores none (io/columns.py)
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
-    # The rows an analysis does not keep go while the text columns are still categorical (a filter
-    # then moves codes, not strings: 10M rows, 2.5 s less), where the steps and enclosing ops that
-    # the kept rows get do not need them: the STEP rows and, for ``op``, the op rows are kept.
-    early = keep is not None and "SYSTEM" in keep and ("op" not in want or "OP_LAUNCH" in keep)
-    if early:
+    if keep is not None:
         df = df.filter(pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"})))
+    # the text read's types (a batched read keeps its CATEGORICAL ones categorical); ``op`` is made
+    # from ``name`` and takes its type
+    as_text = [c for c in C.CATEGORICAL if c in df.columns and not (batched and c in CATEGORICAL)]
+    if "op" in df.columns and "name" in as_text:
+        as_text.append("op")
     try:
-        # the text read's types (a batched read keeps its CATEGORICAL ones categorical)
-        df = df.with_columns(pl.col(c).cast(pl.String) for c in C.CATEGORICAL
-                             if c in df.columns and not (batched and c in CATEGORICAL))
+        df = df.with_columns(pl.col(c).cast(pl.String) for c in as_text)
     except Exception:
         return None
-    df = _in_order_with_steps(df, want)
-    if keep is not None and not early:
-        df = df.filter(pl.col("event").is_in(sorted(set(keep) | {"MALLOC", "FREE"})))
     # the rows whose Attr fields were not stored (ACCESS rows keep their text and their fields)
     text_rows = (df["attr"].is_not_null() & df["alloc_id"].is_null()).arg_true()
     if text_rows.len():
