@@ -257,7 +257,7 @@ def test_fsdp2_first_imported_during_a_gap_is_wrapped_and_labels_after_the_resta
     wraps it then, the wrapper labels the blocks made inside it once tracing starts again, and close
     gives the module back. (A Python-API decompose session runs on the dispatch-mode source.) The
     module is executed afresh as a new module object; the worker's own is put back after."""
-    name = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+    from msmemscope.capture.owners import FSDP2_PARAM_GROUP as name
     pytest.importorskip(name)
     monkeypatch.delitem(sys.modules, name)  # put back at the test's end
     import importlib
