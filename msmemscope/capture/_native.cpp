@@ -799,6 +799,20 @@ struct Marshal {
 // (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
 // `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
 // allocation).
+// Rows and their attrs hold only ints, strings, None and such tuples: no cycle can go through them.
+// The collector would find that out itself (it untracks such tuples when it first walks them), but
+// only after walking them: a drain of thousands of rows, held in the buffer until the flush, made
+// every collection that came before the flush walk all of them (GPT-2, access events: ~0.5 ms a
+// step, and the collections of the older generations it brings on). Untracked when made instead.
+inline void untrack_if_atomic(PyObject* t) {
+  if (t == nullptr || !PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t)) return;
+  for (Py_ssize_t j = 0, n = PyTuple_GET_SIZE(t); j < n; ++j) {
+    PyObject* x = PyTuple_GET_ITEM(t, j);
+    if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x)) return;
+  }
+  PyObject_GC_UnTrack(t);
+}
+
 py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // The records are copied out, made into tuples, and only then removed: a tuple that cannot be
   // made (no memory) raises with every record still here for the next drain. Records added
@@ -891,6 +905,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       shapes_used = at + ndim;
       attr = (shape == nullptr || dtype_strs[st] == nullptr) ? nullptr
           : Py_BuildValue("(OOLL)", dtype_strs[st], shape, (long long)r.size, (long long)r.aid);
+      untrack_if_atomic(shape);
       Py_XDECREF(shape);
     } else if (r.kind == ALLOC_FAILED) {
       ++failed;
@@ -966,6 +981,8 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
           if (k != 3 && k != 6 && k != 7) Py_INCREF(items[k]);  // ts, ptr, attr: references made here
           PyTuple_SET_ITEM(t, k, items[k]);
         }
+        untrack_if_atomic(attr);
+        untrack_if_atomic(t);
         ptr = attr = nullptr;  // now the tuple's
       }
     }
@@ -1336,6 +1353,7 @@ PyObject* with_item(PyObject* t, Py_ssize_t k, PyObject* v) {
     Py_INCREF(x);
     PyTuple_SET_ITEM(out, j, x);
   }
+  untrack_if_atomic(out);
   return out;
 }
 
@@ -1347,6 +1365,7 @@ PyObject* tuple_of(std::initializer_list<PyObject*> items) {
     Py_INCREF(o);
     PyTuple_SET_ITEM(t, k++, o);
   }
+  untrack_if_atomic(t);
   return t;
 }
 
@@ -2274,6 +2293,7 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
       PyTuple_SET_ITEM(t, 6, mod);
       Py_INCREF(phase);
       PyTuple_SET_ITEM(t, 7, phase);
+      untrack_if_atomic(t);
     } else {
       PyObject* d = PyDict_Copy(a);
       if (d == nullptr) throw py::error_already_set();

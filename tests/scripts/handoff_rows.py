@@ -2,7 +2,10 @@
 must load as exactly the row tuples it appended (same values, same types, dict attrs in the same
 key order). Runs default events, access events, Python stacks, frees outside the traced window
 (FREE rows with a dict attr) and blocks made before the window read by a traced op (MALLOC rows
-with an origin), then prints how many rows were checked and how many frames went as pieces."""
+with an origin), then prints how many rows were checked and how many frames went as pieces.
+The rows and their attrs come untracked by the garbage collector (nothing in them can be in a
+cycle; a tracked row is walked by every collection while it waits in the buffer)."""
+import gc
 import json
 import marshal
 import sys
@@ -45,6 +48,9 @@ class Checked:
             loaded = marshal.loads(got[2])
             assert [norm(r) for r in loaded] == [norm(r) for r in made]
             checked[0] += len(made)
+        tracked = [r for r in out[start:] if gc.is_tracked(r) or gc.is_tracked(r[7])
+                   or (type(r[7]) is tuple and any(gc.is_tracked(x) for x in r[7]))]
+        assert not tracked, tracked[:3]
         return got
 
 
