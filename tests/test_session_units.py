@@ -288,3 +288,56 @@ def test_fsdp2_first_imported_during_a_gap_is_wrapped_and_labels_after_the_resta
     check_invariants(df)
     mine = df.filter((df["event"] == "MALLOC") & (df["size"] == kept.untyped_storage().nbytes()))
     assert mine.height >= 1 and all(o.split("@")[-2:] == ["fsdp2", "all_gather"] for o in mine["owner"].to_list()), mine["owner"]
+
+
+def test_walk_live_objects_names_every_parameter_buffer_gradient_and_state_once_first_category_kept():
+    """The labeller's walk of the live objects at each flush (one walk of each tree): tied
+    parameters, a buffer registered as None, a BatchNorm's buffers, a frozen parameter without a
+    gradient, and the optimizer's state, each given the category its object says; the first
+    category given to a tensor stays (a parameter the optimizer also lists stays a weight)."""
+    from torch import nn
+
+    from msmemscope.capture.owners import GRADIENT, OPT_STATE, WEIGHT, walk_live_objects
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight          # tied: one parameter, two modules
+            self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+            self.register_buffer("nothing", None)
+
+        def forward(self, x):
+            return self.head(self.body(self.emb(x)))
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    net(torch.randint(0, 10, (4,))).sum().backward()
+    opt.step()
+
+    got = {}
+
+    def add(t, cat, comp=()):
+        if t is not None and id(t) not in got:
+            got[id(t)] = cat
+
+    walk_live_objects([net], [opt], add)
+    want = {}
+    for p in net.parameters():
+        want.setdefault(id(p), WEIGHT)
+    for b in net.buffers():
+        want.setdefault(id(b), WEIGHT)
+    for p in net.parameters():
+        if p.grad is not None:
+            want.setdefault(id(p.grad), GRADIENT)
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                want.setdefault(id(v), OPT_STATE)
+    assert got == want
+    assert sum(c == WEIGHT for c in got.values()) == 9      # emb=head, lin w+b, bn w+b, frozen; 3 bn buffers
+    assert sum(c == GRADIENT for c in got.values()) == 5
+    assert sum(c == OPT_STATE for c in got.values()) == 15  # step, exp_avg, exp_avg_sq of 5 parameters

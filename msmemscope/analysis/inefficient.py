@@ -731,6 +731,9 @@ class InefficientSink:
         mod = native_module()  # the chunk's columns made in C++ at each flush, where built
         self._columns = mod.chunk_columns if mod is not None else None
         self.n_pending = 0
+        # polars' Series from numpy reaches for numpy.ma, whose first import (~30 ms) would
+        # otherwise land in the program's step that first feeds the tracker
+        import numpy.ma  # noqa: F401
 
     # The tracker's columnar work has a fixed cost per call: feed it in batches of
     # BATCH_ROWS (and at close), not at every step of a fast training loop.

@@ -523,9 +523,12 @@ def walk_live_objects(roots, optimizers, add):
     """``add(tensor, category, components)`` for every tensor the live objects say what it is:
     FSDP2's sharded / unsharded parameter storages first, then the parameters, buffers and grads
     of the modules that ran a forward, the parameters, grads and state of the optimizers that
-    stepped. The first category given to a storage stays."""
-    for m in roots:  # FSDP2 first: its storages carry the sharded/unsharded component
-        for sub in m.modules():
+    stepped. The first category given to a storage stays (a tensor given twice keeps its first)."""
+    # one walk of each root's tree (it runs at every flush: ``parameters()``, ``buffers()`` and a
+    # second ``parameters()`` for the grads would each walk it again)
+    trees = [list(m.modules()) for m in roots]
+    for mods in trees:  # FSDP2 first: its storages carry the sharded/unsharded component
+        for sub in mods:
             get_state = getattr(sub, "_get_fsdp_state", None)
             if get_state is None:
                 continue
@@ -542,12 +545,14 @@ def walk_live_objects(roots, optimizers, add):
                 if sp is not None:
                     add(sp, WEIGHT, ("fsdp2", "sharded"))
                     add(sp.grad, GRADIENT, ("fsdp2", "sharded"))
-    for m in roots:
-        for p in m.parameters():
+    for mods in trees:
+        params = [p for sub in mods for p in sub._parameters.values() if p is not None]
+        for p in params:
             add(p, WEIGHT)
-        for bf in m.buffers():
-            add(bf, WEIGHT)
-        for p in m.parameters():
+        for sub in mods:
+            for bf in sub._buffers.values():
+                add(bf, WEIGHT)
+        for p in params:
             add(p.grad, GRADIENT)
     for opt in list(optimizers):
         for g in opt.param_groups:
