@@ -767,7 +767,24 @@ struct Marshal {
     std::memcpy(data + len, s, n);
     len += n;
   }
+  // A string met again is written as a reference to its first writing (marshal's TYPE_REF): the
+  // rows repeat a few names (event, pool, op, device, owner, module) thousands of times. A small
+  // table by address; a string whose slot another took is written again, with a new reference.
+  struct RefSlot {
+    PyObject* o;
+    int32_t idx;
+  };
+  RefSlot refs[512] = {};
+  int32_t nrefs = 0;
   void str(PyObject* o) {
+    RefSlot& slot = refs[((uintptr_t)o >> 4) & 511];
+    if (o != nullptr && slot.o == o) {
+      if (!room(5)) return;
+      data[len++] = 'r';
+      put_i32(data + len, slot.idx);
+      len += 4;
+      return;
+    }
     Py_ssize_t n = 0;
     const char* u = o == nullptr ? nullptr : PyUnicode_AsUTF8AndSize(o, &n);
     if (u == nullptr) {  // not UTF-8 encodable (a lone surrogate in a path): no bytes for this batch
@@ -776,11 +793,13 @@ struct Marshal {
       return;
     }
     if (!room((size_t)n + 5)) return;
+    slot.o = o;
+    slot.idx = nrefs++;
     if (PyUnicode_IS_ASCII(o) && n < 256) {
-      data[len++] = 'z';
+      data[len++] = (char)('z' | 0x80);  // FLAG_REF: the loader keeps it for the references
       data[len++] = (char)(unsigned char)n;
     } else {
-      data[len++] = 'u';
+      data[len++] = (char)('u' | 0x80);
       put_i32(data + len, (int32_t)n);
       len += 4;
     }
