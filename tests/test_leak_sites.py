@@ -347,6 +347,48 @@ def test_random_sizes_rarely_grow():
     assert alarms <= 6
 
 
+def test_resting_sites_passed_over_give_the_same_verdicts_as_every_site_every_step():
+    """SiteGrowth passes over a site whose live bytes stayed flat for two step ends, nothing
+    dropped (Site.resting), until they move; its verdicts, figures and state at every step end are
+    those of applying the rule to every site at every step end. Random series with long flat
+    stretches, plateaus, dips and late growth, many sites in one tracker."""
+    from msmemscope.analysis.growth import Site, SiteGrowth
+    rng = random.Random(7)
+    g = SiteGrowth()
+    ref = {}  # the same series through Site.end_step directly, never passed over
+    series = {}
+    for n in range(60):
+        xs, x = [], rng.randint(0, 3)
+        for _ in range(rng.randint(5, 40)):
+            r = rng.random()
+            x = x if r < 0.55 else x + rng.randint(1, 3) if r < 0.85 else max(0, x - rng.randint(1, 3))
+            xs.append(x)
+        if n % 6 == 0:  # late growth after the flat stretches
+            xs += [xs[-1] + i for i in range(1, 7)]
+        series[n] = xs
+    skipped = verdicts = 0
+    for step in range(1, 41):
+        for n, xs in series.items():
+            if step == 1 + n % 5:  # sites that appear after the first step ends
+                g.site("cpu", "PTA", f"op{n}", None, None)
+                ref[n] = Site("cpu", "PTA", f"op{n}", None, None, g.k)
+            site = g.sites.get(("cpu", "PTA", f"op{n}", None, None))
+            if site is not None:
+                site.live = ref[n].live = xs[min(step - 1, len(xs) - 1)]
+        skipped += sum(1 for s in g.sites.values() if s.resting and s.live == s.p1)
+        g.end_step(step)
+        for n, r in ref.items():
+            r.resting = False  # the reference never rests: its runs are those of every step end
+            r.end_step(g.k, step, step - 1 if step > 1 else 0)
+            s = g.sites[("cpu", "PTA", f"op{n}", None, None)]
+            assert s.verdict == r.verdict, (n, step)
+            verdicts += s.verdict is not None
+            if not s.resting:
+                assert (s.a1, s.a2, s.d, s.p1, s.p2, s.runmax) == (r.a1, r.a2, r.d, r.p1, r.p2, r.runmax), (n, step)
+    assert skipped > 500  # the pass-over ran (most of these sites are flat most of the time)
+    assert verdicts > 20   # and sites grew, after resting too
+
+
 def test_tracker_state_is_bounded_by_sites_not_steps():
     """Thousands of steps of a leak and of churn: the per-run structures stay at the size of the sites."""
     from msmemscope.analysis.leaks import MAX_BLOCKS, StepLeakTracker

@@ -55,7 +55,7 @@ class Site:
     """One allocation site. Run summaries are tuples ``(kept, start_index, start_bytes,
     max_before_start, first_rise_step)``."""
     __slots__ = ("device", "pool", "op", "python", "label", "live", "last_aid", "example",
-                 "p1", "p2", "runmax", "a1", "a2", "d", "verdict", "hits", "hit_bytes", "blocks")
+                 "p1", "p2", "runmax", "a1", "a2", "d", "verdict", "hits", "hit_bytes", "blocks", "resting")
 
     def __init__(self, device, pool, op, python, label, k):
         self.device, self.pool, self.op, self.python, self.label = device, pool, op, python, label
@@ -73,9 +73,19 @@ class Site:
         self.hits = 0         # blocks of this site found by the block rule
         self.hit_bytes = 0
         self.blocks = []      # the first MAX_BLOCKS of them (records)
+        self.resting = False  # see SiteGrowth.end_step
+
+    def wake(self, k):
+        """A resting site's state as if ``end_step`` had run at every step end before ``k`` (its live
+        bytes unchanged since it came to rest: each of them only moved the runs' start)."""
+        x, m = self.p1, self.runmax
+        self.a1, self.a2 = (1, k - 1, x, m, None), (1, k - 2, x, m, None)
+        self.resting = False
 
     def end_step(self, k, step, prev_step):
         """Step end number ``k`` (step number ``step``; the previous step end was ``prev_step``)."""
+        if self.resting:
+            self.wake(k)
         x = self.live
         p1, p2, a1, a2, d1 = self.p1, self.p2, self.a1, self.a2, self.d
         if x > p1:
@@ -100,6 +110,10 @@ class Site:
                 best = (run, last, last_bytes, last_step)
         if best is None:
             self.verdict = None
+            # flat over the last two step ends, nothing dropped: until its live bytes move, every
+            # step end gives the same state with the runs' start moved on (``wake`` makes it)
+            self.resting = (d is None and x == p1 == p2 and a == (1, k, x, self.runmax, None)
+                            and a1 == (1, k - 1, x, self.runmax, None))
             return
         run, last, last_bytes, last_step = best
         self.verdict = {"bytes_per_step": (last_bytes - run[2]) / (last - run[1]), "first_step": run[4],
@@ -142,11 +156,18 @@ class SiteGrowth:
         self.k += 1
         prev, self.last_step = self.last_step, step
         k = self.k
+        found = []
+        # most sites are at rest at most step ends (the same live bytes two step ends running, no
+        # growth): they are passed over until their live bytes move (Site.wake)
         for s in self.sites.values():
+            if s.resting and s.live == s.p1:
+                continue
             s.end_step(k, step, prev)
+            if s.verdict is not None:
+                found.append(s)
         blocks = self.blocks
-        for s in self.sites.values():  # the example block must be live now
-            if s.verdict is not None and s.example is not None and (s.device, s.pool, s.example) not in blocks:
+        for s in found:  # the example block must be live now
+            if s.example is not None and (s.device, s.pool, s.example) not in blocks:
                 s.example = None
 
     def growing(self) -> list:
