@@ -813,11 +813,6 @@ struct Marshal {
   }
 };
 
-// Returns (rows appended, failed-allocation markers among them).
-// Append the recorded rows to `out` as the Python source's row tuples:
-// (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
-// `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
-// allocation).
 // Rows and their attrs hold only ints, strings, None and such tuples: no cycle can go through them.
 // The collector would find that out itself (it untracks such tuples when it first walks them), but
 // only after walking them: a drain of thousands of rows, held in the buffer until the flush, made
@@ -832,6 +827,11 @@ inline void untrack_if_atomic(PyObject* t) {
   PyObject_GC_UnTrack(t);
 }
 
+// Returns (rows appended, failed-allocation markers among them).
+// Append the recorded rows to `out` as the Python source's row tuples:
+// (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
+// `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
+// allocation).
 py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // The records are copied out, made into tuples, and only then removed: a tuple that cannot be
   // made (no memory) raises with every record still here for the next drain. Records added
