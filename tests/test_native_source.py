@@ -426,3 +426,46 @@ def test_block_ids_answer_as_counted_block(tmp_path):
     assert ids[0] > 0 and ids[1] == ids[2] == ids[3] == ids[0]          # views: the base's block
     assert len({ids[0], ids[4], ids[5], ids[6]}) == 4 and min(ids[4:7]) > 0
     assert ids[7] == -1 and ids[9:] == [-1, -1, -1] and gone is None
+
+
+@needs_native
+def test_a_failed_drain_keeps_every_record_in_order(tmp_path):
+    """A drain that fails after taking the records (here: a names tuple too short, which raises as
+    the tuples are made, as a failure of memory would) puts them back at the head of the buffer:
+    the next drains write them, in order, before the records made since."""
+    code = textwrap.dedent("""
+        import torch, msmemscope
+        from msmemscope import capture
+        from msmemscope.capture import native as N
+        msmemscope.config(output=%r)
+        msmemscope.start()
+        s = capture.current()
+        m = s.native.m
+        keep, failed = [], 0
+        x = torch.randn(32, 32)
+        for i in range(40):
+            keep.append(x @ x)
+            if i %% 3 == 0:
+                del keep[0]
+            if i %% 10 == 9:
+                lost = []
+                try:
+                    m.drain(lost, N._NAMES[:8], True)
+                except Exception:
+                    failed += 1
+                assert lost == [], lost
+        msmemscope.stop()
+        print("FAILED", failed)
+    """ % str(tmp_path / "o"))
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], env=_env("native"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FAILED 4" in r.stdout, r.stdout
+    df = read(dump_of(run_folders(tmp_path / "o")[0]))
+    check_invariants(df)
+    mallocs = df.filter(df["event"] == "MALLOC")
+    ids = [a["allocation_id"] for a in map(json.loads, mallocs["attr"].to_list())]
+    assert ids == list(range(ids[0], ids[0] + len(ids))) and len(ids) >= 40, ids  # none lost, in order
+    assert df.filter(df["event_type"] == "ATEN_START").height >= 40

@@ -87,6 +87,10 @@ struct Block {
 // Heap objects that are never destroyed: storages outlive static destructors at exit.
 std::mutex& mu = *new std::mutex();
 std::vector<Rec>& recs = *new std::vector<Rec>();
+// drain's batch: the records are swapped out into it (not copied) and go back to the head of
+// `recs` if the drain fails; both vectors keep their capacity, so neither grows again each step
+std::vector<Rec>& drained = *new std::vector<Rec>();
+uint64_t recs_epoch = 0;  // bumped where `recs` is cleared: a failed drain then puts nothing back
 std::unordered_map<void*, Block>& live = *new std::unordered_map<void*, Block>();
 // op names. A dispatcher op's name and overload strings live in its schema for the process's
 // life, so their pointers key a cache; the text map gives one index per name whatever the
@@ -605,6 +609,9 @@ void after_fork_child() {
   count_new = emit_alloc = emit_free = free_untraced = emit_launch = emit_access = false;
   py_depth = 0;
   recs.clear();
+  drained.clear();
+  draining = false;
+  ++recs_epoch;
   shape_base += (int64_t)shapes.size();
   shapes.clear();
   in_flight.clear();
@@ -833,24 +840,35 @@ inline void untrack_if_atomic(PyObject* t) {
 // `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
 // allocation).
 py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
-  // The records are copied out, made into tuples, and only then removed: a tuple that cannot be
-  // made (no memory) raises with every record still here for the next drain. Records added
-  // while the tuples are built (frees on other threads) stay after the copied ones.
+  // The records are taken out, made into tuples, and only then dropped: a tuple that cannot be
+  // made (no memory) raises with every record put back for the next drain. Records added while
+  // the tuples are built (frees on other threads) go to `recs` and stay after the taken ones.
   int64_t failed = 0;
-  std::vector<Rec> batch;
+  std::vector<Rec>& batch = drained;
   std::vector<int64_t> batch_shapes;
   int64_t batch_shape_base;
+  uint64_t epoch;
   {
     std::lock_guard<std::mutex> g(mu);
     if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0, py::none());
     draining = true;
-    batch.assign(recs.begin(), recs.end());
+    batch.clear();
+    batch.swap(recs);
+    epoch = recs_epoch;
     batch_shapes.assign(shapes.begin(), shapes.end());
     batch_shape_base = shape_base;
   }
-  struct Done {  // the drain flag is cleared on every way out
-    ~Done() { std::lock_guard<std::mutex> g(mu); draining = false; }
-  } done;
+  struct Done {  // on every way out: the records back unless used, the drain flag cleared
+    uint64_t epoch;
+    bool used = false;
+    ~Done() {
+      std::lock_guard<std::mutex> g(mu);
+      if (!used && epoch == recs_epoch) recs.insert(recs.begin(), drained.begin(), drained.end());
+      drained.clear();
+      draining = false;
+    }
+  } done{epoch};
+  const size_t nrec = batch.size();
   PyObject* ev_launch = names[0].ptr();
   PyObject* ev_start = names[1].ptr();
   PyObject* ev_end = names[2].ptr();
@@ -866,8 +884,12 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   PyObject* acc_write = names[12].ptr();
   PyObject* origin_key = names[13].ptr();
   PyObject* before_op = names[14].ptr();
-  py::list made;  // the tuples, appended to `out` once all are made
+  // the tuples, appended to `out` once all are made (slots not reached on a failure stay NULL,
+  // which the list's release skips)
+  py::list made = py::reinterpret_steal<py::list>(PyList_New((Py_ssize_t)nrec));
   PyObject* lst = made.ptr();
+  if (lst == nullptr) throw py::error_already_set();
+  Py_ssize_t made_n = 0;
   py::str empty("");
   size_t shapes_used = 0;  // shapes consumed by the batch's ACCESS records
   uint64_t tid_last = 0;
@@ -924,7 +946,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       shapes_used = at + ndim;
       attr = (shape == nullptr || dtype_strs[st] == nullptr) ? nullptr
           : Py_BuildValue("(OOLL)", dtype_strs[st], shape, (long long)r.size, (long long)r.aid);
-      untrack_if_atomic(shape);
+      if (shape != nullptr) PyObject_GC_UnTrack(shape);  // ints only
       Py_XDECREF(shape);
     } else if (r.kind == ALLOC_FAILED) {
       ++failed;
@@ -1000,17 +1022,17 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
           if (k != 3 && k != 6 && k != 7) Py_INCREF(items[k]);  // ts, ptr, attr: references made here
           PyTuple_SET_ITEM(t, k, items[k]);
         }
-        untrack_if_atomic(attr);
-        untrack_if_atomic(t);
+        // made here of ints, strings, None and such tuples (untracked as made): no cycle can go
+        // through them (a dict attr of ints and strings is untracked by Python as it is made)
+        if (PyTuple_CheckExact(attr)) PyObject_GC_UnTrack(attr);
+        if (!PyObject_GC_IsTracked(attr)) PyObject_GC_UnTrack(t);
         ptr = attr = nullptr;  // now the tuple's
       }
     }
     Py_XDECREF(ptr);
     Py_XDECREF(attr);
     if (t == nullptr) throw py::error_already_set();
-    int rc = PyList_Append(lst, t);
-    Py_DECREF(t);
-    if (rc != 0) throw py::error_already_set();
+    PyList_SET_ITEM(lst, made_n++, t);  // steals t
   }
   py::object blob = py::none();
   if (want_bytes && failed == 0) {
@@ -1094,8 +1116,8 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   {
     // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
     std::lock_guard<std::mutex> g(mu);
-    recs.erase(recs.begin(), recs.begin() + batch.size());
-    if (shapes_used > 0) {
+    done.used = true;
+    if (shapes_used > 0 && epoch == recs_epoch) {
       shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
       shape_base += (int64_t)shapes_used;
     }
@@ -1103,7 +1125,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
-  return py::make_tuple((int64_t)batch.size(), failed, blob);
+  return py::make_tuple((int64_t)nrec, failed, blob);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
@@ -1131,6 +1153,7 @@ void reset() {
     handed_over = false;
     emit_free = free_untraced = false;
     recs.clear();
+    ++recs_epoch;
     tagged.clear();
     shape_base += (int64_t)shapes.size();
     shapes.clear();

@@ -157,7 +157,7 @@ class SpoolWriter:
         except ValueError:  # a C traceback object or an exotic attribute value
             data = marshal.dumps((first, pid, _plain_rows(rows), c_syms or None))
         try:
-            self._send(len(data).to_bytes(_LEN, "little") + data)
+            self._send(len(data).to_bytes(_LEN, "little"), data)
         except BrokenPipeError:
             # the writer process ended. Killed (the OOM killer, say): never let that reach the
             # program; the rows still in the pipe are lost, the rest is written from here. Ended
@@ -178,24 +178,32 @@ class SpoolWriter:
             self._bounded = BoundedWriter(self.inner, self.keep_steps)
         return self._bounded
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, head: bytes, data: bytes) -> None:
+        """One frame, ``head`` then ``data``: gathered by the system call (a step's rows are
+        megabytes: joining them to their length would copy them once more)."""
         from .files import fault_point
         self._whole = False
         fault_point()
-        view = memoryview(frame)
+        total = len(head) + len(data)
+        view = memoryview(data)
+
+        def rest(done):
+            if done < len(head):
+                return os.writev(self._fd, [head[done:], view])
+            return os.write(self._fd, view[done - len(head):])
         done = 0
         try:
-            while done < len(frame):
-                done += os.write(self._fd, view[done:])
+            while done < total:
+                done += rest(done)
         finally:
             # whatever interrupted the loop (a signal handler's exception), finish the frame: the
             # writer process must never see half of one
-            while 0 < done < len(frame):
+            while 0 < done < total:
                 try:
-                    done += os.write(self._fd, view[done:])
+                    done += rest(done)
                 except BrokenPipeError:
                     break
-            self._whole = done == len(frame)
+            self._whole = done == total
 
     def _drop_pipe(self, inner):
         """Write inline from now on, into ``inner``, without the pipe."""
