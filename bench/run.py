@@ -37,6 +37,7 @@ CONFIGS = {
     "plain": "the program alone",
     "default": "msmemscope, default events (alloc,free,launch); the native source where it is built",
     "default-dispatch": "msmemscope, default events, the dispatch-mode source (MSMEMSCOPE_SOURCE=python)",
+    "events": "msmemscope, default events with no analysis (--analysis=none): the default less the leak rule",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
     "access-dispatch": "--analysis=inefficient on the dispatch-mode source (where it ran before the native access events)",
@@ -49,7 +50,7 @@ CONFIGS = {
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
-TRACED = ("default", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+TRACED = ("default", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
           "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
@@ -99,6 +100,7 @@ if config in {traced!r}:
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
+    if config == "events": kw["analysis"] = "none"
     if config.startswith("access"): kw["analysis"] = "inefficient"
     if config.startswith("stack"): kw["call_stack"] = "python:10"
     if config.startswith("decompose"): kw["analysis"] = "decompose"
@@ -153,7 +155,7 @@ def run_one(workload, config, steps, env=None):
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+    want = {"default": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
             "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
             "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":

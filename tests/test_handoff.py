@@ -25,7 +25,7 @@ def test_native_bytes_load_as_the_rows(tmp_path, opts):
     assert r.returncode == 0, r.stderr
     rows, frames, fast = r.stdout.split()
     assert int(rows) > 500 and int(frames) >= 4, r.stdout
-    assert fast == "True"  # the leak rule's C++ row loop (tests/test_leak_rows_native.py) ran too
+    assert fast == "True"  # the leak rule's C++ row loop and block tables (tests/test_leak_rows_native.py) ran too
     [folder] = run_folders(tmp_path)
     df = read(dump_of(folder))
     check_invariants(df)

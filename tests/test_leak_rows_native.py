@@ -1,5 +1,5 @@
-"""The online leak rule's row loop in C++ (capture/_native.cpp ``leak_rows``, used by the online sink
-where the native module is loaded) must leave the tracker exactly as the Python loop does: random
+"""The leak rule's row loop in C++ (analysis/_leakrule.cpp ``leak_rows``, used by the online sink and
+the offline replay where it is built) must leave the tracker exactly as the Python loop does: random
 row streams (two pools and the cached segments', two threads, stacks, owner labels, marks and
 ranges, dict attrs, frees of blocks from before the trace, stop/start gaps) go through
 ``StepLeakTracker.consume`` both ways, cut into the same random batches, and every finding, result,
@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import FULL, check_invariants, full
 from msmemscope.analysis import leaks
 
-native = pytest.importorskip("msmemscope.capture.native")
-MOD = native.load_module()
-pytestmark = pytest.mark.skipif(MOD is None or not hasattr(MOD, "leak_rows"),
-                                reason="the native module is not built (python -m msmemscope.capture.native build)")
+from msmemscope.analysis import leak_native
+
+MOD = leak_native.load()
+pytestmark = pytest.mark.skipif(MOD is None, reason="the leak rule's C++ module is not built "
+                                "(python -m msmemscope.capture.native build)")
 
 OPS = ["torch._ops.aten.mm.default", "torch._ops.aten.add.Tensor", "torch._ops.aten.ones.default"]
 STACKS = [None, None, "", "train.py:12(step);model.py:40(forward)", "train.py:13(step);opt.py:7(update)"]
@@ -85,13 +86,16 @@ def state(t, found):
                       default=str, sort_keys=True)
 
 
-def run(rows, batches, live_ids, fast):
+def run(rows, batches, live_ids, fast, ids=False):
+    """``ids``: the rows' IDs given as a list (the offline replay's way), not as the first one."""
     t = leaks.StepLeakTracker()
-    t.fast_rows = fast
+    if fast is not None:
+        t.use_native(fast)
     t.live_ids = (lambda: live_ids) if live_ids is not None else None
     found, i = [], 0
     for n in batches:
-        found.extend(t.consume(rows[i:i + n], i + 1))
+        found.extend(t.consume(rows[i:i + n], 0, list(range(i + 1, i + n + 1))) if ids else
+                     t.consume(rows[i:i + n], i + 1))
         i += n
     return state(t, found)
 
@@ -112,21 +116,63 @@ def test_native_row_loop_leaves_the_tracker_as_the_python_loop(seed, steps, per_
         left -= n
     live = truth if gaps else None
     want = run(rows, batches, live, None)
-    assert run(rows, batches, live, MOD.leak_rows) == want
-    assert run(rows, [len(rows)], live, MOD.leak_rows) == run(rows, [len(rows)], live, None)
+    assert run(rows, batches, live, MOD) == want
+    assert run(rows, batches, live, MOD, ids=True) == want == run(rows, batches, live, None, ids=True)
+    assert run(rows, [len(rows)], live, MOD) == run(rows, [len(rows)], live, None)
+
+
+KEYS = st.tuples(st.sampled_from(["cpu", "cuda:0"]), st.sampled_from(["PTA", "HAL"]),
+                 st.one_of(st.integers(0, 40), st.none(), st.just(2 ** 70), st.integers(-3, -1)))
+
+
+@settings(max_examples=full(60, 600), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"))
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "set", "pop", "has", "get", "due"]), KEYS,
+                              st.integers(1, 6)), max_size=300),
+       churn=st.integers(0, 3000))
+def test_block_table_reads_as_a_dict(ops, churn):
+    """The native KeyTable (the tracker's live and pending blocks) against a dict driven the same
+    way: values, insertion order (a key assigned again keeps its place), keys whose alloc id is not
+    a plain int, the suspects taken at a step end (``leaks._take_due``), and the order kept after
+    thousands of removed entries are compacted away."""
+    t, d = MOD.KeyTable(6), {}
+    for i in range(churn):  # removed entries: the table compacts past 1024 of them
+        k = ("cpu", "PTA", 10_000 + i)
+        t[k] = d[k] = (i % 5, i, 0, 0, "op", None)
+        if i % 3:
+            assert t.pop(k) == d.pop(k)
+    for n, (op, key, step) in enumerate(ops):
+        if op == "set":
+            t[key] = d[key] = (step, n, key[2], 64, "op", None)
+        elif op == "pop":
+            assert t.pop(key, "none") == d.pop(key, "none")
+        elif op == "has":
+            assert (key in t) == (key in d)
+        elif op == "get":
+            if key in d:
+                assert t[key] == d[key]
+            else:
+                with pytest.raises(KeyError):
+                    t[key]
+        else:
+            assert leaks._take_due(t, step) == leaks._take_due(d, step)
+        assert len(t) == len(d) and bool(t) == bool(d)
+    assert t.items() == list(d.items()) and list(t) == list(d)
+    with pytest.raises(TypeError):
+        t[("cpu", "PTA", 1)] = (1, 2)  # not the table's width
 
 
 def test_native_row_loop_stops_where_python_must_take_over():
     """It returns the index of the first row it does not handle (a new site, a row of another
     kind), changing nothing for that row."""
     t = leaks.StepLeakTracker()
+    t.use_native(MOD)
     cur = {}
     state = (t._sites, t._blocks, t.pending, t.level, cur, t._lines, t.labels, t.reported)
     consts = ("OP_LAUNCH", "ACCESS", "MALLOC", "FREE", "HAL", "live", "last_aid", "freed_at_step")
     rows = [("OP_LAUNCH", "ATEN_START", OPS[0], 0, 1, "cpu", None, None, None, None),
             ("MALLOC", "PTA", OPS[0], 0, 1, "cpu", 256, (1, 256, 64, 64, 64, ""), None, None)]
     assert MOD.leak_rows(rows, 0, 1, 1, consts, state) == 1  # the site is new
-    assert (t._blocks, t.level) == ({}, {})
+    assert (len(t._blocks), len(t.pending), t.level) == (0, 0, {})
     t.consume(rows, 1)  # the Python loop makes the site, then the same row again goes in C++
     rows2 = [("MALLOC", "PTA", OPS[0], 0, 1, "cpu", 512, (2, 512, 32, 96, 96, ""), None, None),
              ("FREE", "PTA", "N/A", 0, 1, "cpu", 256, (1, 256, 64, 32, 32), None, None),

@@ -224,6 +224,12 @@ def test_offline_check_leaks_is_the_online_analysis(combined, tmp_path):
     on = combined["res"]
     for key in ("sites", "leaks", "retained", "summary", "steps_ended", "fluctuation"):
         assert off[key] == on[key], key
+    # the replay's C++ loop (analysis/_leakrule.cpp, where built) and its Python loop agree
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MSMEMSCOPE_LEAK_ROWS", "python")
+        off_py, = analyze(dump_of(combined["folder"]))
+    assert {k: v for k, v in off_py.items() if k != "lines"} == {k: v for k, v in off.items() if k != "lines"}
+    assert off_py["lines"] == off["lines"]
     if combined["source"] == "native" and not combined["stacks"]:
         r = run_cli(["check-leaks", combined["folder"], "--json"])
         assert r.returncode == 0, r.stderr

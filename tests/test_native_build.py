@@ -134,6 +134,8 @@ def test_wheel_in_a_fresh_venv_builds_on_first_run(tmp_path):
     assert "native source built in" in err
     confs = [config_of(run_folders(tmp_path / f"r{i}")[0]) for i in range(2)]
     assert all(c["source"] == "native" for c in confs), confs
+    # the leak rule's C++ module (no torch in it, for the offline replay too) was built with it
+    assert glob.glob(str(tmp_path / "cache" / "msmemscope_leakrule_*" / "msmemscope_leakrule_*.so"))
     r = subprocess.run([py, "-m", "msmemscope", "-o", str(tmp_path / "r3"), str(prog)], env=env,
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "building" not in r.stderr and "waiting" not in r.stderr

@@ -161,8 +161,18 @@ class StepLeakTracker:
         # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
         self.live_ids = None
         # the C++ row loop of the native module (capture/_native.cpp ``leak_rows``), set by the online
-        # sink where the module is loaded; None: every row goes through the Python loop
+        # sink where the module is loaded (use_native); None: every row goes through the Python loop
         self.fast_rows = None
+
+    def use_native(self, mod):
+        """The native module's row loop, and its tables for the live and the pending blocks (the
+        same (device, pool, alloc_id) keys and tuples as the dicts; put and taken in C++ by that
+        loop with no Python object per row). Before the first row only."""
+        if self._blocks or self.pending:
+            raise RuntimeError("use_native: the tracker has seen rows")
+        self.growth.blocks = self._blocks = mod.KeyTable(2)
+        self.pending = mod.KeyTable(6)
+        self.fast_rows = mod.leak_rows
 
     def _used(self, pk, used):
         s = self.step
@@ -258,11 +268,8 @@ class StepLeakTracker:
         growth rule per site. Returns the block findings of this step end."""
         new = []
         live = None
-        pending = self.pending
         blocks = self.growth.blocks
-        due = [k for k, v in pending.items() if v[0] <= n - 1]  # in allocation order
-        for key in sorted(due, key=lambda k: pending[k][0]):
-            s, row_id, addr, size, op, stack = pending.pop(key)
+        for key, (s, row_id, addr, size, op, stack) in _take_due(self.pending, n - 1):
             device, pool, alloc_id = key
             if self.live_ids is not None:
                 if live is None:
@@ -304,7 +311,8 @@ class StepLeakTracker:
         line_of, lines, labels = self._line, self._lines, self.labels
         step = self.step
         cur: dict = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
-        fast = self.fast_rows if ids is None and type(rows) is list else None
+        fast = self.fast_rows if type(rows) is list and (ids is None or type(ids) is list) else None
+        first = first_id if ids is None else ids  # the row IDs as the C++ loop takes them
         if fast is not None:
             consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, CACHED_SEGMENTS, "live", "last_aid", "freed_at_step")
             state = (sites, blocks, pending, level, cur, lines, labels, self.reported)
@@ -314,7 +322,7 @@ class StepLeakTracker:
             if fast is not None:
                 # the rows this loop would take the inlined path for, in C++; it stops at the first
                 # other row, which goes through the loop below, alone
-                at = fast(rows, at, first_id, step, consts, state)
+                at = fast(rows, at, first, step, consts, state)
                 if at >= count:
                     break
                 end = at + 1
@@ -459,6 +467,16 @@ class StepLeakTracker:
                 for k, steps in self.fluct.items()}
 
 
+def _take_due(pending, last):
+    """[(key, record)] of the pending blocks of steps <= last, taken out: by step, then in
+    allocation order (a native KeyTable does the same in C++)."""
+    if type(pending) is not dict:
+        return pending.due(last)
+    due = [k for k, v in pending.items() if v[0] <= last]  # in allocation order
+    due.sort(key=lambda k: pending[k][0])
+    return [(k, pending.pop(k)) for k in due]
+
+
 def _range_id(attr):
     if isinstance(attr, dict):
         return attr.get("range_id")
@@ -563,14 +581,12 @@ def result_json(t: StepLeakTracker, judged=True, res=None) -> dict:
             "fluctuation": fluct_json(t.fluctuation())}
 
 
-def fast_rows(session=None):
-    """The native module's ``leak_rows`` (the tracker's row loop in C++) where the session's native
-    source has it loaded, else None (the Python loop; offline replays never load torch for it).
-    ``MSMEMSCOPE_LEAK_ROWS=python`` keeps the Python loop."""
-    if os.environ.get("MSMEMSCOPE_LEAK_ROWS", "").strip().lower() == "python":
-        return None
-    m = getattr(getattr(session, "native", None), "m", None)
-    return getattr(m, "leak_rows", None)
+def native_module():
+    """The leak rule's C++ module (analysis/_leakrule.cpp: the row loop ``leak_rows`` and the block
+    tables ``KeyTable``, no torch in it) where it is built, else None (the Python loop and dicts).
+    Online and offline alike; ``MSMEMSCOPE_LEAK_ROWS=python`` keeps the Python loop."""
+    from . import leak_native
+    return leak_native.load()
 
 
 class LeakSink:
@@ -579,7 +595,9 @@ class LeakSink:
     def __init__(self, session):
         self.t = StepLeakTracker()
         self.t.live_ids = session.live_alloc_ids
-        self.t.fast_rows = fast_rows(session)
+        m = native_module()
+        if m is not None:
+            self.t.use_native(m)
         self.session = session
 
     def consume(self, rows, first_id):
@@ -858,6 +876,9 @@ def replay(df, recorded=None) -> StepLeakTracker:
     the steps a ``--steps`` run recorded (block findings only where the dump can show the FREE)."""
     pl = _pl()
     t = StepLeakTracker()
+    m = native_module()
+    if m is not None:
+        t.use_native(m)  # the online sink's C++ loop, where it is built
     t.recorded = set(recorded) if recorded else None
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
                         "owner", "py_stack", "attr", "step") if c in df.columns]

@@ -82,4 +82,4 @@ msmemscope.start()
 y = before * 2                  # with access events, first seen by a traced op: MALLOC with an origin
 msmemscope.step()
 [sink] = [x for x in s.sinks if type(x).__name__ == "LeakSink"]
-print(checked[0], checked[1], sink.t.fast_rows is not None)
+print(checked[0], checked[1], sink.t.fast_rows is not None and type(sink.t.pending).__name__ == "KeyTable")

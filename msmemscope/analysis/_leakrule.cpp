@@ -1,0 +1,829 @@
+// The leak rule's row loop and block tables (issue 22): StepLeakTracker's (analysis/leaks.py)
+// inlined MALLOC/FREE path in C++, online and offline. A CPython extension with no torch in it
+// (pybind11's headers only, from torch's include folder or the pybind11 package), so that the
+// offline replay, which never imports torch, runs the same code as the online sink. Built and
+// loaded by analysis/leak_native.py.
+#include <Python.h>
+#include <structmember.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+// ---------------------------------------------------------------- the row loop's helpers
+// (issue 22d) StepLeakTracker.consume's inlined MALLOC/FREE path (msmemscope/analysis/leaks.py),
+// the same dict operations on the tracker's own dicts and Site objects, without a Python
+// bytecode per row. It stops at the first row it does not handle exactly as the Python loop
+// would (a row of another kind, a dict attr, the cached segments' pool, the first row of a pool
+// in a step, a Python stack whose line is not cached yet, owner labels, a new site) and returns
+// its index: the Python loop takes that row, then calls again. Nothing is changed for the row it
+// stops at, so the Python loop sees it as if this function did not exist.
+namespace {
+
+inline bool same_str(PyObject* a, PyObject* b) {
+  if (a == b) return true;
+  if (!PyUnicode_CheckExact(a) || !PyUnicode_CheckExact(b)) return false;
+  // two interned strings are one object or unequal: most calls are an event name against another
+  if (PyUnicode_CHECK_INTERNED(a) && PyUnicode_CHECK_INTERNED(b)) return false;
+  return PyUnicode_Compare(a, b) == 0;
+}
+
+// Python's truth value of a field (-1 on error)
+inline int truthy(PyObject* o) { return o == Py_None ? 0 : PyObject_IsTrue(o); }
+
+struct Ref {  // a strong reference released on every way out
+  PyObject* o;
+  explicit Ref(PyObject* p = nullptr) : o(p) {}
+  ~Ref() { Py_XDECREF(o); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return o; }
+  PyObject* release() { PyObject* p = o; o = nullptr; return p; }
+};
+
+// site.<attr> += delta (delta may be negative: subtract)
+bool add_attr(PyObject* site, PyObject* name, PyObject* delta, bool subtract) {
+  Ref cur(PyObject_GetAttr(site, name));
+  if (cur.get() == nullptr) return false;
+  Ref v(subtract ? PyNumber_Subtract(cur.get(), delta) : PyNumber_Add(cur.get(), delta));
+  if (v.get() == nullptr) return false;
+  return PyObject_SetAttr(site, name, v.get()) == 0;
+}
+
+// Site (analysis/growth.py) has __slots__: its ``live`` and ``last_aid`` are read and written at
+// their offsets (the member descriptors' own), not through attribute lookups; another type (or a
+// slot left unset) goes through getattr/setattr.
+#ifndef T_OBJECT_EX
+#define T_OBJECT_EX Py_T_OBJECT_EX
+#endif
+struct SiteSlots {
+  PyTypeObject* type = nullptr;  // a strong reference: the offsets never outlive their type
+  Py_ssize_t live = -1, last = -1;
+};
+SiteSlots site_slots;
+
+Py_ssize_t member_offset(PyTypeObject* tp, PyObject* name) {
+  PyObject* d = _PyType_Lookup(tp, name);  // borrowed
+  if (d == nullptr || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+  PyMemberDef* m = ((PyMemberDescrObject*)d)->d_member;
+  return (m->type == T_OBJECT_EX && !(m->flags & READONLY)) ? m->offset : -1;
+}
+
+// the address of the site's slot (live: which=0, last_aid: 1), or null: use getattr/setattr
+PyObject** site_slot(PyObject* site, int which, PyObject* s_live, PyObject* s_last) {
+  PyTypeObject* tp = Py_TYPE(site);
+  if (site_slots.type != tp) {
+    Py_XDECREF((PyObject*)site_slots.type);
+    Py_INCREF((PyObject*)tp);
+    site_slots.type = tp;
+    site_slots.live = member_offset(tp, s_live);
+    site_slots.last = member_offset(tp, s_last);
+    if (site_slots.live < 0 || site_slots.last < 0) site_slots.live = site_slots.last = -1;
+  }
+  Py_ssize_t off = which == 0 ? site_slots.live : site_slots.last;
+  if (off < 0) return nullptr;
+  PyObject** slot = (PyObject**)((char*)site + off);
+  return *slot != nullptr ? slot : nullptr;
+}
+
+// site.live += delta (or -= delta)
+bool site_add_live(PyObject* site, PyObject* delta, bool subtract, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 0, s_live, s_last);
+  if (slot == nullptr) return add_attr(site, s_live, delta, subtract);
+  PyObject* v = subtract ? PyNumber_Subtract(*slot, delta) : PyNumber_Add(*slot, delta);
+  if (v == nullptr) return false;
+  PyObject* old = *slot;
+  *slot = v;
+  Py_DECREF(old);
+  return true;
+}
+
+bool site_set_last(PyObject* site, PyObject* value, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 1, s_live, s_last);
+  if (slot == nullptr) return PyObject_SetAttr(site, s_last, value) == 0;
+  PyObject* old = *slot;
+  Py_INCREF(value);
+  *slot = value;
+  Py_DECREF(old);
+  return true;
+}
+
+// site.last_aid, a new reference
+PyObject* site_get_last(PyObject* site, PyObject* s_live, PyObject* s_last) {
+  PyObject** slot = site_slot(site, 1, s_live, s_last);
+  if (slot == nullptr) return PyObject_GetAttr(site, s_last);
+  Py_INCREF(*slot);
+  return *slot;
+}
+
+// d.pop(key, None) in one lookup: a new reference, or Py_None (a new reference too); null on error
+PyObject* dict_pop(PyObject* d, PyObject* key) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* out = nullptr;
+  int rc = PyDict_Pop(d, key, &out);
+  if (rc < 0) return nullptr;
+  if (rc == 0) Py_RETURN_NONE;
+  return out;
+#else
+  return _PyDict_Pop(d, key, Py_None);
+#endif
+}
+
+PyObject* tuple_of(std::initializer_list<PyObject*> items) {
+  PyObject* t = PyTuple_New((Py_ssize_t)items.size());
+  if (t == nullptr) return nullptr;
+  Py_ssize_t k = 0;
+  for (PyObject* o : items) {
+    Py_INCREF(o);
+    PyTuple_SET_ITEM(t, k++, o);
+  }
+  return t;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the leak rule's block tables
+// (issue 22) StepLeakTracker's live blocks, (device, pool, alloc_id) -> (site, size), and its
+// pending blocks, -> (step, row_id, addr, size, op, py_stack), kept here where the native module
+// is loaded: leak_rows puts and takes a block with no key tuple, no value tuple and no dict
+// operation per row. From Python a table reads as a dict of those tuples in insertion order (an
+// assignment to a key already there keeps its place, as in a dict), so the tracker's Python loop
+// and its step end use it as they use their dicts offline.
+class KeyTable {
+ public:
+  explicit KeyTable(int width) : width_(width) {
+    if (width < 1 || width > kMaxWidth) throw py::value_error("KeyTable: width must be 1-6");
+  }
+  ~KeyTable() {
+    clear();
+    for (PyObject* p : pk_pairs_) Py_DECREF(p);
+  }
+  KeyTable(const KeyTable&) = delete;
+  KeyTable& operator=(const KeyTable&) = delete;
+
+  static constexpr int kMaxWidth = 6;
+  int width() const { return width_; }
+
+  // the index of a (device, pool) pair (a 2-tuple), -1 with the error set
+  int32_t pk_of(PyObject* pair) {
+    PyObject* got = PyDict_GetItemWithError(pk_ids_.ptr(), pair);
+    if (got != nullptr) return (int32_t)PyLong_AsLong(got);
+    if (PyErr_Occurred()) return -1;
+    Ref n(PyLong_FromSize_t(pk_pairs_.size()));
+    if (n.get() == nullptr || PyDict_SetItem(pk_ids_.ptr(), pair, n.get()) != 0) return -1;
+    Py_INCREF(pair);
+    pk_pairs_.push_back(pair);
+    return (int32_t)(pk_pairs_.size() - 1);
+  }
+
+  // the entry of (pk, aid), or -1 (-2 with the error set)
+  int64_t find(int32_t pk, PyObject* aid) {
+    int64_t a;
+    if (!as_id(aid, &a)) return find_odd(pk, aid);
+    if (slots_.empty()) return -1;
+    size_t mask = slots_.size() - 1;
+    for (size_t h = hash(pk, a) & mask;; h = (h + 1) & mask) {
+      int32_t e = slots_[h];
+      if (e < 0) return -1;
+      const Entry& x = entries_[e];
+      if (x.pk == pk && x.aid == a && x.plain) return e;
+    }
+  }
+
+  // (pk, aid) -> vals (borrowed; width of them, vals[lazy] may be null: lazy_val stands for it
+  // until asked for); false with the error set
+  bool put(int32_t pk, PyObject* aid, PyObject* const* vals, int lazy = -1, int64_t lazy_val = 0) {
+    int64_t e = find(pk, aid);
+    if (e == -2) return false;
+    if (e >= 0) {  // a key already there keeps its place
+      Entry& x = entries_[e];
+      for (int k = 0; k < width_; ++k) {
+        Py_XINCREF(vals[k]);
+        Py_XSETREF(x.v[k], vals[k]);
+      }
+      x.lazy = (int8_t)lazy;
+      x.lazy_val = lazy_val;
+      return true;
+    }
+    Entry x;
+    x.pk = pk;
+    x.plain = as_id(aid, &x.aid);
+    Py_INCREF(aid);
+    x.aid_obj = aid;
+    for (int k = 0; k < width_; ++k) {
+      Py_XINCREF(vals[k]);
+      x.v[k] = vals[k];
+    }
+    x.lazy = (int8_t)lazy;
+    x.lazy_val = lazy_val;
+    int64_t idx = (int64_t)entries_.size();
+    if (!x.plain) {  // an alloc id that is not a plain int (None from a dict attr): a dict finds it
+      Ref key(key_tuple(x));
+      Ref at(PyLong_FromLongLong(idx));
+      if (key.get() == nullptr || at.get() == nullptr || PyDict_SetItem(odd_.ptr(), key.get(), at.get()) != 0) {
+        drop(x);
+        return false;
+      }
+    }
+    entries_.push_back(x);
+    ++live_;
+    if (x.plain) {
+      ++plain_;
+      if ((size_t)plain_ * 2 > slots_.size())
+        rehash(std::max<size_t>(64, slots_.size() * 2));  // puts the new entry in too
+      else
+        slot_in(idx);
+    }
+    return true;
+  }
+
+  // the value k of entry e, a new reference
+  PyObject* value(int64_t e, int k) {
+    Entry& x = entries_[e];
+    if (x.v[k] == nullptr) {
+      PyObject* o = PyLong_FromLongLong(x.lazy_val);
+      if (o == nullptr) return nullptr;
+      x.v[k] = o;
+      x.lazy = -1;
+    }
+    Py_INCREF(x.v[k]);
+    return x.v[k];
+  }
+  PyObject* borrowed(int64_t e, int k) const { return entries_[e].v[k]; }
+
+  // the entry removed (its references dropped); false with the error set
+  bool erase(int64_t e, bool may_compact = true) {
+    Entry& x = entries_[e];
+    if (x.plain) {
+      slot_out(e);
+      --plain_;
+    } else {
+      Ref key(key_tuple(x));
+      if (key.get() == nullptr || PyDict_DelItem(odd_.ptr(), key.get()) != 0) return false;
+    }
+    drop(x);
+    x.pk = -1;
+    --live_;
+    ++dead_;
+    if (may_compact && dead_ > 1024 && dead_ > live_) compact();
+    return true;
+  }
+
+  // ---- the dict-like face Python sees
+  Py_ssize_t size() const { return live_; }
+  bool contains(py::handle key) {
+    int32_t pk;
+    PyObject* aid;
+    if (!split(key, &pk, &aid)) return false;
+    int64_t e = find(pk, aid);
+    if (e == -2) throw py::error_already_set();
+    return e >= 0;
+  }
+  py::object getitem(py::handle key) {
+    int32_t pk;
+    PyObject* aid;
+    if (!split(key, &pk, &aid)) throw py::key_error(py::repr(key).cast<std::string>());
+    int64_t e = find(pk, aid);
+    if (e == -2) throw py::error_already_set();
+    if (e < 0) throw py::key_error(py::repr(key).cast<std::string>());
+    return values_of(e);
+  }
+  void setitem(py::handle key, py::handle val) {
+    int32_t pk;
+    PyObject* aid;
+    if (!split(key, &pk, &aid)) throw py::type_error("KeyTable: a key is (device, pool, alloc_id)");
+    if (!PyTuple_Check(val.ptr()) || PyTuple_GET_SIZE(val.ptr()) != width_)
+      throw py::type_error("KeyTable: a value is a tuple of the table's width");
+    PyObject* vals[kMaxWidth];
+    for (int k = 0; k < width_; ++k) vals[k] = PyTuple_GET_ITEM(val.ptr(), k);
+    if (!put(pk, aid, vals)) throw py::error_already_set();
+  }
+  py::object pop(py::handle key, py::object dflt) {
+    int32_t pk;
+    PyObject* aid;
+    if (!split(key, &pk, &aid)) return dflt;
+    int64_t e = find(pk, aid);
+    if (e == -2) throw py::error_already_set();
+    if (e < 0) return dflt;
+    py::object v = values_of(e);
+    if (!erase(e)) throw py::error_already_set();
+    return v;
+  }
+  py::list items() {
+    py::list out;
+    for (int64_t e = 0; e < (int64_t)entries_.size(); ++e)
+      if (entries_[e].pk >= 0) out.append(py::make_tuple(key_of(e), values_of(e)));
+    return out;
+  }
+  py::list keys() {
+    py::list out;
+    for (int64_t e = 0; e < (int64_t)entries_.size(); ++e)
+      if (entries_[e].pk >= 0) out.append(key_of(e));
+    return out;
+  }
+  // [(key, value)] of the entries whose value 0 (a step) is at most ``last``, taken out: by step,
+  // then in insertion order (the block rule's suspects at a step end)
+  py::list due(int64_t last) {
+    std::vector<std::pair<int64_t, int64_t>> hit;  // (step, entry)
+    for (int64_t e = 0; e < (int64_t)entries_.size(); ++e) {
+      const Entry& x = entries_[e];
+      if (x.pk < 0 || x.v[0] == nullptr) continue;
+      int over = 0;
+      long long s = PyLong_AsLongLongAndOverflow(x.v[0], &over);
+      if (s == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (!over && s <= last) hit.emplace_back(s, e);
+    }
+    std::stable_sort(hit.begin(), hit.end(),
+                     [](const std::pair<int64_t, int64_t>& a, const std::pair<int64_t, int64_t>& b) {
+                       return a.first < b.first;
+                     });
+    py::list out;
+    for (auto& h : hit) out.append(py::make_tuple(key_of(h.second), values_of(h.second)));
+    // taken out only once every tuple is made: a failure leaves the table as it was
+    for (auto& h : hit)
+      if (!erase(h.second, false)) throw py::error_already_set();  // no compaction: the indices hold
+    if (dead_ > 1024 && dead_ > live_) compact();
+    return out;
+  }
+  void clear() {
+    for (Entry& x : entries_)
+      if (x.pk >= 0) drop(x);
+    entries_.clear();
+    slots_.clear();
+    live_ = dead_ = plain_ = 0;
+    PyDict_Clear(odd_.ptr());
+  }
+
+ private:
+  struct Entry {
+    int32_t pk = -1;         // (device, pool) index; -1: removed
+    bool plain = false;      // the alloc id is an int that fits int64 (found by the slots, not odd_)
+    int8_t lazy = -1;        // the value made from lazy_val when asked for (-1: none)
+    int64_t aid = 0;
+    int64_t lazy_val = 0;
+    PyObject* aid_obj = nullptr;
+    PyObject* v[kMaxWidth] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  };
+
+  static bool as_id(PyObject* aid, int64_t* out) {
+    if (!PyLong_CheckExact(aid)) return false;
+    int over = 0;
+    long long a = PyLong_AsLongLongAndOverflow(aid, &over);
+    if (over || (a == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    *out = a;
+    return true;
+  }
+  static size_t hash(int32_t pk, int64_t a) {
+    uint64_t h = (uint64_t)a * 0x9E3779B97F4A7C15ull ^ ((uint64_t)(uint32_t)pk << 32);
+    return (size_t)(h ^ (h >> 29));
+  }
+  int64_t find_odd(int32_t pk, PyObject* aid) {
+    if (PyDict_GET_SIZE(odd_.ptr()) == 0) return -1;
+    Ref key(PyTuple_Pack(3, PyTuple_GET_ITEM(pk_pairs_[pk], 0), PyTuple_GET_ITEM(pk_pairs_[pk], 1), aid));
+    if (key.get() == nullptr) return -2;
+    PyObject* at = PyDict_GetItemWithError(odd_.ptr(), key.get());
+    if (at == nullptr) return PyErr_Occurred() ? -2 : -1;
+    return PyLong_AsLongLong(at);
+  }
+  // a Python key (device, pool, alloc_id) split; false: not such a key (no error set)
+  bool split(py::handle key, int32_t* pk, PyObject** aid) {
+    PyObject* k = key.ptr();
+    if (!PyTuple_Check(k) || PyTuple_GET_SIZE(k) != 3) return false;
+    Ref pair(PyTuple_Pack(2, PyTuple_GET_ITEM(k, 0), PyTuple_GET_ITEM(k, 1)));
+    if (pair.get() == nullptr) throw py::error_already_set();
+    *pk = pk_of(pair.get());
+    if (*pk < 0) throw py::error_already_set();
+    *aid = PyTuple_GET_ITEM(k, 2);
+    return true;
+  }
+  PyObject* key_tuple(const Entry& x) {
+    PyObject* pair = pk_pairs_[x.pk];
+    return PyTuple_Pack(3, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), x.aid_obj);
+  }
+  py::object key_of(int64_t e) {
+    PyObject* t = key_tuple(entries_[e]);
+    if (t == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(t);
+  }
+  py::object values_of(int64_t e) {
+    PyObject* t = PyTuple_New(width_);
+    if (t == nullptr) throw py::error_already_set();
+    py::object out = py::reinterpret_steal<py::object>(t);
+    for (int k = 0; k < width_; ++k) {
+      PyObject* v = value(e, k);
+      if (v == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(t, k, v);
+    }
+    return out;
+  }
+  static void drop(Entry& x) {
+    Py_CLEAR(x.aid_obj);
+    for (auto& o : x.v) Py_CLEAR(o);
+  }
+  void slot_in(int64_t e) {
+    size_t mask = slots_.size() - 1;
+    size_t h = hash(entries_[e].pk, entries_[e].aid) & mask;
+    while (slots_[h] >= 0) h = (h + 1) & mask;
+    slots_[h] = (int32_t)e;
+  }
+  // linear probing's deletion by backward shift: no tombstones in the slots
+  void slot_out(int64_t e) {
+    size_t mask = slots_.size() - 1;
+    size_t h = hash(entries_[e].pk, entries_[e].aid) & mask;
+    while (slots_[h] != e) h = (h + 1) & mask;
+    size_t hole = h;
+    for (size_t j = (hole + 1) & mask; slots_[j] >= 0; j = (j + 1) & mask) {
+      const Entry& x = entries_[slots_[j]];
+      size_t home = hash(x.pk, x.aid) & mask;
+      // the entry at j may move into the hole if its home is not in (hole, j]
+      bool between = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+      if (!between) {
+        slots_[hole] = slots_[j];
+        hole = j;
+      }
+    }
+    slots_[hole] = -1;
+  }
+  void rehash(size_t n) {
+    slots_.assign(n, -1);
+    for (int64_t e = 0; e < (int64_t)entries_.size(); ++e)
+      if (entries_[e].pk >= 0 && entries_[e].plain) slot_in(e);
+  }
+  // the removed entries dropped from the vector (order kept), the slots and odd_ renumbered
+  void compact() {
+    std::vector<Entry> kept;
+    kept.reserve(live_ + live_ / 2 + 16);
+    bool odd = false;
+    for (Entry& x : entries_)
+      if (x.pk >= 0) {
+        odd = odd || !x.plain;
+        kept.push_back(x);
+      }
+    entries_.swap(kept);
+    dead_ = 0;
+    size_t n = 64;
+    while (n < (size_t)plain_ * 2 + 2) n *= 2;
+    rehash(n);
+    if (odd) {
+      PyDict_Clear(odd_.ptr());
+      for (int64_t e = 0; e < (int64_t)entries_.size(); ++e) {
+        if (entries_[e].plain) continue;
+        Ref key(key_tuple(entries_[e]));
+        Ref at(PyLong_FromLongLong(e));
+        if (key.get() == nullptr || at.get() == nullptr || PyDict_SetItem(odd_.ptr(), key.get(), at.get()) != 0)
+          PyErr_Clear();  // no memory for a rare key's index: found again by the next compaction
+      }
+    }
+  }
+
+  int width_;
+  std::vector<Entry> entries_;
+  std::vector<int32_t> slots_;  // entry indices of the plain keys, -1 empty (load at most 1/2)
+  Py_ssize_t live_ = 0, dead_ = 0, plain_ = 0;
+  py::dict pk_ids_;             // (device, pool) -> index in pk_pairs_
+  std::vector<PyObject*> pk_pairs_;
+  py::dict odd_;                // (device, pool, alloc_id) -> entry, for the alloc ids that are not plain ints
+};
+
+// consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, cached segments' pool, "live", "last_aid",
+//           "freed_at_step"); state = (sites, blocks, pending, level, cur, lines, labels, reported),
+// blocks and pending KeyTables (of width 2 and 6; dicts: nothing is done here, the Python loop
+// takes every row). The sites' live bytes are summed here and added to them when the call ends.
+int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::handle step_h, py::tuple consts,
+                  py::tuple state) {
+  PyObject* rows = rows_h.ptr();
+  if (!PyList_Check(rows)) return start;
+  PyObject* ev_launch = consts[0].ptr();
+  PyObject* ev_access = consts[1].ptr();
+  PyObject* ev_malloc = consts[2].ptr();
+  PyObject* ev_free = consts[3].ptr();
+  PyObject* hal = consts[4].ptr();
+  PyObject* s_live = consts[5].ptr();
+  PyObject* s_last = consts[6].ptr();
+  PyObject* s_freed = consts[7].ptr();
+  PyObject* sites = state[0].ptr();
+  if (!py::isinstance<KeyTable>(state[1]) || !py::isinstance<KeyTable>(state[2])) return start;
+  KeyTable* blocks = state[1].cast<KeyTable*>();
+  KeyTable* pending = state[2].cast<KeyTable*>();
+  if (blocks->width() != 2 || pending->width() != 6) return start;
+  PyObject* level = state[3].ptr();
+  PyObject* cur = state[4].ptr();
+  PyObject* lines = state[5].ptr();
+  PyObject* labels = state[6].ptr();
+  PyObject* reported = state[7].ptr();
+  PyObject* first = first_h.ptr();
+  PyObject* step = step_h.ptr();
+  long long step_no = PyLong_AsLongLong(step);
+  if (step_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+  bool late = step_no >= 2;  // blocks of steps >= 2 are pending until judged
+  // the rows' IDs: first, first + 1, ... (online), or a list of them (the offline replay)
+  PyObject* ids = PyList_CheckExact(first) ? first : nullptr;
+  long long first_no = 0;
+  if (ids == nullptr) {
+    first_no = PyLong_AsLongLong(first);
+    if (first_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  Py_ssize_t n = PyList_GET_SIZE(rows);
+  if (ids != nullptr && PyList_GET_SIZE(ids) < n) n = PyList_GET_SIZE(ids);  // no row without its ID
+  Py_ssize_t i = (Py_ssize_t)start;
+  // the (device, pool) of the last row: most rows of a batch have the same objects, so their key
+  // is made, and their min/max looked up, once; ``level`` gets the pool's last ``used`` when the
+  // pool changes and when the loop ends (nothing reads it in between)
+  struct Pool {
+    PyObject* level;
+    PyObject* device = nullptr;  // borrowed (the rows hold them)
+    PyObject* pool = nullptr;
+    PyObject* key = nullptr;     // owned
+    PyObject* mm = nullptr;      // borrowed from cur
+    PyObject* used = nullptr;    // borrowed: the last row's ``used`` not yet in level
+    int32_t bpk = -1, ppk = -1;  // the pair's index in the blocks and pending tables
+    explicit Pool(PyObject* l) : level(l) {}
+    bool put_level() {
+      if (key == nullptr || used == nullptr) return true;
+      PyObject* u = used;
+      used = nullptr;
+      return PyDict_SetItem(level, key, u) == 0;
+    }
+    ~Pool() {
+      if (used != nullptr && key != nullptr) {  // an exception on the way out: keep it, put the level
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        if (!put_level()) PyErr_Clear();
+        PyErr_Restore(t, v, tb);
+      }
+      Py_XDECREF(key);
+    }
+  } pk(level);
+  // the bytes each site gained or lost in this call, added to its ``live`` when the call ends (on
+  // an error too): one int made per site, not one per row. The sites are held meanwhile.
+  struct Deltas {
+    std::vector<std::pair<PyObject*, long long>> v;
+    std::unordered_map<PyObject*, size_t> at;
+    PyObject *s_live, *s_last;
+    PyObject* last = nullptr;  // the site of the last add, and its place in v
+    size_t last_at = 0;
+    Deltas(PyObject* l, PyObject* t) : s_live(l), s_last(t) {}
+    void add(PyObject* site, long long d) {
+      if (site != last) {
+        auto it = at.find(site);
+        if (it == at.end()) {
+          Py_INCREF(site);
+          it = at.emplace(site, v.size()).first;
+          v.emplace_back(site, 0);
+        }
+        last = site;
+        last_at = it->second;
+      }
+      v[last_at].second += d;
+    }
+    bool apply() {
+      bool ok = true;
+      for (auto& sd : v) {
+        if (ok && sd.second != 0) {
+          Ref d(PyLong_FromLongLong(sd.second));
+          ok = d.get() != nullptr && site_add_live(sd.first, d.get(), false, s_live, s_last);
+        }
+        Py_DECREF(sd.first);
+      }
+      v.clear();
+      at.clear();
+      last = nullptr;
+      return ok;
+    }
+    ~Deltas() {
+      if (v.empty()) return;
+      PyObject *t, *val, *tb;
+      PyErr_Fetch(&t, &val, &tb);
+      if (!apply()) PyErr_Clear();
+      PyErr_Restore(t, val, tb);
+    }
+  } deltas(s_live, s_last);
+  struct SiteHit {  // borrowed: the rows hold the keys' objects, ``sites`` the site
+    PyObject *device = nullptr, *pool = nullptr, *python = nullptr, *label = nullptr, *site = nullptr;
+  };
+  std::unordered_map<PyObject*, SiteHit> site_hits;  // op name object -> its last site
+  for (; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(rows, i);
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) < 10) break;
+    PyObject* ev = PyTuple_GET_ITEM(r, 0);
+    bool is_malloc;
+    if (ev == ev_malloc) {  // the sources' own string objects first, then any equal string
+      is_malloc = true;
+    } else if (ev == ev_free) {
+      is_malloc = false;
+    } else if (ev == ev_launch || ev == ev_access || same_str(ev, ev_launch) || same_str(ev, ev_access)) {
+      continue;  // most rows: nothing to do
+    } else if (same_str(ev, ev_malloc)) {
+      is_malloc = true;
+    } else if (same_str(ev, ev_free)) {
+      is_malloc = false;
+    } else {
+      break;
+    }
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) < 5) break;
+    PyObject* pool = PyTuple_GET_ITEM(r, 1);
+    if (is_malloc && (!PyUnicode_CheckExact(pool) || same_str(pool, hal))) break;
+    PyObject* device = PyTuple_GET_ITEM(r, 5);
+    PyObject* used = PyTuple_GET_ITEM(a, 3);
+    if (pk.key == nullptr || device != pk.device || pool != pk.pool) {
+      // another (device, pool) than the last row's: its key, and its min/max of this step
+      PyObject* key = tuple_of({device, pool});
+      if (key == nullptr) throw py::error_already_set();
+      PyObject* got = nullptr;
+      if (late) {
+        got = PyDict_GetItemWithError(cur, key);
+        if (got == nullptr || !PyList_CheckExact(got) || PyList_GET_SIZE(got) != 2) {
+          Py_DECREF(key);
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // the pool's first row in this step: the Python loop starts its min/max
+        }
+      }
+      if (!pk.put_level()) {
+        Py_DECREF(key);
+        throw py::error_already_set();
+      }
+      Py_XDECREF(pk.key);
+      pk.key = key;
+      pk.device = device;
+      pk.pool = pool;
+      pk.mm = got;
+      pk.bpk = blocks->pk_of(key);
+      pk.ppk = pk.bpk < 0 ? -1 : pending->pk_of(key);
+      if (pk.ppk < 0) {
+        Py_CLEAR(pk.key);  // no level is put for a pair that has no index
+        throw py::error_already_set();
+      }
+    }
+    PyObject* mm = pk.mm;  // borrowed from cur
+    PyObject* op = PyTuple_GET_ITEM(r, 2);
+    PyObject* aid = PyTuple_GET_ITEM(a, 0);
+    PyObject* stack = PyTuple_GET_ITEM(r, 8);
+    PyObject* site = nullptr;  // borrowed from sites
+    PyObject* size = nullptr;  // borrowed (the row's, or the cached 0)
+    long long isize = 0;
+    static PyObject* zero = PyLong_FromLong(0);
+    if (is_malloc) {
+      PyObject* python = Py_None;
+      int has_stack = truthy(stack);
+      if (has_stack < 0) throw py::error_already_set();
+      if (has_stack) {
+        python = PyDict_GetItemWithError(lines, stack);
+        if (python == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // the line of a new stack: the Python loop finds it
+        }
+      }
+      PyObject* label = Py_None;
+      Ref owned_label;  // a describe label cut from the owner text (a new string)
+      if (python == Py_None) {
+        PyObject* owner = PyTuple_GET_SIZE(a) > 5 ? PyTuple_GET_ITEM(a, 5) : Py_None;
+        int has_owner = truthy(owner);
+        if (has_owner < 0) throw py::error_already_set();
+        Py_ssize_t second = -1;
+        if (has_owner) {
+          // <pool>@<category>@<labels...>: the labels are the text after the second '@'
+          if (!PyUnicode_CheckExact(owner)) break;
+          Py_ssize_t len = PyUnicode_GET_LENGTH(owner);
+          Py_ssize_t first_at = PyUnicode_FindChar(owner, '@', 0, len, 1);
+          if (first_at == -2) throw py::error_already_set();
+          if (first_at >= 0) {
+            second = PyUnicode_FindChar(owner, '@', first_at + 1, len, 1);
+            if (second == -2) throw py::error_already_set();
+          }
+          if (second >= 0) {
+            owned_label.o = PyUnicode_Substring(owner, second + 1, len);
+            if (owned_label.o == nullptr) throw py::error_already_set();
+            label = owned_label.o;
+          }
+        }
+        if (second < 0) {
+          label = PyDict_GetItemWithError(labels, PyTuple_GET_ITEM(r, 4));
+          if (label == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            label = Py_None;
+          }
+        }
+      }
+      // the site: rows of one op (one name object) mostly have the same line and label; the sites
+      // found in this call are remembered by those objects (no site is added or removed meanwhile)
+      SiteHit& hit = site_hits[op];
+      if (owned_label.o == nullptr && hit.site != nullptr && hit.device == device && hit.pool == pool &&
+          hit.python == python && hit.label == label) {
+        site = hit.site;
+      } else {
+        Ref skey(tuple_of({device, pool, op, python, label}));
+        if (skey.get() == nullptr) throw py::error_already_set();
+        site = PyDict_GetItemWithError(sites, skey.get());
+        if (site == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          break;  // a new site: made by the Python loop
+        }
+        // a label made for this row dies with it: its address may come back as another string
+        if (owned_label.o == nullptr) hit = SiteHit{device, pool, python, label, site};
+      }
+      size = PyTuple_GET_ITEM(a, 2);
+      int has_size = truthy(size);
+      if (has_size < 0) throw py::error_already_set();
+      if (!has_size) size = zero;
+      if (!PyLong_CheckExact(size)) break;  // a size that is not an int: the Python loop adds it
+      int over = 0;
+      isize = PyLong_AsLongLongAndOverflow(size, &over);
+      if (over) break;
+    }
+    // from here on the row is handled here: the step's lowest and highest ``used``, the level
+    if (late) {
+      PyObject* lo = PyList_GET_ITEM(mm, 0);
+      int lt = PyObject_RichCompareBool(used, lo, Py_LT);
+      if (lt < 0) throw py::error_already_set();
+      if (lt) {
+        Py_INCREF(used);
+        PyList_SetItem(mm, 0, used);
+      } else {
+        int gt = PyObject_RichCompareBool(used, PyList_GET_ITEM(mm, 1), Py_GT);
+        if (gt < 0) throw py::error_already_set();
+        if (gt) {
+          Py_INCREF(used);
+          PyList_SetItem(mm, 1, used);
+        }
+      }
+    }
+    pk.used = used;  // level[pk] = used, put when the pool changes or the loop ends
+    if (is_malloc) {
+      deltas.add(site, isize);
+      if (!site_set_last(site, aid, s_live, s_last)) throw py::error_already_set();
+      PyObject* bv[2] = {site, size};
+      if (!blocks->put(pk.bpk, aid, bv)) throw py::error_already_set();
+      if (late) {  // (step, row id: made when asked for, addr, size, op, stack)
+        PyObject* pv[6] = {step, ids ? PyList_GET_ITEM(ids, i) : nullptr, PyTuple_GET_ITEM(a, 1), size, op, stack};
+        if (!pending->put(pk.ppk, aid, pv, ids ? -1 : 1, first_no + (long long)i)) throw py::error_already_set();
+      }
+    } else {
+      int64_t e = blocks->find(pk.bpk, aid);
+      if (e == -2) throw py::error_already_set();
+      if (e >= 0) {
+        Ref vs(Py_NewRef(blocks->borrowed(e, 0)));  // held past the erase
+        Ref vsize(Py_NewRef(blocks->borrowed(e, 1)));
+        if (!blocks->erase(e)) throw py::error_already_set();
+        int over = 1;
+        long long d = PyLong_CheckExact(vsize.get()) ? PyLong_AsLongLongAndOverflow(vsize.get(), &over) : 0;
+        if (!over) {
+          deltas.add(vs.get(), -d);
+        } else if (!site_add_live(vs.get(), vsize.get(), true, s_live, s_last)) {
+          throw py::error_already_set();
+        }
+        Ref last(site_get_last(vs.get(), s_live, s_last));
+        if (last.get() == nullptr) throw py::error_already_set();
+        int eq = PyObject_RichCompareBool(last.get(), aid, Py_EQ);
+        if (eq < 0) throw py::error_already_set();
+        if (eq && !site_set_last(vs.get(), Py_None, s_live, s_last)) throw py::error_already_set();
+      }
+      int64_t pe = pending->size() > 0 ? pending->find(pk.ppk, aid) : -1;
+      if (pe == -2) throw py::error_already_set();
+      if (pe >= 0) {
+        if (!pending->erase(pe)) throw py::error_already_set();
+      } else if (PyDict_GET_SIZE(reported) > 0) {
+        Ref key(tuple_of({device, pool, aid}));
+        if (key.get() == nullptr) throw py::error_already_set();
+        Ref rec(dict_pop(reported, key.get()));
+        if (rec.get() == nullptr) throw py::error_already_set();
+        if (rec.get() != Py_None && PyObject_SetItem(rec.get(), s_freed, step) != 0) throw py::error_already_set();
+      }
+    }
+  }
+  if (!pk.put_level()) throw py::error_already_set();
+  if (!deltas.apply()) throw py::error_already_set();
+  return (int64_t)i;
+}
+
+
+#ifndef LEAKRULE_NAME
+#define LEAKRULE_NAME msmemscope_leakrule
+#endif
+
+PYBIND11_MODULE(LEAKRULE_NAME, m) {
+  m.def("leak_rows", &leak_rows);
+  py::class_<KeyTable>(m, "KeyTable")
+      .def(py::init<int>(), py::arg("width"))
+      .def("__len__", &KeyTable::size)
+      .def("__bool__", [](const KeyTable& t) { return t.size() > 0; })
+      .def("__contains__", &KeyTable::contains)
+      .def("__getitem__", &KeyTable::getitem)
+      .def("__setitem__", &KeyTable::setitem)
+      .def("__iter__", [](KeyTable& t) { return py::iter(t.keys()); })
+      .def("pop", &KeyTable::pop, py::arg("key"), py::arg("default") = py::none())
+      .def("items", &KeyTable::items)
+      .def("keys", &KeyTable::keys)
+      .def("due", &KeyTable::due, py::arg("last"))
+      .def("clear", &KeyTable::clear);
+}
