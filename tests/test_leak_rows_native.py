@@ -1,4 +1,4 @@
-"""The leak rule's row loop in C++ (analysis/_leakrule.cpp ``leak_rows``, used by the online sink and
+"""The leak rule's row loop in C++ (msmemscope/_leakrule.cpp ``leak_rows``, used by the online sink and
 the offline replay where it is built) must leave the tracker exactly as the Python loop does: random
 row streams (two pools and the cached segments', two threads, stacks, owner labels, marks and
 ranges, dict attrs, frees of blocks from before the trace, stop/start gaps) go through
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import FULL, check_invariants, full
 from msmemscope.analysis import leaks
 
-from msmemscope.analysis import leak_native
+from msmemscope import leak_native
 
 MOD = leak_native.load()
 pytestmark = pytest.mark.skipif(MOD is None, reason="the leak rule's C++ module is not built "

@@ -224,7 +224,7 @@ def test_offline_check_leaks_is_the_online_analysis(combined, tmp_path):
     on = combined["res"]
     for key in ("sites", "leaks", "retained", "summary", "steps_ended", "fluctuation"):
         assert off[key] == on[key], key
-    # the replay's C++ loop (analysis/_leakrule.cpp, where built) and its Python loop agree
+    # the replay's C++ loop (msmemscope/_leakrule.cpp, where built) and its Python loop agree
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MSMEMSCOPE_LEAK_ROWS", "python")
         off_py, = analyze(dump_of(combined["folder"]))

@@ -582,10 +582,10 @@ def result_json(t: StepLeakTracker, judged=True, res=None) -> dict:
 
 
 def native_module():
-    """The leak rule's C++ module (analysis/_leakrule.cpp: the row loop ``leak_rows`` and the block
+    """The leak rule's C++ module (msmemscope/_leakrule.cpp: the row loop ``leak_rows`` and the block
     tables ``KeyTable``, no torch in it) where it is built, else None (the Python loop and dicts).
     Online and offline alike; ``MSMEMSCOPE_LEAK_ROWS=python`` keeps the Python loop."""
-    from . import leak_native
+    from .. import leak_native
     return leak_native.load()
 
 
@@ -894,7 +894,12 @@ def replay(df, recorded=None) -> StepLeakTracker:
     was = gc.isenabled()
     gc.disable()
     try:
-        _replay_rows(t, q, has, n)
+        m = native_module()
+        cols = _native_columns(q, has) if m is not None and hasattr(m, "replay_rows") else None
+        if cols is not None:
+            _replay_columns(t, q, has, n, m, cols)
+        else:
+            _replay_rows(t, q, has, n)
     finally:
         if was:
             gc.enable()
@@ -928,6 +933,66 @@ def _replay_rows(t, q, has, n):
             t.consume(batch, 0, ids)
             batch, ids = [], []
     t.consume(batch, 0, ids)
+    return t
+
+
+_REPLAY_COLUMNS = (("id", False), ("event", True), ("event_type", True), ("name", True), ("tid", False),
+                   ("device", True), ("alloc_id", False), ("addr", False), ("size", False), ("used", False),
+                   ("owner", True), ("py_stack", True))
+
+
+def _native_columns(q, has):
+    """The columns as ``replay_rows`` takes them: text as (categorical codes, the strings by code:
+    each distinct string one object, short ones interned), ints as (int64 values, null mask or
+    None), a missing column None; None where a column does not convert (the Python rows then)."""
+    pl = _pl()
+    try:
+        text = {c: q[c].cast(pl.String).cast(pl.Categorical) for c, t in _REPLAY_COLUMNS if t and c in has}
+        cats = [s.dtype.categories for s in text.values()]
+        if any(c != cats[0] for c in cats):  # not one mapping: the codes could not share the strings
+            return None
+        values = [sys.intern(x) if type(x) is str and len(x) < 64 else x
+                  for x in (cats[0].to_series().to_list() if cats else [])]
+        cols = []
+        for c, is_text in _REPLAY_COLUMNS:
+            if c not in has:
+                cols.append(None)
+            elif is_text:
+                cols.append((text[c].to_physical().fill_null(len(values)).cast(pl.UInt32).to_numpy(), values))
+            else:
+                s = q[c].cast(pl.Int64)
+                cols.append((s.fill_null(0).to_numpy(), s.is_null().to_numpy() if s.null_count() else None))
+    except (pl.exceptions.PolarsError, ValueError, TypeError, OverflowError):
+        return None
+    return tuple(cols)
+
+
+def _replay_columns(t, q, has, n, m, cols):
+    """``_replay_rows`` with the MALLOC/FREE rows made in C++ from the columns (``replay_rows``):
+    the same rows, with each distinct string one object and the event and pool names interned, so
+    that the C++ loop finds them by identity."""
+    pl = _pl()
+    # the other rows (MSTX, STEP and summaries: a few per step) from their Attr text, as _replay_rows
+    other = q.with_row_index("_at").filter(~pl.col("event").is_in([Event.MALLOC, Event.FREE]))
+    oc = {c: (other[c].to_list() if c in has else [None] * other.height)
+          for c in ("event", "event_type", "name", "tid", "device", "attr", "step")}
+    made = {}
+    for k, at in enumerate(other["_at"].to_list()):
+        ev, et = oc["event"][k], oc["event_type"][k]
+        a = _attr_json(oc["attr"][k]) or {}
+        if ev == Event.SYSTEM and et == System.STEP:
+            step = a.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):  # absent or not a number: its place
+                step = oc["step"][k] if "step" in has else None
+            a = {"step": step} if step is not None else {}
+        made[at] = (ev, et, oc["name"][k], None, oc["tid"][k], oc["device"][k], None, a, None, None)
+    consts = (Event.MALLOC, Event.FREE)
+    for start in range(0, n, 65536):
+        stop = min(n, start + 65536)
+        rows, ids, others = m.replay_rows(cols, start, stop, consts)
+        for k in others:
+            rows[k] = made[start + k]
+        t.consume(rows, 0, ids)
     return t
 
 

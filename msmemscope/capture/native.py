@@ -37,9 +37,9 @@ _NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA,
           UNTRACED, Event.ACCESS, Access.READ, Access.WRITE, "origin", "before_op")
 
 
-# the leak rule's C++ source (analysis/_leakrule.cpp) is built with this one: a change to it is a
+# the leak rule's C++ source (msmemscope/_leakrule.cpp) is built with this one: a change to it is a
 # new key, so the build on first use makes both
-LEAK_RULE_SOURCE = os.path.join(os.path.dirname(HERE), "analysis", "_leakrule.cpp")
+LEAK_RULE_SOURCE = os.path.join(os.path.dirname(HERE), "_leakrule.cpp")
 
 
 def _key() -> str:
@@ -73,7 +73,7 @@ def build(verbose: bool = False) -> str:
     os.makedirs(d, exist_ok=True)
     mod = load(module_name(), [SOURCE], build_directory=d, extra_cflags=["-O2"], verbose=verbose)
     # the leak rule's C++ module (no torch in it: the offline replay loads it too) with it
-    from ..analysis import leak_native
+    from .. import leak_native
     why = leak_native.build()
     if why is not None:
         log.warning("the leak rule's C++ module was not built (%s): its Python loop is used", why)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
               "runs will use the dispatch-mode source", file=sys.stderr)
         return 1
     print(f"msmemscope: native source built: {path}")
-    from ..analysis import leak_native
+    from .. import leak_native
     lr = leak_native.so_path()
     print(f"msmemscope: the leak rule's C++ module built: {lr}" if os.path.exists(lr) else
           "msmemscope: the leak rule's C++ module was not built: the leak analysis uses its Python loop")

@@ -746,12 +746,15 @@ class NativeLabeler(Labeler):
     def before_flush(self):
         s = self.s
         nat = self.nat
+        # the last id before the drain: every block up to it has its MALLOC row in the buffer now
+        # (one made after the drain waits for the next flush, where it is labelled as new)
+        upto = nat.m.last_alloc_id()
         s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
         for aid, tag in nat.m.take_tagged():
             users, comp = self.tag_info[tag]
             inf = self._info_aid(aid)
             inf.users, inf.comp = users, comp
-        prev_upto, self.flushed_upto = self.flushed_upto, nat.m.last_alloc_id()
+        prev_upto, self.flushed_upto = self.flushed_upto, upto
         try:
             cats = self._collect_native()
         except Exception:

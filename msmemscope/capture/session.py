@@ -608,10 +608,12 @@ class Session:
             self.buf.clear()
             self.pieces.clear()
             return
-        if self.labeler is not None:
-            self.labeler.before_flush()
+        # drained before the labels are given, not after: a MALLOC another thread records between
+        # the labeller's pass and a later drain would be written without its owner label
         if drain:
             self.sync_sources()
+        if self.labeler is not None:
+            self.labeler.before_flush()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
         if self.modules is not None:

@@ -2,10 +2,11 @@
 // inlined MALLOC/FREE path in C++, online and offline. A CPython extension with no torch in it
 // (pybind11's headers only, from torch's include folder or the pybind11 package), so that the
 // offline replay, which never imports torch, runs the same code as the online sink. Built and
-// loaded by analysis/leak_native.py.
+// loaded by msmemscope/leak_native.py.
 #include <Python.h>
 #include <structmember.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -807,12 +808,153 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
 }
 
 
+// ---------------------------------------------------------------- the offline replay's rows
+// (analysis/leaks.py _replay_rows) made from a dump's columns with no Python per row: the string
+// columns come as (codes, values) of a categorical column (each distinct string one object, the
+// event and pool names interned: the loop above then finds them by identity), the int columns as
+// (int64 values, null mask or None), a column the dump lacks as None. cols = (id, event,
+// event_type, name, tid, device, alloc_id, addr, size, used, owner, py_stack); consts = (MALLOC,
+// FREE). Returns (rows, ids, others): the MALLOC/FREE rows in events.RawRow order with their Attr
+// tuples, as the Python replay makes them; None in the place of every other row, whose index in
+// the batch is in ``others`` (the replay makes those from their Attr text).
+namespace {
+struct ColumnView {
+  bool present = false, text = false;
+  py::array_t<uint32_t> codes;
+  PyObject* values = nullptr;  // borrowed from the cols tuple: the strings by code
+  Py_ssize_t nvalues = 0;
+  py::array_t<int64_t> ints;
+  py::array_t<bool> nulls;
+  bool has_nulls = false;
+  const uint32_t* c = nullptr;
+  const int64_t* v = nullptr;
+  const bool* m = nullptr;
+
+  void bind(py::handle col, bool is_text, Py_ssize_t n) {
+    if (col.is_none()) return;
+    py::tuple t = py::reinterpret_borrow<py::tuple>(col);
+    present = true;
+    text = is_text;
+    if (is_text) {
+      codes = py::array_t<uint32_t>::ensure(t[0]);
+      values = t[1].ptr();
+      if (!codes || !PyList_Check(values)) throw py::type_error("replay_rows: a text column is (uint32 codes, list)");
+      nvalues = PyList_GET_SIZE(values);
+      if (codes.size() < n) throw py::value_error("replay_rows: a column is shorter than the rows");
+      c = codes.data();
+    } else {
+      ints = py::array_t<int64_t>::ensure(t[0]);
+      if (!ints || ints.size() < n) throw py::value_error("replay_rows: an int column is shorter than the rows");
+      v = ints.data();
+      if (!t[1].is_none()) {
+        nulls = py::array_t<bool>::ensure(t[1]);
+        if (!nulls || nulls.size() < n) throw py::value_error("replay_rows: a null mask is shorter than the rows");
+        m = nulls.data();
+        has_nulls = true;
+      }
+    }
+  }
+  // row i's value: a new reference
+  PyObject* get(Py_ssize_t i) const {
+    if (!present) Py_RETURN_NONE;
+    if (text) {
+      uint32_t k = c[i];
+      PyObject* o = (Py_ssize_t)k < nvalues ? PyList_GET_ITEM(values, k) : Py_None;  // past the values: null
+      Py_INCREF(o);
+      return o;
+    }
+    if (has_nulls && m[i]) Py_RETURN_NONE;
+    return PyLong_FromLongLong(v[i]);
+  }
+  // row i's string, borrowed (null: not a text column, or a null)
+  PyObject* str(Py_ssize_t i) const {
+    if (!present || !text) return nullptr;
+    uint32_t k = c[i];
+    return (Py_ssize_t)k < nvalues ? PyList_GET_ITEM(values, k) : nullptr;
+  }
+};
+}  // namespace
+
+py::tuple replay_rows(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::tuple consts) {
+  enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
+  if (cols.size() != NCOLS) throw py::value_error("replay_rows: 12 columns");
+  static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
+  ColumnView v[NCOLS];
+  for (int j = 0; j < NCOLS; ++j) v[j].bind(cols[j], is_text[j], stop);
+  if (!v[EV].present || !v[EV].text) throw py::value_error("replay_rows: no event column");
+  PyObject* ev_malloc = consts[0].ptr();
+  PyObject* ev_free = consts[1].ptr();
+  Py_ssize_t n = std::max<Py_ssize_t>(0, stop - start);
+  Ref rows(PyList_New(n)), ids(PyList_New(n)), others(PyList_New(0));
+  if (rows.get() == nullptr || ids.get() == nullptr || others.get() == nullptr) throw py::error_already_set();
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    Py_ssize_t i = start + k;
+    PyObject* id = v[ID].get(i);
+    if (id == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(ids.get(), k, id);
+    PyObject* ev = v[EV].str(i);
+    bool is_malloc = ev != nullptr && (ev == ev_malloc || same_str(ev, ev_malloc));
+    bool is_free = !is_malloc && ev != nullptr && (ev == ev_free || same_str(ev, ev_free));
+    if (!is_malloc && !is_free) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(rows.get(), k, Py_None);
+      Ref at(PyLong_FromSsize_t(k));
+      if (at.get() == nullptr || PyList_Append(others.get(), at.get()) != 0) throw py::error_already_set();
+      continue;
+    }
+    // (alloc_id, addr, size, used, None[, owner])
+    Ref a(PyTuple_New(is_malloc ? 6 : 5));
+    if (a.get() == nullptr) throw py::error_already_set();
+    const int attr_cols[4] = {AID, ADDR, SIZE, USED};
+    for (int j = 0; j < 4; ++j) {
+      PyObject* x = v[attr_cols[j]].get(i);
+      if (x == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(a.get(), j, x);
+    }
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(a.get(), 4, Py_None);
+    if (is_malloc) {
+      PyObject* owner = v[OWNER].get(i);
+      if (owner == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(a.get(), 5, owner);
+    }
+    // (event, event_type, name, None, tid, device, None, attr, py_stack, None)
+    PyObject* items[10] = {nullptr};
+    items[0] = v[EV].get(i);
+    items[1] = v[ET].get(i);
+    items[2] = v[NAME].get(i);
+    items[3] = Py_NewRef(Py_None);
+    items[4] = v[TID].get(i);
+    items[5] = v[DEV].get(i);
+    items[6] = Py_NewRef(Py_None);
+    items[7] = a.release();
+    items[8] = is_malloc ? v[STACK].get(i) : Py_NewRef(Py_None);
+    items[9] = Py_NewRef(Py_None);
+    PyObject* r = PyTuple_New(10);
+    bool ok = r != nullptr;
+    for (int j = 0; j < 10; ++j) {
+      if (items[j] == nullptr) ok = false;
+      if (r != nullptr && items[j] != nullptr) PyTuple_SET_ITEM(r, j, items[j]);
+      else Py_XDECREF(items[j]);
+    }
+    if (!ok) {
+      Py_XDECREF(r);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(rows.get(), k, r);
+  }
+  return py::make_tuple(py::reinterpret_steal<py::object>(rows.release()),
+                        py::reinterpret_steal<py::object>(ids.release()),
+                        py::reinterpret_steal<py::object>(others.release()));
+}
+
 #ifndef LEAKRULE_NAME
 #define LEAKRULE_NAME msmemscope_leakrule
 #endif
 
 PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("leak_rows", &leak_rows);
+  m.def("replay_rows", &replay_rows);
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)
