@@ -39,13 +39,14 @@ def module_name() -> str:
     return f"msmemscope_leakrule_{_key()}"
 
 
-def _root() -> str:
+def cache_root() -> str:
+    """The folder of the built modules, this one's and the native source's."""
     return os.environ.get("MSMEMSCOPE_NATIVE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "msmemscope")
 
 
 def so_path() -> str:
-    return os.path.join(_root(), module_name(), module_name() + ".so")
+    return os.path.join(cache_root(), module_name(), module_name() + ".so")
 
 
 def _pybind11_include() -> str | None:

@@ -160,8 +160,8 @@ class StepLeakTracker:
         # online: the allocation ids the tracer knows to be live (a FREE that was not recorded,
         # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
         self.live_ids = None
-        # the C++ row loop of the native module (capture/_native.cpp ``leak_rows``), set by the online
-        # sink where the module is loaded (use_native); None: every row goes through the Python loop
+        # the C++ row loop (msmemscope/_leakrule.cpp ``leak_rows``), set by use_native where the
+        # module is built; None: every row goes through the Python loop
         self.fast_rows = None
 
     def use_native(self, mod):
@@ -878,7 +878,7 @@ def replay(df, recorded=None) -> StepLeakTracker:
     t = StepLeakTracker()
     m = native_module()
     if m is not None:
-        t.use_native(m)  # the online sink's C++ loop, where it is built
+        t.use_native(m)  # the online sink's C++ loop and tables, where built; its rows from the columns
     t.recorded = set(recorded) if recorded else None
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
                         "owner", "py_stack", "attr", "step") if c in df.columns]
@@ -894,8 +894,7 @@ def replay(df, recorded=None) -> StepLeakTracker:
     was = gc.isenabled()
     gc.disable()
     try:
-        m = native_module()
-        cols = _native_columns(q, has) if m is not None and hasattr(m, "replay_rows") else None
+        cols = _native_columns(q, has) if m is not None else None
         if cols is not None:
             _replay_columns(t, q, has, n, m, cols)
         else:

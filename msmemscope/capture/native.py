@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from .. import leak_native
 from ..events import NA, TS, UNTRACED, Access, Event, Op, Pool
 from . import stacks
 from .source import ALLOC_FAILED, Source
@@ -57,9 +58,7 @@ def module_name() -> str:
 
 
 def build_dir() -> str:
-    root = os.environ.get("MSMEMSCOPE_NATIVE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "msmemscope")
-    return os.path.join(root, module_name())
+    return os.path.join(leak_native.cache_root(), module_name())
 
 
 def _so_path() -> str:
@@ -73,7 +72,6 @@ def build(verbose: bool = False) -> str:
     os.makedirs(d, exist_ok=True)
     mod = load(module_name(), [SOURCE], build_directory=d, extra_cflags=["-O2"], verbose=verbose)
     # the leak rule's C++ module (no torch in it: the offline replay loads it too) with it
-    from .. import leak_native
     why = leak_native.build()
     if why is not None:
         log.warning("the leak rule's C++ module was not built (%s): its Python loop is used", why)
@@ -373,7 +371,6 @@ def main(argv=None) -> int:
               "runs will use the dispatch-mode source", file=sys.stderr)
         return 1
     print(f"msmemscope: native source built: {path}")
-    from .. import leak_native
     lr = leak_native.so_path()
     print(f"msmemscope: the leak rule's C++ module built: {lr}" if os.path.exists(lr) else
           "msmemscope: the leak rule's C++ module was not built: the leak analysis uses its Python loop")
