@@ -101,6 +101,10 @@ def _first_qualifying(ev_pos, ev_slot, slot, pos):
     return np.where(even, s1, s2), np.where(even, p1, p2)
 
 
+#: rows of a dump's chunk fed at a time (``Tracker.feed_all``)
+FEED_ROWS = 1 << 20
+
+
 class Tracker:
     """The incremental state of the analysis. ``feed(chunk)`` any number of times, then ``finish()``.
 
@@ -120,6 +124,13 @@ class Tracker:
         self.text = pl.DataFrame(schema={"op": pl.String, "stack": pl.String})
         self.flagged: list[pl.DataFrame] = []
         self.counts = {"malloc": 0, "free": 0, "access": 0, "ops": 0}
+
+    def feed_all(self, ch: pl.DataFrame, rows: int = FEED_ROWS) -> None:
+        """``feed`` a whole dump's chunk in slices of ``rows``: the same result (the state carries
+        over), and each slice's arrays reuse the memory of the one before. Fed whole, 10M rows'
+        arrays are fresh memory, whose first touch cost more than the work (3.9 s against 1.5 s)."""
+        for i in range(0, ch.height, rows):
+            self.feed(ch.slice(i, rows))
 
     # -------------------------------------------------------------- one chunk
     def feed(self, ch: pl.DataFrame) -> None:
@@ -661,7 +672,7 @@ def _check_int(name, v, minimum=0) -> int:
 def analyze_frame(df: pl.DataFrame, idle_threshold=DEFAULT_IDLE_THRESHOLD):
     """Raw result (all types, no filter) and event counts for a ``read_dump`` frame."""
     tr = Tracker(idle_threshold)
-    tr.feed(chunk_from_frame(df))
+    tr.feed_all(chunk_from_frame(df))
     return tr.finish(), tr.counts
 
 
@@ -693,7 +704,7 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
         note = NO_OPS_NOTE
     tr = Tracker(idle_threshold)
     if not note:
-        tr.feed(ch)
+        tr.feed_all(ch)
     del ch
     raw, counts = tr.finish(), tr.counts
     sel = select(raw, mem_size, types)

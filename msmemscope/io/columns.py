@@ -100,30 +100,51 @@ def read_manifest(folder: str) -> dict | None:
 _HEX2 = None  # the 256 two-digit hex texts as uint16 cells (made on first use)
 
 
-def hex16(s):
-    """A polars Int64 Series as ``%016x`` text (null stays null): vectorised (numpy, a byte at a time
-    through a table of the 256 two-digit texts)."""
+def hex16(s, prefix: str = "", null: str | None = None):
+    """A polars Int64 Series as ``prefix`` + ``%016x`` text, ``null`` where it is null (None: stays
+    null): vectorised (numpy, a byte at a time through a table of the 256 two-digit texts), the
+    whole text made in one buffer. On a big dump every column made is memory touched for the first
+    time, which costs more than the work in it: no "0x" + text or when/then pass after it."""
     import numpy as np
     import polars as pl
     global _HEX2
     if _HEX2 is None:
         _HEX2 = np.frombuffer("".join(f"{i:02x}" for i in range(256)).encode(), dtype=np.uint16)
-    a = s.fill_null(0).cast(pl.UInt64).to_numpy().astype(">u8")
-    digits = _HEX2[a.view(np.uint8).reshape(-1, 8)]  # (n, 8) two-character cells, most significant first
-    text = pl.Series(s.name, np.ascontiguousarray(digits).view("S16").ravel()).cast(pl.String)
-    return text.zip_with(s.is_not_null(), pl.Series(s.name, [], dtype=pl.String).extend_constant(None, len(s))) \
-        if s.null_count() else text
+    pre = prefix.encode()
+    if len(pre) % 2 or (null is not None and len(null.encode()) > len(pre) + 16):
+        raise ValueError("hex16: an even-length prefix, and a null text that fits")
+    k = len(pre) // 2
+    n = len(s)
+    cells = np.empty((n, k + 8), dtype=np.uint16)
+    if k:
+        cells[:, :k] = np.frombuffer(pre, dtype=np.uint16)
+    big = s.fill_null(0).cast(pl.UInt64).to_numpy().astype(">u8")
+    cells[:, k:] = _HEX2[big.view(np.uint8).reshape(-1, 8)]  # most significant byte first
+    del big
+    nulls = s.null_count()
+    if nulls and null is not None:
+        # a fixed-width bytes cell loses its trailing NULs: the null text padded with them reads as itself
+        fill = np.zeros(2 * (k + 8), dtype=np.uint8)
+        fill[:len(null.encode())] = np.frombuffer(null.encode(), dtype=np.uint8)
+        cells[s.is_null().to_numpy()] = fill.view(np.uint16)
+    text = pl.Series(s.name, cells.view(f"S{2 * (k + 8)}").ravel()).cast(pl.String)
+    if nulls and null is None:
+        text = text.zip_with(s.is_not_null(), pl.Series(s.name, [], dtype=pl.String).extend_constant(None, n))
+    return text
 
 
 def template_attr(df):
     """The Attr text of the MALLOC/FREE rows from their fields, as the writer's template prints
     it (``{"allocation_id":…,"addr":"0x…","size":…,"used":…,"total":…[,"owner":…][,"module":…[,"phase":…]]}``);
-    null where ``alloc_id`` is null."""
+    null where one of its five first fields is. One concat over the fields (an optional key's part
+    is null where its value is, and left out)."""
     import polars as pl
-    f = df.select("alloc_id", "size", "used", "total", "owner", "module", "phase", h=hex16(df["addr"]))
-    f = f.select(pl.format('{{"allocation_id":{},"addr":"0x{}","size":{},"used":{},"total":{}', "alloc_id", "h",
-                           "size", "used", "total").alias("a"), "owner", "module", "phase")
-    part = [pl.col("a")]
+    f = df.select("alloc_id", "size", "used", "total", "owner", "module", "phase", h=hex16(df["addr"], "0x"))
+    part = [pl.lit('{"allocation_id":'), pl.col("alloc_id").cast(pl.String), pl.lit(',"addr":"'), pl.col("h"),
+            pl.lit('","size":'), pl.col("size").cast(pl.String), pl.lit(',"used":'), pl.col("used").cast(pl.String),
+            pl.lit(',"total":'), pl.col("total").cast(pl.String)]
     for k in ("owner", "module", "phase"):
-        part.append(pl.when(pl.col(k).is_not_null()).then(pl.format(f',"{k}":"{{}}"', k)).otherwise(pl.lit("")))
-    return f.select(pl.concat_str(part + [pl.lit("}")]).alias("attr"))["attr"]
+        part.append(pl.concat_str([pl.lit(f',"{k}":"'), pl.col(k), pl.lit('"')]))
+    whole = pl.all_horizontal(pl.col(c).is_not_null() for c in ("alloc_id", "h", "size", "used", "total"))
+    text = f.select(pl.when(whole).then(pl.concat_str(part + [pl.lit("}")], ignore_nulls=True)).alias("attr"))["attr"]
+    return text

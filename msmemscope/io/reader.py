@@ -647,15 +647,19 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
     as_text = [c for c in C.CATEGORICAL if c in df.columns and not (batched and c in CATEGORICAL)]
     if "op" in df.columns and "name" in as_text:
         as_text.append("op")
-    try:
+    try:  # eagerly: after the same casts in a lazy frame each string operation on 10M rows took 10-100x longer
         df = df.with_columns(pl.col(c).cast(pl.String) for c in as_text)
     except Exception:
         return None
-    # the rows whose Attr fields were not stored (ACCESS rows keep their text and their fields)
+    # the rows whose Attr fields were not stored (ACCESS rows keep their text and their fields);
+    # a column is remade only where one of these rows gets another value (mostly none is: the
+    # SYSTEM and MSTX rows have no such fields, and each remade column is ~10M cells of new memory)
     text_rows = (df["attr"].is_not_null() & df["alloc_id"].is_null()).arg_true()
     if text_rows.len():
         slow = _attr_columns(df[text_rows].select("event", "attr"), fields)
-        df = df.with_columns(*(df[c].scatter(text_rows, slow[c]) for c in fields))
+        moved = [c for c in fields if not slow[c].eq_missing(df[c].gather(text_rows)).all()]
+        if moved:
+            df = df.with_columns(*(df[c].scatter(text_rows, slow[c]) for c in moved))
     _refuse_sizeless(df, path, mem_rows)
     text = pl.when(mem_rows).then(pl.col("attr"))
     flags = df.select(text.str.contains(r"[:,]\s*-?\d{19,}").any()).item()
@@ -680,8 +684,7 @@ def _from_capture(got, path: str, want: tuple, keep, counts, batched: bool = Fal
             idx = tmpl.arg_true()
             df = df.with_columns(df["attr"].scatter(idx, C.template_attr(df[idx])))
     if "ptr" in want:
-        df = df.with_columns(ptr=pl.when(pl.col("ptr").is_null()).then(pl.lit("N/A"))
-                             .otherwise(pl.lit("0x") + C.hex16(df["ptr"])))
+        df = df.with_columns(ptr=C.hex16(df["ptr"], "0x", "N/A"))
     return df.select(want)
 
 

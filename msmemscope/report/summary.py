@@ -161,7 +161,7 @@ def _inefficient(folder, dump, counts, df=None):
         from ..analysis import inefficient as I
         ch = I.chunk_from_frame(df)
         tr = I.Tracker(I.DEFAULT_IDLE_THRESHOLD)
-        tr.feed(ch)
+        tr.feed_all(ch)
         del ch
         sel = I.select(tr.finish())
         res = I.summarize(sel, tr.counts, I.DEFAULT_IDLE_THRESHOLD)
