@@ -98,6 +98,7 @@ def read_manifest(folder: str) -> dict | None:
 
 # ---------------------------------------------------------------------- shared with the reader
 _HEX2 = None  # the 256 two-digit hex texts as uint16 cells (made on first use)
+_HEX_SLICE = 1 << 20
 
 
 def hex16(s, prefix: str = "", null: str | None = None):
@@ -115,6 +116,8 @@ def hex16(s, prefix: str = "", null: str | None = None):
         raise ValueError("hex16: an even-length prefix, and a null text that fits")
     k = len(pre) // 2
     n = len(s)
+    if n > _HEX_SLICE:  # in slices: each slice's buffers reuse the memory of the one before
+        return pl.concat([hex16(s.slice(i, _HEX_SLICE), prefix, null) for i in range(0, n, _HEX_SLICE)], rechunk=False)
     cells = np.empty((n, k + 8), dtype=np.uint16)
     if k:
         cells[:, :k] = np.frombuffer(pre, dtype=np.uint16)
