@@ -1,7 +1,6 @@
 """DataLoader workers (fork, then spawn) feeding a real training loop while a side thread
 allocates; run under the launcher with --steps so that steps outside the window free blocks the
 dump has. Prints the losses (the program's output must not change under tracing)."""
-import os
 import threading
 
 import torch
@@ -15,19 +14,20 @@ def main():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     stop = threading.Event()
-    # A fork while the side thread is inside torch.randn copies the default generator's mutex held
-    # into the child, whose worker loop then hangs in torch.manual_seed (seen once in CI, with or
-    # without tracing). The side thread does its torch work under a gate that each fork takes.
-    gate = threading.Lock()
-    os.register_at_fork(before=gate.acquire, after_in_parent=gate.release, after_in_child=gate.release)
 
     def side():
+        # allocates through the tracer's hooks at any moment, a fork included (the native
+        # source's at-fork handlers are what keeps the child from hanging on its lock), but
+        # never draws from the default generator: a fork while a thread is inside torch.randn
+        # leaves the generator's mutex locked in the child, whose worker hangs in
+        # torch.manual_seed, traced or not (a plain run timed out in CI)
         keep = []
+        n = 0
         while not stop.is_set():
-            with gate:
-                keep.append(torch.randn(128) * 2)
-                if len(keep) > 4:
-                    keep.pop(0)
+            n += 1
+            keep.append(torch.full((128,), float(n)) * 2)
+            if len(keep) > 4:
+                keep.pop(0)
             stop.wait(0.005)
     t = threading.Thread(target=side)
     t.start()
