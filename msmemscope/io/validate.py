@@ -79,14 +79,15 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
-def after_scan(path: str, complete: int, size: int, rows: int) -> None:
-    """Called once the size and the row count of a dump are known, before it is parsed."""
+def after_scan(path: str, complete: int, size: int, rows: int, exact: bool = True) -> None:
+    """Called once the size and the row count of a dump are known (``exact``: counted, not
+    extrapolated from the start of the file), before it is parsed."""
     if rows == 0:
         raise _error(f"{path}: no rows after the header (nothing was recorded)")
     need = rows * BYTES_PER_ROW + complete * BYTES_PER_BYTE
     budget = memory_budget()
     if need > budget:
-        raise _error(f"{path}: reading it would need about {_gib(need)} of memory ({rows} rows, {size} bytes) "
+        raise _error(f"{path}: reading it would need about {_gib(need)} of memory ({'' if exact else 'about '}{rows} rows, {size} bytes) "
                      f"and {_gib(budget)} is available (MSMEMSCOPE_MEMORY_LIMIT sets the budget); "
                      "read a smaller part of the run (--steps) or on a larger machine")
 
@@ -138,11 +139,12 @@ def row_flags(df: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(out)
 
 
-def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -> None:
+def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None, nul: bool = True) -> None:
     """Rows that parse but cannot be true: an error naming the first one in our dumps, one counted
     warning in the original's (see the module's text). ``df`` has the reader's columns; it holds
     at least every MALLOC/FREE row of the file. ``every``: all the file's rows (their ID and text
-    columns) when ``df`` holds only some, for the checks that look at every row."""
+    columns) when ``df`` holds only some, for the checks that look at every row. ``nul``: False
+    when the file is known to hold no NUL byte (the text columns are not searched for one)."""
     every = df if every is None else every
     if every.height == 0:
         raise _error(f"{path}: no rows after the header (nothing was recorded)")
@@ -165,7 +167,7 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None) -
         if f"_nul_{c}" in every.columns:
             found(every[f"_nul_{c}"], every, lambda r, c=c: f"row ID {r['id']} has a NUL character in its "
                                                            f"{c.replace('_', ' ')}")
-        elif c in every.columns:
+        elif c in every.columns and nul:
             found(every[c].str.contains("\x00", literal=True).fill_null(False), every,
                   lambda r, c=c: f"row ID {r['id']} has a NUL character in its {c.replace('_', ' ')}")
     if mem.height:
