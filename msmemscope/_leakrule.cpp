@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <unordered_map>
@@ -948,6 +949,243 @@ py::tuple replay_rows(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::tup
                         py::reinterpret_steal<py::object>(others.release()));
 }
 
+// ---------------------------------------------------------------- Attr fields of a text dump
+// The Attr texts our writer prints for MALLOC/FREE and for ACCESS rows (io/reader.py _MEM_ATTR,
+// _ACCESS_ATTR: the same texts, field for field), parsed in one pass over a string column's Arrow
+// buffers (the Arrow C stream interface that polars exports: no pyarrow, no copy of the text).
+// A text that is not the template is not matched: the reader reads it key by key, as it reads
+// every other text. A number of a matched text that does not fit in 64 bits is null, as polars'
+// cast of its digits makes it.
+namespace {
+// The Arrow C data interface's structs, as its specification lays them out (a stable ABI).
+struct ArrowSchema {
+  const char* format;
+  const char* name;
+  const char* metadata;
+  int64_t flags;
+  int64_t n_children;
+  ArrowSchema** children;
+  ArrowSchema* dictionary;
+  void (*release)(ArrowSchema*);
+  void* private_data;
+};
+struct ArrowArray {
+  int64_t length;
+  int64_t null_count;
+  int64_t offset;
+  int64_t n_buffers;
+  int64_t n_children;
+  const void** buffers;
+  ArrowArray** children;
+  ArrowArray* dictionary;
+  void (*release)(ArrowArray*);
+  void* private_data;
+};
+struct ArrowArrayStream {
+  int (*get_schema)(ArrowArrayStream*, ArrowSchema*);
+  int (*get_next)(ArrowArrayStream*, ArrowArray*);
+  const char* (*get_last_error)(ArrowArrayStream*);
+  void (*release)(ArrowArrayStream*);
+  void* private_data;
+};
+
+// the strings of one chunk, by row: null (no text) or (pointer, length)
+struct StringChunk {
+  enum Kind { UTF8, LARGE_UTF8, VIEW } kind;
+  const ArrowArray* a;
+  bool get(int64_t i, const char*& p, int64_t& n) const {
+    int64_t j = a->offset + i;
+    const uint8_t* valid = (const uint8_t*)a->buffers[0];
+    if (valid && !(valid[j >> 3] >> (j & 7) & 1)) return false;
+    if (kind == UTF8) {
+      const int32_t* off = (const int32_t*)a->buffers[1];
+      p = (const char*)a->buffers[2] + off[j];
+      n = off[j + 1] - off[j];
+    } else if (kind == LARGE_UTF8) {
+      const int64_t* off = (const int64_t*)a->buffers[1];
+      p = (const char*)a->buffers[2] + off[j];
+      n = off[j + 1] - off[j];
+    } else {  // 16 bytes a view: length, then the text inline (<= 12) or prefix, buffer, offset
+      const uint8_t* v = (const uint8_t*)a->buffers[1] + 16 * j;
+      int32_t len, buf, at;
+      std::memcpy(&len, v, 4);
+      n = len;
+      if (len <= 12) {
+        p = (const char*)v + 4;
+      } else {
+        std::memcpy(&buf, v + 8, 4);
+        std::memcpy(&at, v + 12, 4);
+        p = (const char*)a->buffers[2 + buf] + at;
+      }
+    }
+    return true;
+  }
+};
+
+// a cursor over one text, each step what the template's pattern asks
+struct Cursor {
+  const char* p;
+  const char* e;
+  bool lit(const char* s, size_t k) {
+    if ((size_t)(e - p) < k || std::memcmp(p, s, k) != 0) return false;
+    p += k;
+    return true;
+  }
+  template <size_t K>
+  bool lit(const char (&s)[K]) { return lit(s, K - 1); }
+  // -?\d+ (neg: a minus allowed) into a signed 64-bit value; past 64 bits, bit ``flag`` is set
+  // in ``over`` (the value is null)
+  bool num(int64_t& out, bool neg_ok, uint8_t& over, uint8_t flag) {
+    bool neg = neg_ok && p < e && *p == '-';
+    if (neg) ++p;
+    if (p >= e || *p < '0' || *p > '9') return false;
+    uint64_t v = 0;
+    const uint64_t limit = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    for (; p < e && *p >= '0' && *p <= '9'; ++p) {
+      uint64_t d = (uint64_t)(*p - '0');
+      if (v > (limit - d) / 10) over |= flag;
+      v = v * 10 + d;
+    }
+    out = neg ? (int64_t)(0 - v) : (int64_t)v;
+    return true;
+  }
+  // [0-9a-fA-F]+ into a value that fits int64 (the reader's addr column), else as num
+  bool hex(int64_t& out, uint8_t& over, uint8_t flag) {
+    uint64_t v = 0;
+    const char* s = p;
+    for (; p < e; ++p) {
+      int d = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10
+            : *p >= 'A' && *p <= 'F' ? *p - 'A' + 10 : -1;
+      if (d < 0) break;
+      if (v > ((uint64_t)INT64_MAX - (uint64_t)d) / 16) over |= flag;
+      v = v * 16 + (uint64_t)d;
+    }
+    out = (int64_t)v;
+    return p > s;
+  }
+  // [^",}\\]* then the closing quote: the text's span
+  bool text(const char*& s, int64_t& n) {
+    s = p;
+    while (p < e && *p != '"' && *p != ',' && *p != '}' && *p != '\\') ++p;
+    n = p - s;
+    return p < e && *p++ == '"';
+  }
+  // [^<stop>]* up to (and past) the byte stop
+  bool skip_to(char stop) {
+    while (p < e && *p != stop) ++p;
+    return p < e && *p++ == stop;
+  }
+};
+
+// distinct texts by code, kept in order of first appearance
+struct Codes {
+  std::unordered_map<std::string, int32_t> index;
+  py::list values;
+  int32_t code(const char* s, int64_t n) {
+    std::string k(s, (size_t)n);
+    auto it = index.find(k);
+    if (it != index.end()) return it->second;
+    int32_t c = (int32_t)index.size();
+    index.emplace(std::move(k), c);
+    PyObject* o = PyUnicode_DecodeUTF8(s, n, "strict");
+    if (!o) throw py::error_already_set();
+    values.append(py::reinterpret_steal<py::object>(o));
+    return c;
+  }
+};
+}  // namespace
+
+// attr_fields(stream, kind): stream is the Arrow C stream capsule of a string column (polars:
+// Series.__arrow_c_stream__()), kind 0 for the MALLOC/FREE template, 1 for ACCESS. Returns
+// (matched bool[n], alloc_id, size, used, total, addr as int64[n], over uint8[n]: bit k set where
+// the k-th of those five numbers is past 64 bits, then for each of owner, module, phase: (int32
+// codes[n], -1 where absent, and the list of its distinct texts)); for ACCESS only matched,
+// alloc_id and size mean anything.
+py::tuple attr_fields(py::object capsule, int kind) {
+  auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
+  if (!stream) throw py::error_already_set();
+  struct StreamGuard {
+    ArrowArrayStream* s;
+    ~StreamGuard() { if (s->release) s->release(s); }
+  } sg{stream};
+  ArrowSchema schema{};
+  if (stream->get_schema(stream, &schema) != 0) throw py::value_error("attr_fields: no schema");
+  std::string fmt = schema.format ? schema.format : "";
+  if (schema.release) schema.release(&schema);
+  StringChunk::Kind ck;
+  if (fmt == "u") ck = StringChunk::UTF8;
+  else if (fmt == "U") ck = StringChunk::LARGE_UTF8;
+  else if (fmt == "vu") ck = StringChunk::VIEW;
+  else throw py::value_error("attr_fields: not a string column (format " + fmt + ")");
+
+  std::vector<ArrowArray> chunks;
+  struct ChunksGuard {
+    std::vector<ArrowArray>& c;
+    ~ChunksGuard() { for (auto& a : c) if (a.release) a.release(&a); }
+  } cg{chunks};
+  int64_t n = 0;
+  for (;;) {
+    ArrowArray a{};
+    if (stream->get_next(stream, &a) != 0) throw py::value_error("attr_fields: the stream failed");
+    if (!a.release) break;  // the end
+    n += a.length;
+    chunks.push_back(a);
+  }
+  py::array_t<bool> matched(n);
+  py::array_t<int64_t> aid(n), size(n), used(n), total(n), addr(n);
+  py::array_t<int32_t> oc(n), mc(n), pc(n);
+  py::array_t<uint8_t> over(n);
+  uint8_t* OV = over.mutable_data();
+  bool* M = matched.mutable_data();
+  int64_t *A = aid.mutable_data(), *S = size.mutable_data(), *U = used.mutable_data(),
+          *T = total.mutable_data(), *D = addr.mutable_data();
+  int32_t *O = oc.mutable_data(), *MO = mc.mutable_data(), *PH = pc.mutable_data();
+  Codes owners, modules, phases;
+  int64_t row = 0;
+  for (const ArrowArray& a : chunks) {
+    if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3))
+      throw py::value_error("attr_fields: a chunk without its buffers");
+    StringChunk sc{ck, &a};
+    for (int64_t i = 0; i < a.length; ++i, ++row) {
+      M[row] = false;
+      OV[row] = 0;
+      A[row] = S[row] = U[row] = T[row] = D[row] = 0;
+      O[row] = MO[row] = PH[row] = -1;
+      const char* p;
+      int64_t len;
+      if (!sc.get(i, p, len)) continue;
+      Cursor c{p, p + len};
+      bool ok;
+      if (kind == 0) {
+        const char *os = nullptr, *ms = nullptr, *ps = nullptr;
+        int64_t on = 0, mn = 0, pn = 0;
+        uint8_t& o = OV[row];
+        ok = c.lit("{\"allocation_id\":") && c.num(A[row], false, o, 1) && c.lit(",\"addr\":\"0x") &&
+             c.hex(D[row], o, 16) && c.lit("\",\"size\":") && c.num(S[row], false, o, 2) &&
+             c.lit(",\"used\":") && c.num(U[row], true, o, 4) && c.lit(",\"total\":") && c.num(T[row], true, o, 8);
+        if (ok && c.lit(",\"owner\":\"")) ok = c.text(os, on);
+        if (ok && c.lit(",\"module\":\"")) {
+          ok = c.text(ms, mn);
+          if (ok && c.lit(",\"phase\":\"")) ok = c.text(ps, pn);
+        }
+        ok = ok && c.lit("}") && c.p == c.e;
+        if (ok) {
+          if (os) O[row] = owners.code(os, on);
+          if (ms) MO[row] = modules.code(ms, mn);
+          if (ps) PH[row] = phases.code(ps, pn);
+        }
+      } else {
+        ok = c.lit("{\"dtype\":\"") && c.skip_to('"') && c.lit(",\"shape\":[") && c.skip_to(']') &&
+             c.lit(",\"size\":") && c.num(S[row], false, OV[row], 2) && c.lit(",\"allocation_id\":") &&
+             c.num(A[row], false, OV[row], 1) && c.lit("}") && c.p == c.e;
+      }
+      M[row] = ok;
+    }
+  }
+  return py::make_tuple(matched, aid, size, used, total, addr, over, py::make_tuple(oc, owners.values),
+                        py::make_tuple(mc, modules.values), py::make_tuple(pc, phases.values));
+}
+
 #ifndef LEAKRULE_NAME
 #define LEAKRULE_NAME msmemscope_leakrule
 #endif
@@ -955,6 +1193,7 @@ py::tuple replay_rows(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::tup
 PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("leak_rows", &leak_rows);
   m.def("replay_rows", &replay_rows);
+  m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"));
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)

@@ -9,6 +9,8 @@ source (``MSMEMSCOPE_NATIVE_DIR``, else ``~/.cache/msmemscope``). ``build()`` ru
 source's build (``python -m msmemscope.capture.native build``, ``make native``, and a traced run's
 build on first use); ``load()`` only loads what is there. Not built, or
 ``MSMEMSCOPE_LEAK_ROWS=python``: the tracker's Python loop and dicts, with the same results.
+The reader of text dumps parses the Attr texts our writer prints with it too (``attr_fields``;
+``MSMEMSCOPE_ATTR_FIELDS=polars``: polars' string expressions, with the same results).
 """
 from __future__ import annotations
 
@@ -93,10 +95,16 @@ def build(timeout: float = 600.0) -> str | None:
 
 
 def load():
-    """The built module, or None (nothing is compiled here)."""
-    global _loaded
+    """The built module for the leak rule, or None (nothing is compiled here;
+    ``MSMEMSCOPE_LEAK_ROWS=python``: None)."""
     if os.environ.get("MSMEMSCOPE_LEAK_ROWS", "").strip().lower() == "python":
         return None
+    return load_module()
+
+
+def load_module():
+    """The built module, whatever uses it (the leak rule, the reader's Attr fields), or None."""
+    global _loaded
     if _loaded is None:
         _loaded = False
         path = so_path()

@@ -114,7 +114,20 @@ def test_fuzz_reader_only_raises_dump_error(tmp_path, body, cut):
             pass
 
 
-def test_attr_fast_patterns_agree_with_per_key_reading():
+@pytest.fixture(params=["c++", "polars"])
+def attr_parser(request, monkeypatch):
+    """The reader's Attr fields both ways: the C++ parse of the writer's templates, and polars'."""
+    from msmemscope.io import reader as R
+    if request.param == "polars":
+        monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
+    else:
+        monkeypatch.delenv("MSMEMSCOPE_ATTR_FIELDS", raising=False)
+        if R._attr_module() is None:
+            pytest.skip("the C++ module is not built (make native)")
+    return request.param
+
+
+def test_attr_fast_patterns_agree_with_per_key_reading(attr_parser):
     """The one-pass patterns for our MALLOC/FREE/ACCESS Attr texts give exactly what the per-key
     patterns give, and every other text still goes through the per-key patterns."""
     import random
@@ -148,7 +161,7 @@ def test_attr_fast_patterns_agree_with_per_key_reading():
     assert hits.item() >= 840  # (an owner with a non-ASCII letter is written escaped: per key)
 
 
-def test_attr_columns_keep_the_frames_chunks():
+def test_attr_columns_keep_the_frames_chunks(attr_parser):
     """A big CSV parses into hundreds of chunks; an Attr column of one chunk beside them made polars
     copy every column of the frame at its next operation (0.3-0.6 s on 3M rows). With rows that
     only the per-key patterns read among them, every column still comes in the frame's chunks,
@@ -168,6 +181,52 @@ def test_attr_columns_keep_the_frames_chunks():
     for c in R._ATTR_COLUMNS:
         assert out[c].to_list() == slow[c].to_list(), c
     assert out["alloc_id"][17] == 5 and out["alloc_id"][401] == 9
+
+
+_TEMPLATE_BITS = ['{"allocation_id":', ',"addr":"0x', '","size":', ',"used":', ',"total":', ',"owner":"',
+                  ',"module":"', ',"phase":"', '"}', '{"dtype":"', '","shape":[', '],"size":', ',"allocation_id":',
+                  "}", '"', ",", "\\", "-", "ü", "0x", "7", "18446744073709551616", "9223372036854775807",
+                  "9223372036854775808", "ffffffffffffffff", "7fffffffffffffff", "00", " ", "{", "a,b"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["MALLOC", "FREE", "ACCESS", "SYSTEM"]),
+                          st.lists(st.sampled_from(_TEMPLATE_BITS), max_size=14),
+                          st.integers(-2**65, 2**66), st.integers(0, 2**64), st.sampled_from(["", "w", "ü-x", "a b"]),
+                          st.integers(0, 40), st.sampled_from([(), ("GPT.blocks.0.attn", "forward"), ("ü.m", None)])),
+                min_size=1, max_size=40))
+def test_attr_fields_in_cpp_are_polars_fields(monkeypatch, rows):
+    """The C++ parse of the templates gives what polars' patterns give, on the writer's texts with
+    numbers of any size (past 64 bits: null, read per key) and on texts a byte or a piece off the
+    template (not matched: read per key)."""
+    from msmemscope.io import reader as R
+    from msmemscope.events import format_attr
+    if R._attr_module() is None:
+        pytest.skip("the C++ module is not built (make native)")
+    texts, events = [], []
+    for ev, bits, n, addr, owner, cut, module in rows:
+        if ev == "ACCESS":
+            t = format_attr("ACCESS", ("float32", (2, 3), abs(n), addr))
+        else:
+            t = format_attr("MALLOC", (abs(n) % 2**70, addr, abs(n), n, -n, owner) + module)
+        t = t[:cut] + "".join(bits) + t[cut:] if bits else t
+        texts.append(t)
+        events.append(ev)
+    df = pl.DataFrame({"attr": texts, "event": events}, schema={"attr": pl.String, "event": pl.String})
+    monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
+    want = R._attr_columns(df)
+    monkeypatch.delenv("MSMEMSCOPE_ATTR_FIELDS")
+    got = R._attr_columns(df)
+    for c in R._ATTR_COLUMNS:
+        assert got[c].to_list() == want[c].to_list(), (c, [t for t, a, b in zip(texts, got[c], want[c]) if a != b][:3])
+    # and C++ matched every text the template's pattern matches (those it left would be read per
+    # key, with the same values but slower), and no other
+    m = R._attr_module()
+    for kind, evs, pattern in ((0, ("MALLOC", "FREE"), R._MEM_ATTR), (1, ("ACCESS",), R._ACCESS_ATTR)):
+        col = df.select(pl.when(pl.col("event").is_in(evs)).then(pl.col("attr")))[:, 0]
+        matched = m.attr_fields(col.__arrow_c_stream__(), kind)[0].tolist()
+        expect = col.str.contains(pattern).fill_null(False).to_list()
+        assert matched == expect, [t for t, a, b in zip(col, matched, expect) if a != b][:3]
 
 
 def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch):
