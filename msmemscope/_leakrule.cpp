@@ -1077,6 +1077,24 @@ struct Cursor {
   }
 };
 
+// The text may hold a number over 64 bits: a superset of io/validate.py's pattern
+// [:,]\s*-?\d{19,} (any byte past ASCII counts: a Unicode space or digit is one to the pattern),
+// which then looks at the rows marked only.
+bool big_number_maybe(const char* p, const char* e) {
+  for (const char* q = p; q < e; ++q) {
+    unsigned char ch = (unsigned char)*q;
+    if (ch >= 0x80) return true;
+    if (ch != ':' && ch != ',') continue;
+    const char* r = q + 1;
+    while (r < e && (*r == ' ' || (*r >= '\t' && *r <= '\r'))) ++r;
+    if (r < e && *r == '-') ++r;
+    const char* d = r;
+    while (r < e && *r >= '0' && *r <= '9') ++r;
+    if (r - d >= 19 || (r < e && (unsigned char)*r >= 0x80)) return true;
+  }
+  return false;
+}
+
 // distinct texts by code, kept in order of first appearance
 struct Codes {
   std::unordered_map<std::string, int32_t> index;
@@ -1098,7 +1116,8 @@ struct Codes {
 // attr_fields(stream, kind): stream is the Arrow C stream capsule of a string column (polars:
 // Series.__arrow_c_stream__()), kind 0 for the MALLOC/FREE template, 1 for ACCESS. Returns
 // (matched bool[n], alloc_id, size, used, total, addr as int64[n], over uint8[n]: bit k set where
-// the k-th of those five numbers is past 64 bits, then for each of owner, module, phase: (int32
+// the k-th of those five numbers is past 64 bits, bit 5 where any text (matched or not) may hold
+// a number past 64 bits (big_number_maybe), then for each of owner, module, phase: (int32
 // codes[n], -1 where absent, and the list of its distinct texts)); for ACCESS only matched,
 // alloc_id and size mean anything.
 py::tuple attr_fields(py::object capsule, int kind) {
@@ -1155,6 +1174,7 @@ py::tuple attr_fields(py::object capsule, int kind) {
       int64_t len;
       if (!sc.get(i, p, len)) continue;
       Cursor c{p, p + len};
+      if (kind == 0 && big_number_maybe(p, p + len)) OV[row] |= 32;
       bool ok;
       if (kind == 0) {
         const char *os = nullptr, *ms = nullptr, *ps = nullptr;

@@ -258,3 +258,28 @@ def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch):
     assert facts == {"nul": True}
     with pytest.raises(DumpError, match="NUL"):
         read_dump(str(tmp_path / "n.csv"))
+
+
+@pytest.mark.parametrize("size,used,owner,refused", [
+    ("8", "18446744073709551621", "w", True),         # past 64 bits: refused
+    ("8", "-9223372036854775809", "ü-w", True),       # below -2**63, beside a letter past ASCII
+    ("8", "1700000000000000000", "w", False),         # 19 digits that fit
+    ("8", "8", "ü:12345678901234567890", True),      # in the owner's text, as the pattern has it
+    ("8", "8", "ü", False),
+])
+def test_numbers_past_64_bits_in_attr_are_refused(tmp_path, attr_parser, size, used, owner, refused):
+    """A MALLOC/FREE Attr number that does not fit in 64 bits cannot be true in our dump: the read
+    says so, whichever way the fields were parsed (the C++ parse marks the rows the pattern then
+    looks at; a superset, so the same rows are found)."""
+    rows = [f'{i},MALLOC,PTA,N/A,{i},1,1,0,0x{4096 * i:016x},'
+            f'"{{""allocation_id"":{i},""addr"":""0x{4096 * i:016x}"",""size"":8,""used"":8,""total"":8,""owner"":""w""}}",,'
+            for i in range(1, 40)]
+    rows[20] = (f'21,MALLOC,PTA,N/A,21,1,1,0,0x{4096 * 21:016x},"{{""allocation_id"":21,""addr"":""0x{4096 * 21:016x}"",'
+                f'""size"":{size},""used"":{used},""total"":8,""owner"":""{owner}""}}",,')
+    p = tmp_path / "d.csv"
+    p.write_text(HEADER + "\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    if refused:
+        with pytest.raises(DumpError, match="row ID 21 has a number too large for 64 bits"):
+            read_dump(str(p))
+    else:
+        assert read_dump(str(p)).height == 39

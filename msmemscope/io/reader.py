@@ -394,6 +394,10 @@ def _attr_exprs() -> dict:
     return _per_key_exprs()
 
 
+#: a column the C++ Attr fields add for the checks (validate.BIG_MAYBE), never in a result
+BIG_MAYBE = validate.BIG_MAYBE
+
+
 def _attr_module():
     """The torch-free C++ module with ``attr_fields`` (built with the native source), or None:
     not built, or ``MSMEMSCOPE_ATTR_FIELDS=polars``."""
@@ -430,7 +434,9 @@ def _native_fields(df: pl.DataFrame, events, kind: int, fields):
         else:  # past 64 bits: null, as polars' cast of the digits
             got = got.with_columns(pl.Series(f"_{name}", v))
             exprs[name] = pl.when(pl.col("_over") & bit == 0).then(pl.col(f"_{name}"))
-    got = got.select(**{k: pl.when(pl.col("_m")).then(e) for k, e in exprs.items()})
+    if kind == 0:  # may hold a number over 64 bits (validate.check_rows looks at these rows only)
+        exprs[BIG_MAYBE] = pl.col("_over") & 32 != 0
+    got = got.select(**{k: e if k == BIG_MAYBE else pl.when(pl.col("_m")).then(e) for k, e in exprs.items()})
     return pl.DataFrame([_aligned(got[c], df) for c in got.columns])
 
 
@@ -443,7 +449,7 @@ def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:
     want = dict.fromkeys(("alloc_id", "size") + tuple(fields))
     got = _native_fields(df, ("MALLOC", "FREE"), 0, want)
     if got is not None:
-        return got.select(list(want))
+        return got.select(list(want) + [BIG_MAYBE])
     # when/then computes its branch on every row: the text is nulled off the other rows first, so
     # that the pattern and the cuts skip the ACCESS and op rows' text (over half of a dump's)
     mem = pl.when(pl.col("event").is_in(["MALLOC", "FREE"])).then(pl.col("attr"))
@@ -470,9 +476,10 @@ def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:
     return parts.select(**{c: exprs[c] for c in want})
 
 
-def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
+def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS, maybe_big: bool = False) -> pl.DataFrame:
     """alloc_id, size, used, total, owner, addr (those in ``fields``) from Attr (null where the key
-    is absent): the writer's templates by one pattern each, the rest per key, on those rows only."""
+    is absent): the writer's templates by one pattern each, the rest per key, on those rows only.
+    ``maybe_big``: also ``BIG_MAYBE`` where the C++ fields made it (for validate.check_rows)."""
     attr, ev = pl.col("attr"), pl.col("event")
     # each template only on the rows of its events (a template text on another row reads alike per key)
     mem = _mem_template(df, fields)
@@ -487,6 +494,7 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
         mem = mem.with_columns(alloc_id=pl.coalesce(pl.col("alloc_id"), acc_aid),
                                size=pl.coalesce(pl.col("size"), acc_size))
     cols = mem.select("alloc_id", *(c for c in fields if c != "alloc_id"))
+    maybe = mem[BIG_MAYBE] if maybe_big and BIG_MAYBE in mem.columns else None
     del mem
     other = cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")
     if other.any():
@@ -510,7 +518,8 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS) -> pl.DataFrame:
             cols = cols.with_columns(pl.coalesce(pl.col(c), slow[c]) for c in have)
     if "addr" in fields and cols.schema["addr"] == pl.String:
         cols = cols.with_columns(addr=_addr_number(pl.col("addr")))
-    return df.with_columns(_aligned(cols[c], df) for c in fields)
+    out = df.with_columns(_aligned(cols[c], df) for c in fields)
+    return out if maybe is None else out.with_columns(maybe)
 
 
 def _addr_number(a: pl.Expr) -> pl.Expr:
@@ -626,7 +635,7 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     mem_rows = pl.col("event").is_in(["MALLOC", "FREE"])
     if fields or out.select(mem_rows.any()).item():
         # every MALLOC/FREE row read has a size, whatever the analysis asks for
-        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("alloc_id", "size"))))
+        out = _attr_columns(out, tuple(dict.fromkeys(fields + ("alloc_id", "size"))), maybe_big=True)
     _refuse_sizeless(out, path, mem_rows)
     validate.check_rows(out, path, every, nul=nul)  # rows that parse but cannot be true: on every row, whatever is kept
     del every

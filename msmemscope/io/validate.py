@@ -101,17 +101,27 @@ def _first(df: pl.DataFrame, mask: pl.Series):
 INT64_MAX = "9223372036854775807"
 
 
-def _attr_number_too_big(attr: pl.Series) -> pl.Series:
+#: the rows whose Attr may hold a number over 64 bits (a superset), where the reader's C++ Attr
+#: fields found them: the pattern then runs on those rows only
+BIG_MAYBE = "_attr_big_maybe"
+
+
+def _attr_number_too_big(attr: pl.Series, maybe: pl.Series | None = None) -> pl.Series:
     """Numbers over 64 bits. 19 digits may still fit (ns timestamps since 1970 have 19), so those
-    are compared with INT64_MAX as text; only rows with such a number are looked at closely."""
+    are compared with INT64_MAX as text; only rows with such a number are looked at closely.
+    ``maybe``: the rows that may hold one (a superset); the others are not searched."""
+    import numpy as np
+    if maybe is not None:
+        attr = pl.DataFrame({"a": attr, "m": maybe}).select(pl.when(pl.col("m")).then(pl.col("a")))[:, 0]
     suspect = attr.str.contains(r"[:,]\s*-?\d{19,}").fill_null(False)
     if not suspect.any():
         return suspect
-
-    def over(text):
-        import re
-        return any(len(d) > 19 or d > INT64_MAX for d in re.findall(r"[:,]\s*-?(\d{19,})", text or ""))
-    return suspect & attr.map_elements(over, return_dtype=pl.Boolean, skip_nulls=False).fill_null(False)
+    import re
+    at = suspect.arg_true()
+    big = np.zeros(attr.len(), dtype=bool)
+    big[at.to_numpy()] = [any(len(d) > 19 or d > INT64_MAX for d in re.findall(r"[:,]\s*-?(\d{19,})", text))
+                          for text in attr.gather(at).to_list()]
+    return pl.Series(attr.name, big)
 
 
 def _repeated(ids: pl.Series) -> pl.Series:
@@ -151,7 +161,7 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None, n
     mem_mask = pl.col("event").is_in(["MALLOC", "FREE"])
     flags = "_attr_big" in df.columns  # the text checked batch by batch (row_flags)
     # only the columns the checks read: a filter copies every column it keeps
-    mem = df.select(c for c in ("id", "event", "alloc_id", "size", "attr", "_attr_big", "_attr_original")
+    mem = df.select(c for c in ("id", "event", "alloc_id", "size", "attr", "_attr_big", "_attr_original", BIG_MAYBE)
                     if c in df.columns and (c != "attr" or not flags)).filter(mem_mask)
     original = bool(mem.height) and bool(mem["_attr_original"].head(1000).any() if flags else
                                          mem["attr"].head(1000).str.contains(_ORIGINAL_ATTR).any())
@@ -172,7 +182,8 @@ def check_rows(df: pl.DataFrame, path: str, every: pl.DataFrame | None = None, n
                   lambda r, c=c: f"row ID {r['id']} has a NUL character in its {c.replace('_', ' ')}")
     if mem.height:
         found(mem["size"] < 0, mem, lambda r: f"{r['event']} row ID {r['id']} has a negative size ({r['size']})")
-        found(mem["_attr_big"] if flags else _attr_number_too_big(mem["attr"]), mem,
+        found(mem["_attr_big"] if flags else
+              _attr_number_too_big(mem["attr"], mem[BIG_MAYBE] if BIG_MAYBE in mem.columns else None), mem,
               lambda r: f"{r['event']} row ID {r['id']} has a number too large for 64 bits in Attr")
         mallocs = mem.filter(pl.col("event") == "MALLOC").select("id", "alloc_id").drop_nulls()
         frees = mem.filter(pl.col("event") == "FREE").select("id", "alloc_id").drop_nulls()
