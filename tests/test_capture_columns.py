@@ -183,7 +183,7 @@ def test_a_killed_writer_leaves_no_companion_that_is_used(tmp_path):
     env["MSMEMSCOPE_COLUMN_PART_ROWS"] = "1"
     r = run_cli([f"--output={out}", str(script)], env=env)
     assert r.returncode == 0, r.stderr
-    assert "parts ['part-000000.parquet']" in r.stdout, r.stdout
+    assert "parts ['part-000000.parquet'" in r.stdout, r.stdout  # (one part or more: the writer does not wait)
     (path,) = R.find_dumps(str(out))
     assert os.path.isdir(C.folder_of(path))  # the killed writer had started one
     assert R.capture_parts(path) is None
