@@ -436,7 +436,10 @@ def _native_fields(df: pl.DataFrame, events, kind: int, fields):
     if m is None:
         return None
     text = df.select(pl.when(pl.col("event").is_in(list(events))).then(pl.col("attr")))[:, 0]
-    matched, aid, size, used, total, addr, over, *texts = m.attr_fields(text.__arrow_c_stream__(), kind)
+    try:
+        matched, aid, size, used, total, addr, over, *texts = m.attr_fields(text.__arrow_c_stream__(), kind)
+    except (AttributeError, TypeError, ValueError):
+        return None  # a polars without the Arrow stream, or a layout the parse does not know: polars' way
     del text
     cols = {"alloc_id": (aid, 1), "size": (size, 2)}
     if kind == 0:
