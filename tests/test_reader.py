@@ -283,28 +283,3 @@ def test_numbers_past_64_bits_in_attr_are_refused(tmp_path, attr_parser, size, u
             read_dump(str(p))
     else:
         assert read_dump(str(p)).height == 39
-
-
-@pytest.mark.parametrize("where,value,says", [
-    ("pid", "abc", None),                       # a pid that is no number: null, as from the strings
-    ("tid", "", None),
-    ("id", "99999999999999999999", "not a number"),
-    ("ts", "1.5e9", "not a number"),
-    ("id", "x", "not a number"),
-])
-def test_numbers_parsed_at_once_fall_back_to_the_strings(tmp_path, where, value, says):
-    """read_dump parses id, ts, pid and tid as numbers in the CSV parse; a file where one is not
-    gets what the string columns give: the same error, or the same null pid/tid."""
-    cols = {"id": 0, "ts": 4, "pid": 5, "tid": 6}
-    rows = [[str(i), "SYSTEM", "STEP", "N/A", str(1000 + i), "7", "8", "0", "N/A", f'"{{""step"":{i}}}"', "", ""]
-            for i in range(1, 6)]
-    rows[2][cols[where]] = value
-    p = tmp_path / "d.csv"
-    p.write_text(HEADER + "\n" + "\n".join(",".join(r) for r in rows) + "\n")
-    if says:
-        with pytest.raises(DumpError, match=says):
-            read_dump(str(p))
-        return
-    df = read_dump(str(p))
-    assert df.height == 5 and df[where][2] is None and df[where].null_count() == 1
-    assert df.schema[where] == pl.Int64

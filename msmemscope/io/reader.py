@@ -124,9 +124,9 @@ def read_dump(path: str, columns=None, events=None, counts: dict | None = None, 
     if head.startswith(b"SQLite format 3"):
         frame = [_read_db(path, want, None if counts is not None else keep)]
     elif head.startswith(ZSTD_MAGIC):
-        frame = [_read_csv(path, _unzstd(path), facts, numbers=True)]
+        frame = [_read_csv(path, _unzstd(path), facts)]
     else:
-        frame = [_read_csv(path, facts=facts, numbers=True)]
+        frame = [_read_csv(path, facts=facts)]
     return _derive(frame, path, want, keep, counts, attr_of, nul=facts.get("nul", True))
 
 
@@ -234,15 +234,9 @@ def _unzstd(path: str) -> bytes:
     return bytes(out)
 
 
-#: columns the reader's parse makes numbers at once (``_read_csv(numbers=True)``)
-_NUMBER_COLUMNS = ("id", "ts", "pid", "tid")
-
-
-def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None, numbers: bool = False) -> pl.DataFrame:
+def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None) -> pl.DataFrame:
     """The CSV dump (or, with ``text``, its decompressed text) as string columns (``facts``: see
-    ``check_csv``). ``numbers``: id, ts, pid and tid parsed as Int64 by the CSV parser (a third
-    faster than strings and a cast); a file where one is not a number is parsed again as strings,
-    so that its error or its null pid/tid is what the string columns give."""
+    ``check_csv``)."""
     complete, size = check_csv(path, text, facts)
     source = path if text is None else io.BytesIO(text)
     if complete < size:
@@ -256,24 +250,13 @@ def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None, n
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
         source = io.BytesIO(data)
-    schema = {n: pl.String for n in NAMES}
-    df = None
-    if numbers:
-        try:
-            with polars_path(source) as src:
-                df = pl.read_csv(src, has_header=True, new_columns=list(NAMES), infer_schema=False, quote_char="\"",
-                                 schema_overrides={**schema, **{n: pl.Int64 for n in _NUMBER_COLUMNS}})
-        except Exception:
-            df = None  # not numbers everywhere (or not CSV): the string parse says what is wrong
-            if isinstance(source, io.BytesIO):
-                source.seek(0)
-    if df is None:
-        try:
-            with polars_path(source) as src:
-                df = pl.read_csv(src, has_header=True, new_columns=list(NAMES),
-                                 schema_overrides=schema, infer_schema=False, quote_char="\"")
-        except Exception:
-            raise DumpError(_locate_csv_error(path, text)) from None
+    try:
+        with polars_path(source) as source:
+            df = pl.read_csv(source, has_header=True, new_columns=list(NAMES),
+                             schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
+                             quote_char="\"")
+    except Exception:
+        raise DumpError(_locate_csv_error(path, text)) from None
     if df.width != len(NAMES):
         raise DumpError(_locate_csv_error(path, text))
     # polars pads a short row with nulls: every row of a dump has these fields
