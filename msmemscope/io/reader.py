@@ -294,7 +294,7 @@ def check_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
         since = 0        # bytes since the last newline
         lines = 0        # newlines seen (in the first COUNT_BYTES)
         counted = 0      # bytes whose newlines are counted
-        last = (0, 0)    # the last block's (newlines, bytes), past COUNT_BYTES
+        tail = 0         # bytes of the last block past COUNT_BYTES (its newlines counted at the end)
         nul = False
         # one buffer read into again and again: a new 16 MB bytes object a block was fresh
         # memory, whose page faults cost more than the scan
@@ -309,7 +309,7 @@ def check_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
                 lines += block.count(b"\n", 0, k)
                 counted += k
             else:
-                last = (None, k)  # counted at the end: lines grow longer as IDs and times grow
+                tail = k  # lines grow longer as IDs and times grow: the last block is counted too
             first = block.find(b"\n", 0, k)
             if first < 0:
                 since += k
@@ -322,11 +322,10 @@ def check_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
             if first >= 0:
                 since = k - 1 - block.rfind(b"\n", 0, k)
             pos += k
-        if last[1]:  # the buffer still holds the last block
-            last = (block.count(b"\n", 0, last[1]), last[1])
+        tail_lines = block.count(b"\n", 0, tail) if tail else 0  # the buffer still holds the last block
     rows, exact = max(lines - 1, 0), counted >= pos
     if not exact and lines:  # about as many rows a byte as in the first and last blocks
-        rows = max(rows, round((lines + last[0]) * (pos - since) / (counted + last[1])) - 1)
+        rows = max(rows, round((lines + tail_lines) * (pos - since) / (counted + tail)) - 1)
     if facts is not None:
         facts["nul"] = nul
     validate.after_scan(path, pos - since, pos, rows, exact)  # no rows; too large for memory
@@ -388,9 +387,10 @@ _PER_KEY = {"alloc_id": ("allocation_id", True), "size": ("size", True), "used":
             "module": ("module", False), "phase": ("phase", False)}
 
 
-def _per_key_exprs() -> dict:
-    """Expressions for the Attr columns, key by key (any Attr text)."""
-    return {k: _attr_field(key, num) for k, (key, num) in _PER_KEY.items()}
+def _per_key_exprs(attr=None) -> dict:
+    """Expressions for the Attr columns, key by key (any Attr text; ``attr``: the text expression,
+    default the attr column)."""
+    return {k: _attr_field(key, num, attr) for k, (key, num) in _PER_KEY.items()}
 
 
 def _attr_exprs() -> dict:
@@ -424,26 +424,23 @@ def _native_fields(df: pl.DataFrame, events, kind: int, fields):
     except (AttributeError, TypeError, ValueError):
         return None  # a polars without the Arrow stream, or a layout the parse does not know: polars' way
     del text
-    cols = {"alloc_id": (aid, 1), "size": (size, 2)}
+    # each number with its bit in ``over`` (past 64 bits: null, as polars' cast of the digits)
+    numbers = {"alloc_id": (aid, 1), "size": (size, 2)}
+    texts = dict(zip(("owner", "module", "phase"), texts)) if kind == 0 else {}
     if kind == 0:
-        cols.update(used=(used, 4), total=(total, 8), addr=(addr, 16))
-        for name, (codes, values) in zip(("owner", "module", "phase"), texts):
-            if name in fields:
-                cols[name] = (values, codes)
-    got = pl.DataFrame({"_m": matched, "_over": over})
-    exprs = {}
-    for name, (v, bit) in cols.items():
-        if isinstance(v, list):  # codes into the distinct texts
-            got = got.with_columns(pl.Series(f"_{name}", bit))
-            c = pl.col(f"_{name}")
-            exprs[name] = (pl.when(c >= 0).then(pl.lit(pl.Series(v, dtype=pl.String)).gather(c.clip(0)))
-                           if v else pl.lit(None, dtype=pl.String))
-        else:  # past 64 bits: null, as polars' cast of the digits
-            got = got.with_columns(pl.Series(f"_{name}", v))
-            exprs[name] = pl.when(pl.col("_over") & bit == 0).then(pl.col(f"_{name}"))
+        numbers.update(used=(used, 4), total=(total, 8), addr=(addr, 16))
+    got = pl.DataFrame({"_m": matched, "_over": over, **{f"_{k}": v for k, (v, _) in numbers.items()},
+                        **{f"_{k}": codes for k, (codes, _) in texts.items() if k in fields}})
+    exprs = {k: pl.when(pl.col("_over") & bit == 0).then(pl.col(f"_{k}")) for k, (_, bit) in numbers.items()}
+    for k, (_, values) in texts.items():  # codes into the distinct texts (-1: none)
+        if k in fields:
+            c = pl.col(f"_{k}")
+            exprs[k] = (pl.when(c >= 0).then(pl.lit(pl.Series(values, dtype=pl.String)).gather(c.clip(0)))
+                        if values else pl.lit(None, dtype=pl.String))
+    exprs = {k: pl.when(pl.col("_m")).then(e) for k, e in exprs.items()}
     if kind == 0:  # may hold a number over 64 bits (validate.check_rows looks at these rows only)
         exprs[BIG_MAYBE] = pl.col("_over") & 32 != 0
-    got = got.select(**{k: e if k == BIG_MAYBE else pl.when(pl.col("_m")).then(e) for k, e in exprs.items()})
+    got = got.select(**exprs)
     return pl.DataFrame([_aligned(got[c], df) for c in got.columns])
 
 
@@ -505,15 +502,15 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS, maybe_big: bool = Fals
     del mem
     other = cols["alloc_id"].is_null() & df["attr"].is_not_null() & (df["attr"] != "")
     if other.any():
-        # the rest, per key, on those rows' text only (null elsewhere: the patterns pass over it),
-        # in one select over the frame, so that the columns keep its chunks: a scatter made
-        # one-chunk columns, and polars then copied every column of the frame into one chunk at
-        # the next operation (0.3-0.6 s on 3M rows)
-        # Only the fields those rows have are made so (a dump's other rows are mostly STEP and
-        # MSTX rows, which have none of them): a pass over the frame costs what 3M rows cost
+        # The rest, per key, on those rows' text only (null elsewhere: the patterns pass over it),
+        # in one select over the frame, so that the columns keep its chunks (a scatter made
+        # one-chunk columns, and polars then copied the whole frame at the next operation), and
+        # only for the fields those rows have: they are mostly STEP and MSTX rows, with none.
+        addr_is_number = cols.schema.get("addr") == pl.Int64  # the C++ fields give it as a number
+
         def per(attr):
-            got = {k: _attr_field(key, num, attr) for k, (key, num) in _PER_KEY.items()}
-            if cols.schema.get("addr") == pl.Int64:  # the C++ fields give it as a number already
+            got = _per_key_exprs(attr)
+            if addr_is_number:
                 got["addr"] = _addr_number(got["addr"])
             return got
         few = df.select("attr").filter(other).select(**{c: e for c, e in per(pl.col("attr")).items()
@@ -536,6 +533,8 @@ def _addr_number(a: pl.Expr) -> pl.Expr:
 
 
 _IS_STEP = (pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")
+# Attr's ``origin``: the pattern on the rows that name it only (when/then would run it on every row's text)
+_ORIGIN = _attr_field("origin", False, pl.when(pl.col("attr").str.contains("origin", literal=True)).then(pl.col("attr")))
 
 
 def _refuse_sizeless(df: pl.DataFrame, path: str, mem_rows) -> None:
@@ -649,10 +648,7 @@ def _derive(frame, path: str, want: tuple = DEFAULT_COLUMNS, events=None, counts
     if late and not {"MALLOC", "FREE"} <= set(events):
         out = out.filter(pl.col("event").is_in(list(events)))
     if "origin" in want:
-        # the pattern on the rows that name it only (when/then would run it on every row's text)
-        origin = out.select(origin=_attr_field("origin", False, pl.when(
-            pl.col("attr").str.contains("origin", literal=True)).then(pl.col("attr"))))["origin"]
-        out = out.with_columns(_aligned(origin, out))
+        out = out.with_columns(_aligned(out.select(origin=_ORIGIN)["origin"], out))
     if attr_of is not None and "attr" in want:
         attr = out.select(attr=pl.when(pl.col("event").is_in(list(attr_of))).then(pl.col("attr")))["attr"]
         out = out.with_columns(_aligned(attr, out))
@@ -988,9 +984,7 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
     if keep is not None:
         out = out.filter(pl.col("event").is_in(list(keep)))
     if "origin" in want:
-        # the pattern on the rows that name it only (when/then would run it on every row's text)
-        out = out.with_columns(origin=_attr_field("origin", False, pl.when(
-            pl.col("attr").str.contains("origin", literal=True)).then(pl.col("attr"))))
+        out = out.with_columns(origin=_ORIGIN)
     return out.select(want)
 
 
