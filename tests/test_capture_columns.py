@@ -178,6 +178,15 @@ def test_a_killed_writer_leaves_no_companion_that_is_used(tmp_path):
         "            if os.path.isdir(folder) and any(n.startswith('part-') for n in os.listdir(folder)):\n"
         "                break\n"
         "            time.sleep(0.05)\n"
+        # and until the writer has written every row sent so far: rows still in the pipe when it
+        # is killed are lost by design (rows_lost_after), which this test is not about
+        "        for _ in range(600):\n"
+        "            with open(s.writer.path, 'rb') as f:\n"
+        "                f.seek(max(0, os.path.getsize(s.writer.path) - 4096))\n"
+        "                tail = f.read().splitlines()\n"
+        "            if tail and tail[-1].split(b',')[0] == str(s.writer.last_id()).encode():\n"
+        "                break\n"
+        "            time.sleep(0.05)\n"
         "        print('parts', sorted(os.listdir(folder)), flush=True)\n"
         "        if proc is not None:\n"))
     env["MSMEMSCOPE_COLUMN_PART_ROWS"] = "1"

@@ -95,6 +95,9 @@ for i in range(8):
     m(torch.randn(4, 64)).sum().backward(); opt.step(); opt.zero_grad()
     msmemscope.step()
     time.sleep(3 * spool.NAP_MAX)  # frames then land while the writer naps
+if sys.argv[2] == "sigkill":  # the last step's frame was written while the writer napped
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 w = capture.current().writer  # the writer process, started with the first batch, has the rows of all
 for _ in range(100):
     with open(f"/proc/{w._proc.pid}/fdinfo/0") as f:
@@ -107,17 +110,24 @@ print(flags & os.O_NONBLOCK != 0)
 """
 
 
-def test_writer_naps_instead_of_waiting_in_read(tmp_path):
+@pytest.mark.parametrize("end", ["stop", "sigkill"])
+def test_writer_naps_instead_of_waiting_in_read(tmp_path, end):
     """The writer process reads the pipe non-blocking and naps while it is empty (a process asleep
     in read() is woken by every write: 20-70 us of the traced process's time a frame on a virtual
-    machine). Frames written while it naps all reach the dump, in order, steps and all."""
+    machine). Frames written while it naps all reach the dump, in order, steps and all, also when
+    the program is killed (SIGKILL) while the writer naps: the frames were in the pipe."""
+    from msmemscope.io import spool
     prog = tmp_path / "prog.py"
     prog.write_text(NAPPING)
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out")], env=env_for_tests(),
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out"), end], env=env_for_tests(),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[-1] == "True", r.stdout
+    if end == "sigkill":
+        assert r.returncode == -9, r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[-1] == "True", r.stdout
     [folder] = run_folders(tmp_path / "out")
+    assert spool.wait_for_writer(dump_of(folder), timeout=60)
     df = read(dump_of(folder))
     check_invariants(df)
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
