@@ -1206,6 +1206,261 @@ py::tuple attr_fields(py::object capsule, int kind) {
                         py::make_tuple(mc, modules.values), py::make_tuple(pc, phases.values));
 }
 
+// ---------------------------------------------------------------- inefficient memory's fold
+// (issue 22) Tracker.feed's array work (analysis/inefficient.py) for one chunk, in loops instead
+// of numpy passes: the same live-block columns in, the same columns out, for the old blocks
+// followed by this chunk's new ones. The definitions are the module docstring's; the order of
+// the work is the numpy code's (accesses over the whole chunk before the searches for the first
+// free/malloc after a point, those before the frees), so a row out of the usual order (an access
+// before its block's MALLOC in the chunk, an unbalanced END) gives what the numpy code gives.
+namespace {
+
+// allocation id -> block index: a table indexed by id where the ids are dense (they are numbered
+// in order of allocation, so the rows then touch it in order), else open addressing (ids are any
+// int64: the original's, a sparse mix)
+struct IdIndex {
+  bool dense = false;
+  int64_t lo = 0;
+  std::vector<int64_t> table;  // dense: block or -1 at id - lo
+  std::vector<int64_t> keys;
+  std::vector<int64_t> vals;  // hashed: -1 where empty
+  size_t mask = 0;
+  IdIndex(size_t n, int64_t lo_id, int64_t hi_id) {
+    // a range of about 8 ids per block at most: the table is then no bigger than the hashed one
+    if (lo_id <= hi_id && (uint64_t)hi_id - (uint64_t)lo_id < 8 * (uint64_t)n + 4096) {
+      dense = true;
+      lo = lo_id;
+      table.assign((size_t)((uint64_t)hi_id - (uint64_t)lo_id) + 1, -1);
+      return;
+    }
+    size_t cap = 16;
+    while (cap < 2 * n + 16) cap <<= 1;
+    keys.assign(cap, 0);
+    vals.assign(cap, -1);
+    mask = cap - 1;
+  }
+  static size_t mix(int64_t k) {
+    uint64_t x = (uint64_t)k * 0x9E3779B97F4A7C15ull;
+    return (size_t)(x ^ (x >> 29));
+  }
+  // the index of k, or -1
+  int64_t find(int64_t k) const {
+    if (dense) {
+      const uint64_t at = (uint64_t)k - (uint64_t)lo;
+      return at < table.size() ? table[at] : -1;
+    }
+    for (size_t h = mix(k) & mask;; h = (h + 1) & mask) {
+      if (vals[h] < 0) return -1;
+      if (keys[h] == k) return vals[h];
+    }
+  }
+  // insert k -> v unless k is there (k must lie in the dense range); returns whether it was inserted
+  bool insert(int64_t k, int64_t v) {
+    if (dense) {
+      int64_t& slot = table[(uint64_t)k - (uint64_t)lo];
+      if (slot >= 0) return false;
+      slot = v;
+      return true;
+    }
+    for (size_t h = mix(k) & mask;; h = (h + 1) & mask) {
+      if (vals[h] < 0) {
+        keys[h] = k;
+        vals[h] = v;
+        return true;
+      }
+      if (keys[h] == k) return false;
+    }
+  }
+};
+
+template <typename T>
+using carr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+constexpr int64_t kInf = INT64_MAX;
+constexpr int8_t kStart = 1, kEnd = 2, kMalloc = 3, kFree = 4, kAccess = 5;
+
+// the first event after a point: after the op's end when the point's slot is inside an op
+// (even), else after the row itself (the events' positions and slots both never decrease)
+inline size_t first_after(const std::vector<int64_t>& ev_slot, const std::vector<int64_t>& ev_pos,
+                          int64_t slot, int64_t pos) {
+  if (slot % 2 == 0)
+    return std::upper_bound(ev_slot.begin(), ev_slot.end(), slot) - ev_slot.begin();
+  return std::upper_bound(ev_pos.begin(), ev_pos.end(), pos) - ev_pos.begin();
+}
+
+}  // namespace
+
+// kind/pos/aid/has_aid/before/size: the chunk's columns (aid 0 and before false where null);
+// k, depth: the tracker's ops so far and open ops; blocks: its live-block columns (a dict of the
+// _NUM names). Returns (blocks after this chunk, old then new: a dict of the same columns;
+// new-block rows of the chunk; whether each new block's row is inside an op; freed; late).
+py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_t> aid_a, carr<bool> has_a,
+                           carr<bool> before_a, carr<int64_t> size_a, int64_t k, int64_t depth, py::dict blocks) {
+  const int64_t n = kind_a.size();
+  if (pos_a.size() != n || aid_a.size() != n || has_a.size() != n || before_a.size() != n || size_a.size() != n)
+    throw py::value_error("inefficient_fold: columns of different lengths");
+  const int8_t* kind = kind_a.data();
+  const int64_t *pos = pos_a.data(), *aid = aid_a.data(), *size = size_a.data();
+  const bool *has = has_a.data(), *before = before_a.data();
+
+  static const char* names[] = {"alloc_id", "mpos", "sa", "aop", "before", "size", "qf_slot", "first_op",
+                                "early", "last_slot", "last_pos", "qm_slot", "qm_pos", "prev_op", "max_gap"};
+  enum { ALLOC_ID, MPOS, SA, AOP, BEFORE, SIZE, QF_SLOT, FIRST_OP, EARLY, LAST_SLOT, LAST_POS, QM_SLOT, QM_POS,
+         PREV_OP, MAX_GAP, NCOLS };
+  std::vector<std::vector<int64_t>> col(NCOLS);
+  int64_t n_old = -1;
+  for (int c = 0; c < NCOLS; ++c) {
+    carr<int64_t> a = py::reinterpret_borrow<py::object>(blocks[names[c]]);  // bools cast to 0/1
+    if (n_old < 0) n_old = a.size();
+    if (a.size() != n_old) throw py::value_error("inefficient_fold: block columns of different lengths");
+    col[c].assign(a.data(), a.data() + a.size());
+  }
+
+  // the op and slot of each row, walked again by each pass below (a running count: no array of
+  // them, whose fresh pages would cost more than the passes)
+  struct Walk {
+    const int8_t* kind;
+    int64_t k, depth, cs = 0, ce = 0, op = 0, slot = 0;
+    void step(int64_t i) {
+      const bool en = kind[i] == kEnd;
+      cs += kind[i] == kStart;
+      ce += en;
+      op = k + cs;
+      slot = 2 * op + ((depth + cs - ce + (en ? 1 : 0)) <= 0 ? 1 : 0);
+    }
+  };
+  // the ids a block can have: the live blocks' and those of this chunk's MALLOCs
+  int64_t lo_id = INT64_MAX, hi_id = INT64_MIN, n_ids = n_old;
+  for (int64_t b = 0; b < n_old; ++b) {
+    lo_id = std::min(lo_id, col[ALLOC_ID][b]);
+    hi_id = std::max(hi_id, col[ALLOC_ID][b]);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (kind[i] == kMalloc && has[i]) {
+      lo_id = std::min(lo_id, aid[i]);
+      hi_id = std::max(hi_id, aid[i]);
+      ++n_ids;
+    }
+  IdIndex index((size_t)n_ids, lo_id, hi_id);
+  for (int64_t b = 0; b < n_old; ++b) index.insert(col[ALLOC_ID][b], b);
+
+  // new blocks (the row, its slot and op); the MALLOC and FREE events
+  std::vector<int64_t> m_slot, m_pos, f_slot, f_pos, mk, mk_slot, mk_op;
+  {
+    Walk w{kind, k, depth};
+    for (int64_t i = 0; i < n; ++i) {
+      w.step(i);
+      const int8_t kd = kind[i];
+      if (kd == kMalloc) {
+        m_slot.push_back(w.slot);
+        m_pos.push_back(pos[i]);
+        if (has[i] && index.insert(aid[i], n_old + (int64_t)mk.size())) {
+          mk.push_back(i);
+          mk_slot.push_back(w.slot);
+          mk_op.push_back(w.op);
+        }
+      } else if (kd == kFree) {
+        f_slot.push_back(w.slot);
+        f_pos.push_back(pos[i]);
+      }
+    }
+  }
+  const int64_t nb = n_old + (int64_t)mk.size();
+  for (auto& c : col) c.resize(nb);
+  for (size_t j = 0; j < mk.size(); ++j) {
+    const int64_t b = n_old + (int64_t)j, r = mk[j];
+    col[ALLOC_ID][b] = aid[r];
+    col[MPOS][b] = pos[r];
+    col[SA][b] = mk_slot[j];
+    col[AOP][b] = mk_op[j];
+    col[BEFORE][b] = before[r] ? 1 : 0;
+    col[SIZE][b] = size[r];
+    col[QF_SLOT][b] = kInf;
+    col[FIRST_OP][b] = -1;
+    col[EARLY][b] = 0;
+    col[LAST_SLOT][b] = mk_slot[j];
+    col[LAST_POS][b] = pos[r];
+    col[QM_SLOT][b] = kInf;
+    col[QM_POS][b] = kInf;
+    col[PREV_OP][b] = -1;
+    col[MAX_GAP][b] = -1;
+  }
+
+  // the accesses, in dump order: the last access, and the counted ones (by another op than the
+  // allocating one; every access of a block first seen as an input)
+  std::vector<uint8_t> newly(nb, 0);
+  Walk w{kind, k, depth};
+  for (int64_t i = 0; i < n; ++i) {
+    w.step(i);
+    if (kind[i] != kAccess || !has[i]) continue;
+    const int64_t b = index.find(aid[i]);
+    if (b < 0) continue;
+    col[LAST_SLOT][b] = w.slot;
+    col[LAST_POS][b] = pos[i];
+    col[QM_SLOT][b] = kInf;
+    col[QM_POS][b] = kInf;
+    if (!(col[BEFORE][b] || w.slot != col[SA][b])) continue;
+    const int64_t cop = w.op, prev = col[PREV_OP][b];
+    if (prev >= 0) col[MAX_GAP][b] = std::max(col[MAX_GAP][b], cop - prev - 1);
+    if (col[FIRST_OP][b] < 0) {
+      col[FIRST_OP][b] = cop;
+      newly[b] = 1;
+    }
+    col[PREV_OP][b] = cop;
+  }
+
+  // the first free / malloc of another block after the allocation / the last access
+  for (int64_t b = 0; b < nb; ++b) {
+    if (col[QF_SLOT][b] == kInf && !f_pos.empty()) {
+      const size_t j = first_after(f_slot, f_pos, col[SA][b], col[MPOS][b]);
+      col[QF_SLOT][b] = j < f_slot.size() ? f_slot[j] : kInf;
+    }
+    if (col[QM_SLOT][b] == kInf && !m_pos.empty()) {
+      const size_t j = first_after(m_slot, m_pos, col[LAST_SLOT][b], col[LAST_POS][b]);
+      col[QM_SLOT][b] = j < m_slot.size() ? m_slot[j] : kInf;
+      col[QM_POS][b] = j < m_pos.size() ? m_pos[j] : kInf;
+    }
+    // 2*first_op cannot overflow: ops are row counts
+    if (newly[b] && col[QF_SLOT][b] < 2 * col[FIRST_OP][b]) col[EARLY][b] = 1;
+  }
+
+  // the blocks freed in this chunk (the first FREE of each id) are judged now
+  py::array_t<bool> freed_a(nb), late_a(nb);
+  bool *freed = freed_a.mutable_data(), *late = late_a.mutable_data();
+  std::fill(freed, freed + nb, false);
+  std::fill(late, late + nb, false);
+  w = Walk{kind, k, depth};
+  for (int64_t i = 0; i < n; ++i) {
+    w.step(i);
+    if (kind[i] != kFree || !has[i]) continue;
+    const int64_t b = index.find(aid[i]);
+    if (b < 0 || freed[b]) continue;
+    freed[b] = true;
+    late[b] = w.slot % 2 == 0 ? col[QM_SLOT][b] < w.slot : col[QM_POS][b] < pos[i];
+  }
+
+  py::dict out;
+  for (int c = 0; c < NCOLS; ++c) {
+    if (c == BEFORE || c == EARLY) {
+      py::array_t<bool> a(nb);
+      bool* d = a.mutable_data();
+      for (int64_t b = 0; b < nb; ++b) d[b] = col[c][b] != 0;
+      out[names[c]] = a;
+    } else {
+      py::array_t<int64_t> a(nb);
+      std::copy(col[c].begin(), col[c].end(), a.mutable_data());
+      out[names[c]] = a;
+    }
+  }
+  py::array_t<int64_t> mk_a((py::ssize_t)mk.size());
+  py::array_t<bool> inside_a((py::ssize_t)mk.size());
+  for (size_t j = 0; j < mk.size(); ++j) {
+    mk_a.mutable_data()[j] = mk[j];
+    inside_a.mutable_data()[j] = mk_slot[j] % 2 == 0;
+  }
+  return py::make_tuple(out, mk_a, inside_a, freed_a, late_a);
+}
+
 #ifndef LEAKRULE_NAME
 #define LEAKRULE_NAME msmemscope_leakrule
 #endif
@@ -1214,6 +1469,7 @@ PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("leak_rows", &leak_rows);
   m.def("replay_rows", &replay_rows);
   m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"));
+  m.def("inefficient_fold", &inefficient_fold);
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)

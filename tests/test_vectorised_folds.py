@@ -14,7 +14,7 @@ import pytest
 from conftest import full
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import polars as pl  # noqa: E402
@@ -179,9 +179,28 @@ def inefficient_per_row(rows, thr):
     return out
 
 
+def _fold_path(path):
+    """Both implementations of the tracker's fold: the C++ one (where it is built) and numpy's."""
+    m = pytest.MonkeyPatch()
+    m.setenv(I.FOLD_ENV, path)
+    if path == "native" and I._native_fold() is None:
+        m.undo()
+        pytest.skip("the leak rule's C++ module is not built")
+    return m
+
+
+@pytest.mark.parametrize("fold", ["native", "numpy"])
+def test_inefficient_tracker_is_the_per_row_definitions(fold):
+    m = _fold_path(fold)
+    try:
+        _tracker_is_the_per_row_definitions()
+    finally:
+        m.undo()
+
+
 @settings(**SETTINGS)
 @given(traces(), st.integers(0, 2), st.lists(st.integers(1, 12), max_size=4))
-def test_inefficient_tracker_is_the_per_row_definitions(rows, thr, cuts):
+def _tracker_is_the_per_row_definitions(rows, thr, cuts):
     ch = pl.DataFrame([{"pos": i + 1, "kind": k, "name": nm, "alloc_id": aid, "size": 16,
                         "before": b, "stack": None} for i, (k, nm, aid, b) in enumerate(rows)],
                       schema=I.CHUNK_SCHEMA)
@@ -193,6 +212,43 @@ def test_inefficient_tracker_is_the_per_row_definitions(rows, thr, cuts):
         at += n
     got = {r["mpos"]: (r["bits"], r["max_gap"], r["first_op"], r["aop"], r["op"]) for r in tr.finish().to_dicts()}
     assert got == want
+
+
+# rows no well-formed trace holds: ENDs without a START, an id allocated twice or accessed and freed
+# before its MALLOC, ids without a MALLOC, rows without an id, unnamed ops, sizes and the before flag
+_messy_row = st.tuples(st.sampled_from([I.K_START, I.K_END, I.K_MALLOC, I.K_MALLOC, I.K_FREE, I.K_ACCESS,
+                                         I.K_ACCESS, I.K_ACCESS, I.K_OTHER]),
+                       st.sampled_from(["aten::mm", None, "x"]), st.sampled_from([None, 0, 1, 2, 3, 4]),
+                       st.sampled_from([None, False, True, True]), st.one_of(st.none(), st.integers(0, 64)))
+
+
+@settings(**dict(SETTINGS, max_examples=full(200, 1000)))
+# a second FREE of a freed id, after another MALLOC: the block is judged at its first FREE only
+@example(rows=[(I.K_MALLOC, None, 1, False, 8), (I.K_FREE, None, 1, None, 8), (I.K_MALLOC, None, 2, False, 8),
+               (I.K_FREE, None, 1, None, 8)], thr=0, cuts=[], sparse_ids=False)
+@given(st.lists(_messy_row, max_size=50), st.integers(0, 3), st.lists(st.integers(1, 8), max_size=6),
+       st.booleans())
+def test_inefficient_native_fold_is_the_numpy_fold(rows, thr, cuts, sparse_ids):
+    """The C++ fold and the numpy one give the same blocks and flags, chunk after chunk, on any rows;
+    ``sparse_ids`` spreads the ids so that the numpy fold takes its search instead of its table."""
+    if I._native_fold() is None:
+        pytest.skip("the leak rule's C++ module is not built")
+    scale = 10 ** 12 if sparse_ids else 1
+    ch = pl.DataFrame([{"pos": i + 1, "kind": k, "name": nm, "alloc_id": None if aid is None else aid * scale - 3,
+                        "size": sz, "before": b, "stack": f"s{i}"} for i, (k, nm, aid, b, sz) in enumerate(rows)],
+                      schema=I.CHUNK_SCHEMA)
+
+    def run(path):
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv(I.FOLD_ENV, path)
+            tr, at, states = I.Tracker(thr), 0, []
+            for n in cuts + [ch.height]:
+                tr.feed(ch.slice(at, n))
+                at += n
+                states.append(({c: v.tolist() for c, v in tr.b.items()}, tr.text.to_dicts(), tr.k, tr.depth,
+                               tr.op_name, dict(tr.counts)))
+            return states, tr.finish().to_dicts()
+    assert run("native") == run("numpy")
 
 
 # ------------------------------------------------------------------ compare

@@ -101,6 +101,131 @@ def _first_qualifying(ev_pos, ev_slot, slot, pos):
     return np.where(even, s1, s2), np.where(even, p1, p2)
 
 
+def _native_fold():
+    """The C++ fold (``inefficient_fold`` in msmemscope/_leakrule.cpp), or None: not built, or
+    ``MSMEMSCOPE_INEFFICIENT_FOLD=numpy``."""
+    if os.environ.get(FOLD_ENV, "").strip().lower() == "numpy":
+        return None
+    from .. import leak_native
+    mod = leak_native.load_module()
+    return getattr(mod, "inefficient_fold", None) if mod is not None else None
+
+
+FOLD_ENV = "MSMEMSCOPE_INEFFICIENT_FOLD"
+
+
+def _fold(kind, pos, aid, has_aid, before_col, size_col, k, depth, old):
+    """One chunk folded into the live blocks ``old`` (the ``_NUM`` columns) with numpy: returns the
+    blocks after it (``old``'s, then the chunk's new ones), the rows of the new blocks, whether
+    each of those rows is inside an op, and which blocks the chunk freed and found late."""
+    st, en = kind == K_START, kind == K_END
+    cs, ce = np.cumsum(st, dtype=np.int64), np.cumsum(en, dtype=np.int64)
+    op = k + cs
+    slot = 2 * op + ((depth + cs - ce + en) <= 0)
+    mi, fi, ai = (np.flatnonzero(kind == kd) for kd in (K_MALLOC, K_FREE, K_ACCESS))
+    m_pos, m_slot = pos[mi], slot[mi]
+    f_pos, f_slot = pos[fi], slot[fi]
+
+    # new blocks: the first MALLOC of each allocation id that is not live already
+    # (a MALLOC without an id is never matched, so it can never be flagged)
+    mk = mi[has_aid[mi]]
+    if len(mk):
+        _, first = np.unique(aid[mk], return_index=True)
+        mk = mk[np.sort(first)]
+        if len(old["alloc_id"]):
+            mk = mk[~np.isin(aid[mk], old["alloc_id"])]
+    n_old = len(old["alloc_id"])
+    if len(mk) or n_old == 0:
+        k_new = len(mk)
+        new = {"alloc_id": aid[mk], "mpos": pos[mk], "sa": slot[mk], "aop": op[mk], "before": before_col[mk],
+               "size": size_col[mk], "qf_slot": np.full(k_new, INF),
+               "first_op": np.full(k_new, -1), "early": np.zeros(k_new, bool), "last_slot": slot[mk],
+               "last_pos": pos[mk], "qm_slot": np.full(k_new, INF), "qm_pos": np.full(k_new, INF),
+               "prev_op": np.full(k_new, -1), "max_gap": np.full(k_new, -1)}
+        b = {c: np.concatenate([old[c], new[c].astype(t, copy=False)]) for c, t in _NUM.items()}
+    else:
+        b = {c: v.copy() for c, v in old.items()}
+    nb = len(b["alloc_id"])
+    mk_inside = slot[mk] % 2 == 0
+    if nb == 0:
+        return b, mk, mk_inside, np.zeros(0, bool), np.zeros(0, bool)
+    lo, hi = int(b["alloc_id"].min()), int(b["alloc_id"].max())
+    if hi - lo < 8 * nb + 4096:  # ids are mostly dense: a table indexed by id
+        table = np.full(hi - lo + 1, -1, dtype=np.int64)
+        table[b["alloc_id"] - lo] = np.arange(nb)
+
+        def block_of(rows):
+            """The block index of each of ``rows`` (chunk positions with an id), -1 where none."""
+            v = aid[rows] - lo
+            ok = (v >= 0) & (v <= hi - lo)
+            return np.where(ok, table[np.where(ok, v, 0)], -1)
+    else:
+        order = np.argsort(b["alloc_id"], kind="stable")
+        ids_sorted = b["alloc_id"][order]
+
+        def block_of(rows):
+            j = np.minimum(np.searchsorted(ids_sorted, aid[rows]), nb - 1)
+            return np.where(ids_sorted[j] == aid[rows], order[j], -1)
+
+    newly = np.zeros(nb, bool)
+    ak = ai[has_aid[ai]]
+    if len(ak):
+        bi = block_of(ak)
+        ak, bi = ak[bi >= 0], bi[bi >= 0]
+    if len(ak):
+        a_slot, a_op, a_pos = slot[ak], op[ak], pos[ak]
+        g = np.argsort(bi, kind="stable")  # accesses grouped by block, in dump order inside each
+        bg = bi[g]
+        brk = np.flatnonzero(np.r_[True, bg[1:] != bg[:-1]])
+        last = np.r_[brk[1:], len(bg)] - 1
+        blk = bg[brk]
+        # the last access of each block (positions and slots never decrease along the dump)
+        b["last_slot"][blk] = a_slot[g[last]]
+        b["last_pos"][blk] = a_pos[g[last]]
+        b["qm_slot"][blk] = INF
+        b["qm_pos"][blk] = INF
+        # counted accesses: by another op than the allocating one (every access of a before_op block)
+        cg = g[(b["before"][bi] | (a_slot != b["sa"][bi]))[g]]
+        if len(cg):
+            cb, cop = bi[cg], a_op[cg]
+            cbrk = np.flatnonzero(np.r_[True, cb[1:] != cb[:-1]])
+            clast = np.r_[cbrk[1:], len(cb)] - 1
+            cblk = cb[cbrk]
+            prev = np.empty_like(cop)
+            prev[1:] = cop[:-1]
+            prev[cbrk] = b["prev_op"][cblk]
+            gap = np.where(prev >= 0, cop - prev - 1, -1)
+            fresh = b["first_op"][cblk] < 0
+            newly[cblk[fresh]] = True
+            b["first_op"][cblk[fresh]] = cop[cbrk][fresh]
+            b["prev_op"][cblk] = cop[clast]
+            b["max_gap"][cblk] = np.maximum(b["max_gap"][cblk], np.maximum.reduceat(gap, cbrk))
+
+    # the first free / malloc of another block after the allocation / the last access
+    todo = b["qf_slot"] == INF
+    if todo.any() and len(f_pos):
+        b["qf_slot"][todo], _ = _first_qualifying(f_pos, f_slot, b["sa"][todo], b["mpos"][todo])
+    todo = b["qm_slot"] == INF
+    if todo.any() and len(m_pos):
+        b["qm_slot"][todo], b["qm_pos"][todo] = _first_qualifying(m_pos, m_slot, b["last_slot"][todo],
+                                                                  b["last_pos"][todo])
+    b["early"] |= newly & (b["qf_slot"] < 2 * b["first_op"])
+
+    # blocks freed in this chunk (their first FREE) are judged now
+    freed = np.zeros(nb, bool)
+    late = np.zeros(nb, bool)
+    fk = fi[has_aid[fi]]
+    if len(fk):
+        _, first = np.unique(aid[fk], return_index=True)
+        fk = fk[first]
+        fb = block_of(fk)
+        fk, fb = fk[fb >= 0], fb[fb >= 0]
+        fs, fp = slot[fk], pos[fk]
+        freed[fb] = True
+        late[fb] = np.where(fs % 2 == 0, b["qm_slot"][fb] < fs, b["qm_pos"][fb] < fp)
+    return b, mk, mk_inside, freed, late
+
+
 #: rows of a dump's chunk fed at a time (``Tracker.feed_all``)
 FEED_ROWS = 1 << 20
 
@@ -138,11 +263,7 @@ class Tracker:
         if n == 0:
             return
         kind = ch["kind"].to_numpy()
-        pos = ch["pos"].to_numpy()
         st, en = kind == K_START, kind == K_END
-        cs, ce = np.cumsum(st, dtype=np.int64), np.cumsum(en, dtype=np.int64)
-        op = self.k + cs
-        slot = 2 * op + ((self.depth + cs - ce + en) <= 0)
         names = ch["name"]
         # the op name of a row: the last START row (with a name) up to it, else the chunk before's
         named_starts = np.flatnonzero(st & names.is_not_null().to_numpy())
@@ -151,120 +272,29 @@ class Tracker:
             j = np.searchsorted(named_starts, rows, side="right") - 1
             return np.where(j >= 0, named_starts[np.maximum(j, 0)] if len(named_starts) else -1, -1)
         op_before = self.op_name
-        n_start, n_end = int(cs[-1]), int(ce[-1])
+        n_start, n_end = int(np.count_nonzero(st)), int(np.count_nonzero(en))
+        k0, depth0 = self.k, self.depth
         self.k += n_start
         self.depth = max(0, self.depth + n_start - n_end)
         if len(named_starts):
             self.op_name = names[int(named_starts[-1])]
         self.counts["ops"] += n_start
+        self.counts["malloc"] += int(np.count_nonzero(kind == K_MALLOC))
+        self.counts["free"] += int(np.count_nonzero(kind == K_FREE))
+        self.counts["access"] += int(np.count_nonzero(kind == K_ACCESS))
 
-        aid_col = ch["alloc_id"]
-        has_aid = aid_col.is_not_null().to_numpy()
-        aid = aid_col.fill_null(0).to_numpy()
-        mi, fi, ai = (np.flatnonzero(kind == k) for k in (K_MALLOC, K_FREE, K_ACCESS))
-        self.counts["malloc"] += len(mi)
-        self.counts["free"] += len(fi)
-        self.counts["access"] += len(ai)
-        m_pos, m_slot = pos[mi], slot[mi]
-        f_pos, f_slot = pos[fi], slot[fi]
-
-        # new blocks: the first MALLOC of each allocation id that is not live already
-        # (a MALLOC without an id is never matched, so it can never be flagged)
-        mk = mi[has_aid[mi]]
-        if len(mk):
-            _, first = np.unique(aid[mk], return_index=True)
-            mk = mk[np.sort(first)]
-            if len(self.b["alloc_id"]):
-                mk = mk[~np.isin(aid[mk], self.b["alloc_id"])]
         n_old = len(self.b["alloc_id"])
-        if len(mk) or n_old == 0:
-            before = ch["before"].fill_null(False).to_numpy()[mk].astype(bool)
-            k_new = len(mk)
-            new = {"alloc_id": aid[mk], "mpos": pos[mk], "sa": slot[mk], "aop": op[mk], "before": before,
-                   "size": ch["size"].fill_null(0).to_numpy()[mk], "qf_slot": np.full(k_new, INF),
-                   "first_op": np.full(k_new, -1), "early": np.zeros(k_new, bool), "last_slot": slot[mk],
-                   "last_pos": pos[mk], "qm_slot": np.full(k_new, INF), "qm_pos": np.full(k_new, INF),
-                   "prev_op": np.full(k_new, -1), "max_gap": np.full(k_new, -1)}
-            b = {c: np.concatenate([self.b[c], new[c].astype(t, copy=False)]) for c, t in _NUM.items()}
+        aid_col = ch["alloc_id"]
+        cols = (kind, ch["pos"].to_numpy(), aid_col.fill_null(0).to_numpy(), aid_col.is_not_null().to_numpy(),
+                ch["before"].fill_null(False).to_numpy().astype(bool, copy=False), ch["size"].fill_null(0).to_numpy())
+        fold = _native_fold()
+        if fold is not None:
+            b, mk, mk_inside, freed, late = fold(*cols, k0, depth0, self.b)
         else:
-            b = {c: v.copy() for c, v in self.b.items()}
+            b, mk, mk_inside, freed, late = _fold(*cols, k0, depth0, self.b)
         nb = len(b["alloc_id"])
         if nb == 0:
             return
-        lo, hi = int(b["alloc_id"].min()), int(b["alloc_id"].max())
-        if hi - lo < 8 * nb + 4096:  # ids are mostly dense: a table indexed by id
-            table = np.full(hi - lo + 1, -1, dtype=np.int64)
-            table[b["alloc_id"] - lo] = np.arange(nb)
-
-            def block_of(rows):
-                """The block index of each of ``rows`` (chunk positions with an id), -1 where none."""
-                v = aid[rows] - lo
-                ok = (v >= 0) & (v <= hi - lo)
-                return np.where(ok, table[np.where(ok, v, 0)], -1)
-        else:
-            order = np.argsort(b["alloc_id"], kind="stable")
-            ids_sorted = b["alloc_id"][order]
-
-            def block_of(rows):
-                j = np.minimum(np.searchsorted(ids_sorted, aid[rows]), nb - 1)
-                return np.where(ids_sorted[j] == aid[rows], order[j], -1)
-
-        newly = np.zeros(nb, bool)
-        ak = ai[has_aid[ai]]
-        if len(ak):
-            bi = block_of(ak)
-            ak, bi = ak[bi >= 0], bi[bi >= 0]
-        if len(ak):
-            a_slot, a_op, a_pos = slot[ak], op[ak], pos[ak]
-            g = np.argsort(bi, kind="stable")  # accesses grouped by block, in dump order inside each
-            bg = bi[g]
-            brk = np.flatnonzero(np.r_[True, bg[1:] != bg[:-1]])
-            last = np.r_[brk[1:], len(bg)] - 1
-            blk = bg[brk]
-            # the last access of each block (positions and slots never decrease along the dump)
-            b["last_slot"][blk] = a_slot[g[last]]
-            b["last_pos"][blk] = a_pos[g[last]]
-            b["qm_slot"][blk] = INF
-            b["qm_pos"][blk] = INF
-            # counted accesses: by another op than the allocating one (every access of a before_op block)
-            cg = g[(b["before"][bi] | (a_slot != b["sa"][bi]))[g]]
-            if len(cg):
-                cb, cop = bi[cg], a_op[cg]
-                cbrk = np.flatnonzero(np.r_[True, cb[1:] != cb[:-1]])
-                clast = np.r_[cbrk[1:], len(cb)] - 1
-                cblk = cb[cbrk]
-                prev = np.empty_like(cop)
-                prev[1:] = cop[:-1]
-                prev[cbrk] = b["prev_op"][cblk]
-                gap = np.where(prev >= 0, cop - prev - 1, -1)
-                fresh = b["first_op"][cblk] < 0
-                newly[cblk[fresh]] = True
-                b["first_op"][cblk[fresh]] = cop[cbrk][fresh]
-                b["prev_op"][cblk] = cop[clast]
-                b["max_gap"][cblk] = np.maximum(b["max_gap"][cblk], np.maximum.reduceat(gap, cbrk))
-
-        # the first free / malloc of another block after the allocation / the last access
-        todo = b["qf_slot"] == INF
-        if todo.any() and len(f_pos):
-            b["qf_slot"][todo], _ = _first_qualifying(f_pos, f_slot, b["sa"][todo], b["mpos"][todo])
-        todo = b["qm_slot"] == INF
-        if todo.any() and len(m_pos):
-            b["qm_slot"][todo], b["qm_pos"][todo] = _first_qualifying(m_pos, m_slot, b["last_slot"][todo],
-                                                                      b["last_pos"][todo])
-        b["early"] |= newly & (b["qf_slot"] < 2 * b["first_op"])
-
-        # blocks freed in this chunk (their first FREE) are judged now
-        freed = np.zeros(nb, bool)
-        late = np.zeros(nb, bool)
-        fk = fi[has_aid[fi]]
-        if len(fk):
-            _, first = np.unique(aid[fk], return_index=True)
-            fk = fk[first]
-            fb = block_of(fk)
-            fk, fb = fk[fb >= 0], fb[fb >= 0]
-            fs, fp = slot[fk], pos[fk]
-            freed[fb] = True
-            late[fb] = np.where(fs % 2 == 0, b["qm_slot"][fb] < fs, b["qm_pos"][fb] < fp)
         bits = self._bits(b, late)
         flag = freed & (bits > 0)
         keep = ~freed
@@ -275,7 +305,7 @@ class Tracker:
             parts = [self.text[old]] if len(old) else []
             if len(nw):
                 rows = mk[nw]
-                inside = slot[rows] % 2 == 0
+                inside = mk_inside[nw]
                 ls = last_start(rows)
                 src = np.where(inside & (ls >= 0), ls, rows)
                 opn = names.gather(src)
