@@ -1217,7 +1217,8 @@ namespace {
 
 // allocation id -> block index: a table indexed by id where the ids are dense (they are numbered
 // in order of allocation, so the rows then touch it in order), else open addressing (ids are any
-// int64: the original's, a sparse mix)
+// int64: the original's, a sparse mix). Its arrays are kept from one chunk to the next: memory
+// fresh from the system costs a page fault per page, more than the passes over it.
 struct IdIndex {
   bool dense = false;
   int64_t lo = 0;
@@ -1225,10 +1226,10 @@ struct IdIndex {
   std::vector<int64_t> keys;
   std::vector<int64_t> vals;  // hashed: -1 where empty
   size_t mask = 0;
-  IdIndex(size_t n, int64_t lo_id, int64_t hi_id) {
+  void reset(size_t n, int64_t lo_id, int64_t hi_id) {
     // a range of about 8 ids per block at most: the table is then no bigger than the hashed one
-    if (lo_id <= hi_id && (uint64_t)hi_id - (uint64_t)lo_id < 8 * (uint64_t)n + 4096) {
-      dense = true;
+    dense = lo_id <= hi_id && (uint64_t)hi_id - (uint64_t)lo_id < 8 * (uint64_t)n + 4096;
+    if (dense) {
       lo = lo_id;
       table.assign((size_t)((uint64_t)hi_id - (uint64_t)lo_id) + 1, -1);
       return;
@@ -1288,6 +1289,27 @@ inline size_t first_after(const std::vector<int64_t>& ev_slot, const std::vector
   return std::upper_bound(ev_pos.begin(), ev_pos.end(), pos) - ev_pos.begin();
 }
 
+// the op and slot of each row, walked again by each pass (a running count: no array of them)
+struct Walk {
+  const int8_t* kind;
+  int64_t k, depth, cs = 0, ce = 0, op = 0, slot = 0;
+  void step(int64_t i) {
+    const bool en = kind[i] == kEnd;
+    cs += kind[i] == kStart;
+    ce += en;
+    op = k + cs;
+    slot = 2 * op + ((depth + cs - ce + (en ? 1 : 0)) <= 0 ? 1 : 0);
+  }
+};
+
+// the fold's working arrays, kept between calls (the GIL is held throughout a call)
+struct FoldScratch {
+  IdIndex index;
+  std::vector<int64_t> m_slot, m_pos, f_slot, f_pos, mk, mk_slot, mk_op;
+  std::vector<uint8_t> newly;
+};
+FoldScratch scratch;
+
 }  // namespace
 
 // kind/pos/aid/has_aid/before/size: the chunk's columns (aid 0 and before false where null);
@@ -1307,78 +1329,85 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
                                 "early", "last_slot", "last_pos", "qm_slot", "qm_pos", "prev_op", "max_gap"};
   enum { ALLOC_ID, MPOS, SA, AOP, BEFORE, SIZE, QF_SLOT, FIRST_OP, EARLY, LAST_SLOT, LAST_POS, QM_SLOT, QM_POS,
          PREV_OP, MAX_GAP, NCOLS };
-  std::vector<std::vector<int64_t>> col(NCOLS);
+  std::vector<carr<int64_t>> old;  // bools come as 0/1
   int64_t n_old = -1;
   for (int c = 0; c < NCOLS; ++c) {
-    carr<int64_t> a = py::reinterpret_borrow<py::object>(blocks[names[c]]);  // bools cast to 0/1
-    if (n_old < 0) n_old = a.size();
-    if (a.size() != n_old) throw py::value_error("inefficient_fold: block columns of different lengths");
-    col[c].assign(a.data(), a.data() + a.size());
+    old.push_back(py::reinterpret_borrow<py::object>(blocks[names[c]]));
+    if (n_old < 0) n_old = old.back().size();
+    if (old.back().size() != n_old) throw py::value_error("inefficient_fold: block columns of different lengths");
   }
+  const int64_t* old_id = old[ALLOC_ID].data();
 
-  // the op and slot of each row, walked again by each pass below (a running count: no array of
-  // them, whose fresh pages would cost more than the passes)
-  struct Walk {
-    const int8_t* kind;
-    int64_t k, depth, cs = 0, ce = 0, op = 0, slot = 0;
-    void step(int64_t i) {
-      const bool en = kind[i] == kEnd;
-      cs += kind[i] == kStart;
-      ce += en;
-      op = k + cs;
-      slot = 2 * op + ((depth + cs - ce + (en ? 1 : 0)) <= 0 ? 1 : 0);
-    }
-  };
   // the ids a block can have: the live blocks' and those of this chunk's MALLOCs
-  int64_t lo_id = INT64_MAX, hi_id = INT64_MIN, n_ids = n_old;
+  int64_t lo_id = INT64_MAX, hi_id = INT64_MIN, n_ids = n_old, n_malloc = 0, n_free = 0;
   for (int64_t b = 0; b < n_old; ++b) {
-    lo_id = std::min(lo_id, col[ALLOC_ID][b]);
-    hi_id = std::max(hi_id, col[ALLOC_ID][b]);
+    lo_id = std::min(lo_id, old_id[b]);
+    hi_id = std::max(hi_id, old_id[b]);
   }
-  for (int64_t i = 0; i < n; ++i)
-    if (kind[i] == kMalloc && has[i]) {
-      lo_id = std::min(lo_id, aid[i]);
-      hi_id = std::max(hi_id, aid[i]);
-      ++n_ids;
+  for (int64_t i = 0; i < n; ++i) {
+    if (kind[i] == kMalloc) {
+      ++n_malloc;
+      if (has[i]) {
+        lo_id = std::min(lo_id, aid[i]);
+        hi_id = std::max(hi_id, aid[i]);
+        ++n_ids;
+      }
+    } else if (kind[i] == kFree) {
+      ++n_free;
     }
-  IdIndex index((size_t)n_ids, lo_id, hi_id);
-  for (int64_t b = 0; b < n_old; ++b) index.insert(col[ALLOC_ID][b], b);
+  }
+  FoldScratch& S = scratch;
+  IdIndex& index = S.index;
+  index.reset((size_t)n_ids, lo_id, hi_id);
+  for (int64_t b = 0; b < n_old; ++b) index.insert(old_id[b], b);
 
   // new blocks (the row, its slot and op); the MALLOC and FREE events
-  std::vector<int64_t> m_slot, m_pos, f_slot, f_pos, mk, mk_slot, mk_op;
+  for (auto* v : {&S.m_slot, &S.m_pos, &S.f_slot, &S.f_pos, &S.mk, &S.mk_slot, &S.mk_op}) v->clear();
+  S.m_slot.reserve(n_malloc);
+  S.m_pos.reserve(n_malloc);
+  S.f_slot.reserve(n_free);
+  S.f_pos.reserve(n_free);
   {
     Walk w{kind, k, depth};
     for (int64_t i = 0; i < n; ++i) {
       w.step(i);
       const int8_t kd = kind[i];
       if (kd == kMalloc) {
-        m_slot.push_back(w.slot);
-        m_pos.push_back(pos[i]);
-        if (has[i] && index.insert(aid[i], n_old + (int64_t)mk.size())) {
-          mk.push_back(i);
-          mk_slot.push_back(w.slot);
-          mk_op.push_back(w.op);
+        S.m_slot.push_back(w.slot);
+        S.m_pos.push_back(pos[i]);
+        if (has[i] && index.insert(aid[i], n_old + (int64_t)S.mk.size())) {
+          S.mk.push_back(i);
+          S.mk_slot.push_back(w.slot);
+          S.mk_op.push_back(w.op);
         }
       } else if (kd == kFree) {
-        f_slot.push_back(w.slot);
-        f_pos.push_back(pos[i]);
+        S.f_slot.push_back(w.slot);
+        S.f_pos.push_back(pos[i]);
       }
     }
   }
-  const int64_t nb = n_old + (int64_t)mk.size();
-  for (auto& c : col) c.resize(nb);
-  for (size_t j = 0; j < mk.size(); ++j) {
-    const int64_t b = n_old + (int64_t)j, r = mk[j];
+  const int64_t n_new = (int64_t)S.mk.size(), nb = n_old + n_new;
+
+  // the blocks after this chunk: the old ones' columns, then the new ones'
+  std::vector<py::array_t<int64_t>> cols;
+  int64_t* col[NCOLS];
+  for (int c = 0; c < NCOLS; ++c) {
+    cols.emplace_back(nb);
+    col[c] = cols.back().mutable_data();
+    std::copy(old[c].data(), old[c].data() + n_old, col[c]);
+  }
+  for (int64_t j = 0; j < n_new; ++j) {
+    const int64_t b = n_old + j, r = S.mk[j];
     col[ALLOC_ID][b] = aid[r];
     col[MPOS][b] = pos[r];
-    col[SA][b] = mk_slot[j];
-    col[AOP][b] = mk_op[j];
+    col[SA][b] = S.mk_slot[j];
+    col[AOP][b] = S.mk_op[j];
     col[BEFORE][b] = before[r] ? 1 : 0;
     col[SIZE][b] = size[r];
     col[QF_SLOT][b] = kInf;
     col[FIRST_OP][b] = -1;
     col[EARLY][b] = 0;
-    col[LAST_SLOT][b] = mk_slot[j];
+    col[LAST_SLOT][b] = S.mk_slot[j];
     col[LAST_POS][b] = pos[r];
     col[QM_SLOT][b] = kInf;
     col[QM_POS][b] = kInf;
@@ -1388,7 +1417,8 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
 
   // the accesses, in dump order: the last access, and the counted ones (by another op than the
   // allocating one; every access of a block first seen as an input)
-  std::vector<uint8_t> newly(nb, 0);
+  S.newly.assign(nb, 0);
+  uint8_t* newly = S.newly.data();
   Walk w{kind, k, depth};
   for (int64_t i = 0; i < n; ++i) {
     w.step(i);
@@ -1411,14 +1441,14 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
 
   // the first free / malloc of another block after the allocation / the last access
   for (int64_t b = 0; b < nb; ++b) {
-    if (col[QF_SLOT][b] == kInf && !f_pos.empty()) {
-      const size_t j = first_after(f_slot, f_pos, col[SA][b], col[MPOS][b]);
-      col[QF_SLOT][b] = j < f_slot.size() ? f_slot[j] : kInf;
+    if (col[QF_SLOT][b] == kInf && !S.f_pos.empty()) {
+      const size_t j = first_after(S.f_slot, S.f_pos, col[SA][b], col[MPOS][b]);
+      col[QF_SLOT][b] = j < S.f_slot.size() ? S.f_slot[j] : kInf;
     }
-    if (col[QM_SLOT][b] == kInf && !m_pos.empty()) {
-      const size_t j = first_after(m_slot, m_pos, col[LAST_SLOT][b], col[LAST_POS][b]);
-      col[QM_SLOT][b] = j < m_slot.size() ? m_slot[j] : kInf;
-      col[QM_POS][b] = j < m_pos.size() ? m_pos[j] : kInf;
+    if (col[QM_SLOT][b] == kInf && !S.m_pos.empty()) {
+      const size_t j = first_after(S.m_slot, S.m_pos, col[LAST_SLOT][b], col[LAST_POS][b]);
+      col[QM_SLOT][b] = j < S.m_slot.size() ? S.m_slot[j] : kInf;
+      col[QM_POS][b] = j < S.m_pos.size() ? S.m_pos[j] : kInf;
     }
     // 2*first_op cannot overflow: ops are row counts
     if (newly[b] && col[QF_SLOT][b] < 2 * col[FIRST_OP][b]) col[EARLY][b] = 1;
@@ -1440,23 +1470,14 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
   }
 
   py::dict out;
-  for (int c = 0; c < NCOLS; ++c) {
-    if (c == BEFORE || c == EARLY) {
-      py::array_t<bool> a(nb);
-      bool* d = a.mutable_data();
-      for (int64_t b = 0; b < nb; ++b) d[b] = col[c][b] != 0;
-      out[names[c]] = a;
-    } else {
-      py::array_t<int64_t> a(nb);
-      std::copy(col[c].begin(), col[c].end(), a.mutable_data());
-      out[names[c]] = a;
-    }
-  }
-  py::array_t<int64_t> mk_a((py::ssize_t)mk.size());
-  py::array_t<bool> inside_a((py::ssize_t)mk.size());
-  for (size_t j = 0; j < mk.size(); ++j) {
-    mk_a.mutable_data()[j] = mk[j];
-    inside_a.mutable_data()[j] = mk_slot[j] % 2 == 0;
+  for (int c = 0; c < NCOLS; ++c) out[names[c]] = cols[c];
+  py::module_ np = py::module_::import("numpy");
+  for (int c : {BEFORE, EARLY}) out[names[c]] = cols[c].attr("astype")(np.attr("bool_"));
+  py::array_t<int64_t> mk_a(n_new);
+  py::array_t<bool> inside_a(n_new);
+  for (int64_t j = 0; j < n_new; ++j) {
+    mk_a.mutable_data()[j] = S.mk[j];
+    inside_a.mutable_data()[j] = S.mk_slot[j] % 2 == 0;
   }
   return py::make_tuple(out, mk_a, inside_a, freed_a, late_a);
 }
