@@ -10,11 +10,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -1095,22 +1097,113 @@ bool big_number_maybe(const char* p, const char* e) {
   return false;
 }
 
-// distinct texts by code, kept in order of first appearance
+// distinct texts by code, kept in order of first appearance (plain C++: filled by the parse
+// threads without the GIL, made Python strings at the end)
 struct Codes {
   std::unordered_map<std::string, int32_t> index;
-  py::list values;
+  std::vector<std::string> values;
   int32_t code(const char* s, int64_t n) {
     std::string k(s, (size_t)n);
     auto it = index.find(k);
     if (it != index.end()) return it->second;
-    int32_t c = (int32_t)index.size();
-    index.emplace(std::move(k), c);
-    PyObject* o = PyUnicode_DecodeUTF8(s, n, "strict");
-    if (!o) throw py::error_already_set();
-    values.append(py::reinterpret_steal<py::object>(o));
+    int32_t c = (int32_t)values.size();
+    index.emplace(k, c);
+    values.push_back(std::move(k));
     return c;
   }
+  py::list to_list() const {
+    py::list out;
+    for (const std::string& v : values) {
+      PyObject* o = PyUnicode_DecodeUTF8(v.data(), (Py_ssize_t)v.size(), "strict");
+      if (!o) throw py::error_already_set();
+      out.append(py::reinterpret_steal<py::object>(o));
+    }
+    return out;
+  }
 };
+
+// the output columns of attr_fields, as raw pointers the parse threads write through
+struct AttrOut {
+  bool* M;
+  uint8_t* OV;
+  int64_t *A, *S, *U, *T, *D;
+  int32_t *O, *MO, *PH;
+};
+
+// one thread's share: the rows of chunks [c0, c1), the first of them at row ``row``
+void parse_attr_chunks(const std::vector<ArrowArray>& chunks, size_t c0, size_t c1, int64_t row,
+                       StringChunk::Kind ck, int kind, const AttrOut& o, Codes& owners, Codes& modules,
+                       Codes& phases) {
+  bool* M = o.M;
+  uint8_t* OV = o.OV;
+  int64_t *A = o.A, *S = o.S, *U = o.U, *T = o.T, *D = o.D;
+  int32_t *O = o.O, *MO = o.MO, *PH = o.PH;
+  for (size_t ci = c0; ci < c1; ++ci) {
+    const ArrowArray& a = chunks[ci];
+    StringChunk sc{ck, &a};
+    for (int64_t i = 0; i < a.length; ++i, ++row) {
+      M[row] = false;
+      OV[row] = 0;
+      A[row] = S[row] = U[row] = T[row] = D[row] = 0;
+      O[row] = MO[row] = PH[row] = -1;
+      const char* p;
+      int64_t len;
+      if (!sc.get(i, p, len)) continue;
+      Cursor c{p, p + len};
+      if (kind == 0 && big_number_maybe(p, p + len)) OV[row] |= 32;
+      bool ok;
+      if (kind == 0) {
+        const char *os = nullptr, *ms = nullptr, *ps = nullptr;
+        int64_t on = 0, mn = 0, pn = 0;
+        uint8_t& ov = OV[row];
+        ok = c.lit("{\"allocation_id\":") && c.num(A[row], false, ov, 1) && c.lit(",\"addr\":\"0x") &&
+             c.hex(D[row], ov, 16) && c.lit("\",\"size\":") && c.num(S[row], false, ov, 2) &&
+             c.lit(",\"used\":") && c.num(U[row], true, ov, 4) && c.lit(",\"total\":") && c.num(T[row], true, ov, 8);
+        if (ok && c.lit(",\"owner\":\"")) ok = c.text(os, on);
+        if (ok && c.lit(",\"module\":\"")) {
+          ok = c.text(ms, mn);
+          if (ok && c.lit(",\"phase\":\"")) ok = c.text(ps, pn);
+        }
+        ok = ok && c.lit("}") && c.p == c.e;
+        if (ok) {
+          if (os) O[row] = owners.code(os, on);
+          if (ms) MO[row] = modules.code(ms, mn);
+          if (ps) PH[row] = phases.code(ps, pn);
+        }
+      } else {
+        ok = c.lit("{\"dtype\":\"") && c.skip_to('"') && c.lit(",\"shape\":[") && c.skip_to(']') &&
+             c.lit(",\"size\":") && c.num(S[row], false, OV[row], 2) && c.lit(",\"allocation_id\":") &&
+             c.num(A[row], false, OV[row], 1) && c.lit("}") && c.p == c.e;
+      }
+      M[row] = ok;
+    }
+  }
+}
+
+// the threads the parse may use: the cores, fewer where POLARS_MAX_THREADS says so (the summary
+// shares the cores among its worker processes that way)
+unsigned parse_threads() {
+  unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  if (const char* env = std::getenv("POLARS_MAX_THREADS")) {
+    long v = std::strtol(env, nullptr, 10);
+    if (v >= 1) n = std::min<unsigned>(n, (unsigned)v);
+  }
+  return std::min(n, 8u);
+}
+
+// codes of ``local`` (one thread's) turned into those of ``global``, over rows [r0, r1)
+void merge_codes(Codes& global, const Codes& local, int32_t* codes, int64_t r0, int64_t r1) {
+  std::vector<int32_t> to(local.values.size());
+  bool same = true;
+  for (size_t j = 0; j < local.values.size(); ++j) {
+    const std::string& v = local.values[j];
+    to[j] = global.code(v.data(), (int64_t)v.size());
+    same = same && to[j] == (int32_t)j;
+  }
+  if (same) return;
+  for (int64_t r = r0; r < r1; ++r)
+    if (codes[r] >= 0) codes[r] = to[codes[r]];
+}
 }  // namespace
 
 // attr_fields(stream, kind): stream is the Arrow C stream capsule of a string column (polars:
@@ -1119,7 +1212,8 @@ struct Codes {
 // the k-th of those five numbers is past 64 bits, bit 5 where any text (matched or not) may hold
 // a number past 64 bits (big_number_maybe), then for each of owner, module, phase: (int32
 // codes[n], -1 where absent, and the list of its distinct texts)); for ACCESS only matched,
-// alloc_id and size mean anything.
+// alloc_id and size mean anything. The chunks are parsed by a few threads without the GIL (the
+// CSV parse has no other work for the second core then); the codes come out as one thread's would.
 py::tuple attr_fields(py::object capsule, int kind) {
   auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
   if (!stream) throw py::error_already_set();
@@ -1143,67 +1237,71 @@ py::tuple attr_fields(py::object capsule, int kind) {
     ~ChunksGuard() { for (auto& a : c) if (a.release) a.release(&a); }
   } cg{chunks};
   int64_t n = 0;
+  std::vector<int64_t> starts;  // the first row of each chunk
   for (;;) {
     ArrowArray a{};
     if (stream->get_next(stream, &a) != 0) throw py::value_error("attr_fields: the stream failed");
     if (!a.release) break;  // the end
-    n += a.length;
     chunks.push_back(a);
+    if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3))
+      throw py::value_error("attr_fields: a chunk without its buffers");
+    starts.push_back(n);
+    n += a.length;
   }
+  starts.push_back(n);
   py::array_t<bool> matched(n);
   py::array_t<int64_t> aid(n), size(n), used(n), total(n), addr(n);
   py::array_t<int32_t> oc(n), mc(n), pc(n);
   py::array_t<uint8_t> over(n);
-  uint8_t* OV = over.mutable_data();
-  bool* M = matched.mutable_data();
-  int64_t *A = aid.mutable_data(), *S = size.mutable_data(), *U = used.mutable_data(),
-          *T = total.mutable_data(), *D = addr.mutable_data();
-  int32_t *O = oc.mutable_data(), *MO = mc.mutable_data(), *PH = pc.mutable_data();
-  Codes owners, modules, phases;
-  int64_t row = 0;
-  for (const ArrowArray& a : chunks) {
-    if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3))
-      throw py::value_error("attr_fields: a chunk without its buffers");
-    StringChunk sc{ck, &a};
-    for (int64_t i = 0; i < a.length; ++i, ++row) {
-      M[row] = false;
-      OV[row] = 0;
-      A[row] = S[row] = U[row] = T[row] = D[row] = 0;
-      O[row] = MO[row] = PH[row] = -1;
-      const char* p;
-      int64_t len;
-      if (!sc.get(i, p, len)) continue;
-      Cursor c{p, p + len};
-      if (kind == 0 && big_number_maybe(p, p + len)) OV[row] |= 32;
-      bool ok;
-      if (kind == 0) {
-        const char *os = nullptr, *ms = nullptr, *ps = nullptr;
-        int64_t on = 0, mn = 0, pn = 0;
-        uint8_t& o = OV[row];
-        ok = c.lit("{\"allocation_id\":") && c.num(A[row], false, o, 1) && c.lit(",\"addr\":\"0x") &&
-             c.hex(D[row], o, 16) && c.lit("\",\"size\":") && c.num(S[row], false, o, 2) &&
-             c.lit(",\"used\":") && c.num(U[row], true, o, 4) && c.lit(",\"total\":") && c.num(T[row], true, o, 8);
-        if (ok && c.lit(",\"owner\":\"")) ok = c.text(os, on);
-        if (ok && c.lit(",\"module\":\"")) {
-          ok = c.text(ms, mn);
-          if (ok && c.lit(",\"phase\":\"")) ok = c.text(ps, pn);
-        }
-        ok = ok && c.lit("}") && c.p == c.e;
-        if (ok) {
-          if (os) O[row] = owners.code(os, on);
-          if (ms) MO[row] = modules.code(ms, mn);
-          if (ps) PH[row] = phases.code(ps, pn);
-        }
-      } else {
-        ok = c.lit("{\"dtype\":\"") && c.skip_to('"') && c.lit(",\"shape\":[") && c.skip_to(']') &&
-             c.lit(",\"size\":") && c.num(S[row], false, OV[row], 2) && c.lit(",\"allocation_id\":") &&
-             c.num(A[row], false, OV[row], 1) && c.lit("}") && c.p == c.e;
+  AttrOut o{matched.mutable_data(), over.mutable_data(), aid.mutable_data(), size.mutable_data(),
+            used.mutable_data(), total.mutable_data(), addr.mutable_data(), oc.mutable_data(),
+            mc.mutable_data(), pc.mutable_data()};
+
+  // the chunks cut into contiguous shares of about equal rows (a small column: one share)
+  const unsigned want = n >= (1 << 16) ? parse_threads() : 1;
+  std::vector<size_t> cut{0};
+  for (unsigned t = 1; t < want; ++t) {
+    const int64_t goal = n * (int64_t)t / (int64_t)want;
+    size_t c = cut.back();
+    while (c < chunks.size() && starts[c + 1] <= goal) ++c;
+    if (c > cut.back() && c < chunks.size()) cut.push_back(c);
+  }
+  cut.push_back(chunks.size());
+  const size_t shares = cut.size() - 1;
+  std::vector<Codes> owners(shares), modules(shares), phases(shares);
+  std::vector<char> failed(shares, 0);  // out of memory in a share: raised once all have ended
+  {
+    py::gil_scoped_release nogil;
+    auto share = [&](size_t t) {
+      try {
+        parse_attr_chunks(chunks, cut[t], cut[t + 1], starts[cut[t]], ck, kind, o, owners[t], modules[t],
+                          phases[t]);
+      } catch (...) {
+        failed[t] = 1;
       }
-      M[row] = ok;
+    };
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < shares; ++t) {
+      try {
+        threads.emplace_back(share, t);
+      } catch (...) {  // no thread to be had: this one does the share
+        share(t);
+      }
+    }
+    share(0);
+    for (auto& th : threads) th.join();
+  }
+  if (std::find(failed.begin(), failed.end(), 1) != failed.end()) throw std::bad_alloc();
+  {
+    for (size_t t = 1; t < shares; ++t) {
+      const int64_t r0 = starts[cut[t]], r1 = starts[cut[t + 1]];
+      merge_codes(owners[0], owners[t], o.O, r0, r1);
+      merge_codes(modules[0], modules[t], o.MO, r0, r1);
+      merge_codes(phases[0], phases[t], o.PH, r0, r1);
     }
   }
-  return py::make_tuple(matched, aid, size, used, total, addr, over, py::make_tuple(oc, owners.values),
-                        py::make_tuple(mc, modules.values), py::make_tuple(pc, phases.values));
+  return py::make_tuple(matched, aid, size, used, total, addr, over, py::make_tuple(oc, owners[0].to_list()),
+                        py::make_tuple(mc, modules[0].to_list()), py::make_tuple(pc, phases[0].to_list()));
 }
 
 // ---------------------------------------------------------------- inefficient memory's fold

@@ -283,3 +283,46 @@ def test_numbers_past_64_bits_in_attr_are_refused(tmp_path, attr_parser, size, u
             read_dump(str(p))
     else:
         assert read_dump(str(p)).height == 39
+
+
+def test_attr_fields_parsed_in_threads_are_one_threads(monkeypatch):
+    """Over 64K rows the C++ parse splits the column's chunks among threads, each with its own
+    codes for owners, modules and phases, merged afterwards. The codes and their texts come out as
+    one thread's parse gives them (texts in order of first appearance), and as polars' fields.
+    Later chunks bring texts the first share never saw, and reuse its texts in another order."""
+    from msmemscope.events import format_attr
+    from msmemscope.io import reader as R
+    m = R._attr_module()
+    if m is None:
+        pytest.skip("the C++ module is not built (make native)")
+    owners = ["PTA@weight", "", "PTA@gradient", "ü-own", "PTA@optimizer_state", "late-1", "late-2"]
+    modules = [("GPT.blocks.0.attn", "forward"), (), ("GPT.head", "backward"), ("ü.m", None), ("late.mod", "forward")]
+    parts = []
+    for k in range(24):  # 24 chunks of 10K rows: several shares whatever the cores
+        n0 = k * 10_000
+        own = owners[: 3 + k % 5]
+        own = own[k % len(own):] + own[: k % len(own)]
+        mods = modules[: 2 + k % 4]
+        mods = mods[k % len(mods):] + mods[: k % len(mods)]
+        texts = [format_attr("MALLOC", (n0 + i + 1, 4096 * (n0 + i), 64, 64, 128, own[i % len(own)])
+                             + mods[i % len(mods)]) for i in range(10_000)]
+        parts.append(pl.DataFrame({"attr": texts, "event": ["MALLOC"] * 10_000}))
+    df = pl.concat(parts, rechunk=False)
+    col = df["attr"]
+
+    def parsed(threads):
+        monkeypatch.setenv("POLARS_MAX_THREADS", str(threads))
+        r = m.attr_fields(col.__arrow_c_stream__(), 0)
+        return [r[k].tolist() for k in range(7)], [[vals[c] if c >= 0 else None for c in codes.tolist()]
+                                                   for codes, vals in r[7:]], [list(vals) for _, vals in r[7:]]
+    one = parsed(1)
+    assert one[1][0][:3] == ["PTA@weight", "", "PTA@gradient"]
+    assert one[2][0] == [o for o in owners if o.isascii()]  # in order of first appearance (ü is escaped: per key)
+    for threads in (2, 3, 8):
+        assert parsed(threads) == one, threads
+    monkeypatch.delenv("POLARS_MAX_THREADS")
+    got = R._attr_columns(df)
+    monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
+    want = R._attr_columns(df)
+    for c in R._ATTR_COLUMNS:
+        assert got[c].to_list() == want[c].to_list(), c
