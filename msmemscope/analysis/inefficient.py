@@ -24,7 +24,8 @@ For a block allocated in slot ``sa``:
   consecutive accesses (ops strictly between: ``op2 - op1 - 1``).
 
 One implementation for both paths: :class:`Tracker` folds chunks of rows into a
-table of live blocks with polars/numpy (never a Python loop over rows). Offline
+table of live blocks (never a Python loop over rows: C++ loops, ``inefficient_fold`` in
+msmemscope/_leakrule.cpp, where that module is built, else numpy, ``_fold``). Offline
 the whole dump is one chunk; online every session flush is a chunk, so the
 tracker's memory is the live blocks plus the blocks already flagged.
 """
@@ -101,6 +102,9 @@ def _first_qualifying(ev_pos, ev_slot, slot, pos):
     return np.where(even, s1, s2), np.where(even, p1, p2)
 
 
+FOLD_ENV = "MSMEMSCOPE_INEFFICIENT_FOLD"  # numpy: the numpy fold even where the C++ one is built
+
+
 def _native_fold():
     """The C++ fold (``inefficient_fold`` in msmemscope/_leakrule.cpp), or None: not built, or
     ``MSMEMSCOPE_INEFFICIENT_FOLD=numpy``."""
@@ -109,9 +113,6 @@ def _native_fold():
     from .. import leak_native
     mod = leak_native.load_module()
     return getattr(mod, "inefficient_fold", None) if mod is not None else None
-
-
-FOLD_ENV = "MSMEMSCOPE_INEFFICIENT_FOLD"
 
 
 def _fold(kind, pos, aid, has_aid, before_col, size_col, k, depth, old):
@@ -234,10 +235,11 @@ class Tracker:
     """The incremental state of the analysis. ``feed(chunk)`` any number of times, then ``finish()``.
 
     The live blocks are numpy columns (``_NUM``) plus their op name and stack (a polars frame,
-    ``self.text``, row for row); each chunk is folded with array operations: accesses and frees
-    are matched to blocks by a search over the sorted allocation ids, the per-block aggregates
-    (first and last counted access, largest gap) are segment reductions over the accesses
-    grouped by block. The strings of a new block are gathered only when it is flagged or stays
+    ``self.text``, row for row); each chunk is folded by ``_native_fold()`` or ``_fold``, with
+    the same result. In numpy's, accesses and frees are matched to blocks by a search over the
+    sorted allocation ids, and the per-block aggregates (first and last counted access, largest
+    gap) are segment reductions over the accesses grouped by block; C++ takes the same steps as
+    loops. The strings of a new block are gathered only when it is flagged or stays
     live, so a chunk's many short-lived blocks never copy their stacks."""
 
     def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD):
