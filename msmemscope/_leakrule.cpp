@@ -21,6 +21,10 @@
 
 namespace py = pybind11;
 
+// a numpy array of T as C++ reads it (converted or copied where it is not that already)
+template <typename T>
+using carr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
 // ---------------------------------------------------------------- the row loop's helpers
 // (issue 22d) StepLeakTracker.consume's inlined MALLOC/FREE path (msmemscope/analysis/leaks.py),
 // the same dict operations on the tracker's own dicts and Site objects, without a Python
@@ -1132,8 +1136,8 @@ struct AttrOut {
 
 // one thread's share: the rows of chunks [c0, c1), the first of them at row ``row``
 void parse_attr_chunks(const std::vector<ArrowArray>& chunks, size_t c0, size_t c1, int64_t row,
-                       StringChunk::Kind ck, int kind, const AttrOut& o, Codes& owners, Codes& modules,
-                       Codes& phases) {
+                       StringChunk::Kind ck, int kind_all, const uint8_t* kinds, const AttrOut& o, Codes& owners,
+                       Codes& modules, Codes& phases) {
   bool* M = o.M;
   uint8_t* OV = o.OV;
   int64_t *A = o.A, *S = o.S, *U = o.U, *T = o.T, *D = o.D;
@@ -1146,6 +1150,12 @@ void parse_attr_chunks(const std::vector<ArrowArray>& chunks, size_t c0, size_t 
       OV[row] = 0;
       A[row] = S[row] = U[row] = T[row] = D[row] = 0;
       O[row] = MO[row] = PH[row] = -1;
+      // the row's template: the one asked for, or per row (kinds: 0 none, 1 MALLOC/FREE, 2 ACCESS)
+      int kind = kind_all;
+      if (kinds != nullptr) {
+        if (kinds[row] == 0) continue;
+        kind = kinds[row] == 1 ? 0 : 1;
+      }
       const char* p;
       int64_t len;
       if (!sc.get(i, p, len)) continue;
@@ -1212,9 +1222,11 @@ void merge_codes(Codes& global, const Codes& local, int32_t* codes, int64_t r0, 
 // the k-th of those five numbers is past 64 bits, bit 5 where any text (matched or not) may hold
 // a number past 64 bits (big_number_maybe), then for each of owner, module, phase: (int32
 // codes[n], -1 where absent, and the list of its distinct texts)); for ACCESS only matched,
-// alloc_id and size mean anything. The chunks are parsed by a few threads without the GIL (the
-// CSV parse has no other work for the second core then); the codes come out as one thread's would.
-py::tuple attr_fields(py::object capsule, int kind) {
+// alloc_id and size mean anything. ``kinds`` (uint8[n], or None): each row's template instead of
+// ``kind``'s: 0 none (the row is passed over), 1 MALLOC/FREE, 2 ACCESS, so that one pass reads a
+// dump's column. The chunks are parsed by a few threads without the GIL (the CSV parse has no
+// other work for the second core then); the codes come out as one thread's would.
+py::tuple attr_fields(py::object capsule, int kind, py::object kinds_obj) {
   auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
   if (!stream) throw py::error_already_set();
   struct StreamGuard {
@@ -1249,6 +1261,13 @@ py::tuple attr_fields(py::object capsule, int kind) {
     n += a.length;
   }
   starts.push_back(n);
+  carr<uint8_t> kinds_a;
+  const uint8_t* kinds = nullptr;
+  if (!kinds_obj.is_none()) {
+    kinds_a = carr<uint8_t>::ensure(kinds_obj);
+    if (!kinds_a || kinds_a.size() != n) throw py::value_error("attr_fields: kinds of another length");
+    kinds = kinds_a.data();
+  }
   py::array_t<bool> matched(n);
   py::array_t<int64_t> aid(n), size(n), used(n), total(n), addr(n);
   py::array_t<int32_t> oc(n), mc(n), pc(n);
@@ -1274,7 +1293,7 @@ py::tuple attr_fields(py::object capsule, int kind) {
     py::gil_scoped_release nogil;
     auto share = [&](size_t t) {
       try {
-        parse_attr_chunks(chunks, cut[t], cut[t + 1], starts[cut[t]], ck, kind, o, owners[t], modules[t],
+        parse_attr_chunks(chunks, cut[t], cut[t + 1], starts[cut[t]], ck, kind, kinds, o, owners[t], modules[t],
                           phases[t]);
       } catch (...) {
         failed[t] = 1;
@@ -1371,9 +1390,6 @@ struct IdIndex {
     }
   }
 };
-
-template <typename T>
-using carr = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
 constexpr int64_t kInf = INT64_MAX;
 constexpr int8_t kStart = 1, kEnd = 2, kMalloc = 3, kFree = 4, kAccess = 5;
@@ -1587,7 +1603,7 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
 PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("leak_rows", &leak_rows);
   m.def("replay_rows", &replay_rows);
-  m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"));
+  m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"), py::arg("kinds") = py::none());
   m.def("inefficient_fold", &inefficient_fold);
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))

@@ -3,6 +3,7 @@ import os
 import shutil
 import warnings
 
+import numpy as np
 import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -205,7 +206,7 @@ def test_attr_fields_in_cpp_are_polars_fields(monkeypatch, rows):
         pytest.skip("the C++ module is not built (make native)")
     texts, events = [], []
     for ev, bits, n, addr, owner, cut, module in rows:
-        if ev == "ACCESS":
+        if ev == "ACCESS" or (ev == "SYSTEM" and n % 2):  # a SYSTEM row with either template's text
             t = format_attr("ACCESS", ("float32", (2, 3), abs(n), addr))
         else:
             t = format_attr("MALLOC", (abs(n) % 2**70, addr, abs(n), n, -n, owner) + module)
@@ -227,6 +228,13 @@ def test_attr_fields_in_cpp_are_polars_fields(monkeypatch, rows):
         matched = m.attr_fields(col.__arrow_c_stream__(), kind)[0].tolist()
         expect = col.str.contains(pattern).fill_null(False).to_list()
         assert matched == expect, [t for t, a, b in zip(col, matched, expect) if a != b][:3]
+    # the one pass the reader makes: each row's template by its event, no other row parsed
+    kinds = np.array([1 if e in ("MALLOC", "FREE") else 2 if e == "ACCESS" else 0 for e in events], np.uint8)
+    matched = m.attr_fields(df["attr"].__arrow_c_stream__(), 0, kinds)[0].tolist()
+    mem_ok = df["attr"].str.contains(R._MEM_ATTR).fill_null(False).to_list()
+    acc_ok = df["attr"].str.contains(R._ACCESS_ATTR).fill_null(False).to_list()
+    expect = [(k == 1 and a) or (k == 2 and b) for k, a, b in zip(kinds.tolist(), mem_ok, acc_ok)]
+    assert matched == expect
 
 
 def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch):

@@ -412,34 +412,41 @@ def _attr_module():
     return m if m is not None and hasattr(m, "attr_fields") else None
 
 
-def _native_fields(df: pl.DataFrame, events, kind: int, fields):
-    """The template's fields in C++ (``attr_fields``): the Attr text of the rows of ``events``,
-    the others null, as columns in the chunks of ``df``; None when the module is not there."""
+def _native_fields(df: pl.DataFrame, fields):
+    """The templates' fields in C++ (``attr_fields``), in one pass over the Attr column: the
+    MALLOC/FREE template's on those rows, ``alloc_id`` and ``size`` also from the ACCESS template
+    on ACCESS rows, null elsewhere, as columns in the chunks of ``df``; None when the module is
+    not there."""
     m = _attr_module()
     if m is None:
         return None
-    text = df.select(pl.when(pl.col("event").is_in(list(events))).then(pl.col("attr")))[:, 0]
+    ev = pl.col("event")
+    kinds = df.select(pl.when(ev.is_in(["MALLOC", "FREE"])).then(1).when(ev == "ACCESS").then(2).otherwise(0)
+                      .cast(pl.UInt8))[:, 0]
     try:
-        matched, aid, size, used, total, addr, over, *texts = m.attr_fields(text.__arrow_c_stream__(), kind)
+        matched, aid, size, used, total, addr, over, *texts = m.attr_fields(
+            df["attr"].__arrow_c_stream__(), 0, kinds.to_numpy())
     except (AttributeError, TypeError, ValueError):
         return None  # a polars without the Arrow stream, or a layout the parse does not know: polars' way
-    del text
     # each number with its bit in ``over`` (past 64 bits: null, as polars' cast of the digits)
-    numbers = {"alloc_id": (aid, 1), "size": (size, 2)}
-    texts = dict(zip(("owner", "module", "phase"), texts)) if kind == 0 else {}
-    if kind == 0:
-        numbers.update(used=(used, 4), total=(total, 8), addr=(addr, 16))
-    got = pl.DataFrame({"_m": matched, "_over": over, **{f"_{k}": v for k, (v, _) in numbers.items()},
+    both = {"alloc_id": (aid, 1), "size": (size, 2)}
+    mem_only = {"used": (used, 4), "total": (total, 8), "addr": (addr, 16)}
+    texts = dict(zip(("owner", "module", "phase"), texts))
+    got = pl.DataFrame({"_m": matched, "_over": over, "_k": kinds,
+                        **{f"_{k}": v for k, (v, _) in {**both, **mem_only}.items()},
                         **{f"_{k}": codes for k, (codes, _) in texts.items() if k in fields}})
-    exprs = {k: pl.when(pl.col("_over") & bit == 0).then(pl.col(f"_{k}")) for k, (_, bit) in numbers.items()}
+    exprs = {k: pl.when(pl.col("_over") & bit == 0).then(pl.col(f"_{k}")) for k, (_, bit) in both.items()}
+    is_mem = pl.col("_k") == 1
+    for k, (_, bit) in mem_only.items():
+        exprs[k] = pl.when(is_mem & (pl.col("_over") & bit == 0)).then(pl.col(f"_{k}"))
     for k, (_, values) in texts.items():  # codes into the distinct texts (-1: none)
         if k in fields:
             c = pl.col(f"_{k}")
             exprs[k] = (pl.when(c >= 0).then(pl.lit(pl.Series(values, dtype=pl.String)).gather(c.clip(0)))
                         if values else pl.lit(None, dtype=pl.String))
     exprs = {k: pl.when(pl.col("_m")).then(e) for k, e in exprs.items()}
-    if kind == 0:  # may hold a number over 64 bits (validate.check_rows looks at these rows only)
-        exprs[BIG_MAYBE] = pl.col("_over") & 32 != 0
+    # may hold a number over 64 bits (validate.check_rows looks at these rows only)
+    exprs[BIG_MAYBE] = is_mem & (pl.col("_over") & 32 != 0)
     got = got.select(**exprs)
     return pl.DataFrame([_aligned(got[c], df) for c in got.columns])
 
@@ -448,12 +455,9 @@ def _mem_template(df: pl.DataFrame, fields) -> pl.DataFrame:
     """The Attr fields of the MALLOC/FREE rows whose text is the writer's template (``_MEM_ATTR``,
     null on the others). The pattern only says which rows (a match without captures is several
     times cheaper); the values are then cut at the commas, since a template's values hold no comma,
-    quote or brace and its keys come in one order: five fixed, then owner, module, phase. In C++
-    where the module is built (``_native_fields``: 3-4x faster on 850k rows)."""
+    quote or brace and its keys come in one order: five fixed, then owner, module, phase. (In C++
+    where the module is built: ``_native_fields``, 3-4x faster on 850k rows.)"""
     want = dict.fromkeys(("alloc_id", "size") + tuple(fields))
-    got = _native_fields(df, ("MALLOC", "FREE"), 0, want)
-    if got is not None:
-        return got.select(list(want) + [BIG_MAYBE])
     # when/then computes its branch on every row: the text is nulled off the other rows first, so
     # that the pattern and the cuts skip the ACCESS and op rows' text (over half of a dump's)
     mem = pl.when(pl.col("event").is_in(["MALLOC", "FREE"])).then(pl.col("attr"))
@@ -486,17 +490,18 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS, maybe_big: bool = Fals
     ``maybe_big``: also ``BIG_MAYBE`` where the C++ fields made it (for validate.check_rows)."""
     attr, ev = pl.col("attr"), pl.col("event")
     # each template only on the rows of its events (a template text on another row reads alike per key)
-    mem = _mem_template(df, fields)
-    if df.select((ev == "ACCESS").any()).item():
-        got = _native_fields(df, ("ACCESS",), 1, ())
-        if got is not None:
-            acc_aid, acc_size = got["alloc_id"], got["size"]
-        else:
+    want = dict.fromkeys(("alloc_id", "size") + tuple(fields))
+    mem = _native_fields(df, want)
+    if mem is not None:
+        mem = mem.select(list(want) + [BIG_MAYBE])
+    else:
+        mem = _mem_template(df, fields)
+        if df.select((ev == "ACCESS").any()).item():
             acc = df.select(_a=pl.when(ev == "ACCESS").then(attr).str.extract_groups(_ACCESS_ATTR))["_a"].struct
             acc_aid = acc.field("alloc_id").cast(pl.Int64, strict=False)
             acc_size = acc.field("size").cast(pl.Int64, strict=False)
-        mem = mem.with_columns(alloc_id=pl.coalesce(pl.col("alloc_id"), acc_aid),
-                               size=pl.coalesce(pl.col("size"), acc_size))
+            mem = mem.with_columns(alloc_id=pl.coalesce(pl.col("alloc_id"), acc_aid),
+                                   size=pl.coalesce(pl.col("size"), acc_size))
     cols = mem.select("alloc_id", *(c for c in fields if c != "alloc_id"))
     maybe = mem[BIG_MAYBE] if maybe_big and BIG_MAYBE in mem.columns else None
     del mem
