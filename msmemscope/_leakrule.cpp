@@ -1323,6 +1323,294 @@ py::tuple attr_fields(py::object capsule, int kind, py::object kinds_obj) {
                         py::make_tuple(mc, modules[0].to_list()), py::make_tuple(pc, phases[0].to_list()));
 }
 
+// ---------------------------------------------------------------- texts made in C++, for polars
+// (issue 22) The text columns a full read makes again from stored fields: an address as
+// 0x%016x, and the MALLOC/FREE rows' Attr text (io/columns.py ``hex16``, ``template_attr``).
+// They come out as one Arrow large-string array in an Arrow C stream (a PyCapsule), which
+// polars takes as it is (``pl.Series`` of an object with ``__arrow_c_stream__``): no pyarrow,
+// no copy, no per-row Python.
+namespace {
+
+// a string column being made: offsets, bytes, validity
+struct TextsOut {
+  std::vector<int64_t> offsets{0};
+  std::vector<char> data;
+  std::vector<uint8_t> valid;  // a bit a row (Arrow's order), made only once a null is met
+  int64_t nulls = 0;
+  int64_t n = 0;
+  void end_row() {
+    offsets.push_back((int64_t)data.size());
+    ++n;
+  }
+  void null_row() {
+    if (valid.empty()) valid.assign((size_t)((n + 8) / 8 + 1), 0xFF);
+    if (valid.size() * 8 <= (size_t)n) valid.resize(valid.size() * 2 + 1, 0xFF);
+    valid[(size_t)n >> 3] &= (uint8_t)~(1u << (n & 7));
+    ++nulls;
+    end_row();
+  }
+  void finish() {  // the validity covers every row
+    if (!valid.empty()) valid.resize((size_t)(n + 7) / 8 + 1, 0xFF);
+  }
+  void put(const char* p, size_t k) { data.insert(data.end(), p, p + k); }
+  template <size_t K>
+  void lit(const char (&s)[K]) { put(s, K - 1); }
+  void num(int64_t v) {
+    char buf[24];
+    char* e = buf + sizeof buf;
+    char* q = e;
+    uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+    do {
+      *--q = (char)('0' + u % 10);
+      u /= 10;
+    } while (u);
+    if (v < 0) *--q = '-';
+    put(q, (size_t)(e - q));
+  }
+  void hex16(uint64_t v) {
+    static const char* digits = "0123456789abcdef";
+    char buf[16];
+    for (int k = 15; k >= 0; --k, v >>= 4) buf[k] = digits[v & 15];
+    put(buf, 16);
+  }
+};
+
+struct TextsStream {  // what the exported stream owns until its one array is taken
+  TextsOut t;
+  bool given = false;
+};
+
+struct TextsArray {  // what the array owns: polars keeps it (no copy) and releases it when done
+  TextsOut t;
+  const void* buffers[3];
+};
+
+void texts_schema_release(ArrowSchema* s) { s->release = nullptr; }
+
+int texts_get_schema(ArrowArrayStream*, ArrowSchema* out) {
+  *out = ArrowSchema{};
+  out->format = "U";
+  out->name = "";
+  out->flags = 2;  // nullable
+  out->release = texts_schema_release;
+  return 0;
+}
+
+void texts_array_release(ArrowArray* a) {
+  delete (TextsArray*)a->private_data;
+  a->private_data = nullptr;
+  a->release = nullptr;
+}
+
+int texts_get_next(ArrowArrayStream* st, ArrowArray* out) {
+  auto* ts = (TextsStream*)st->private_data;
+  *out = ArrowArray{};
+  if (ts->given) return 0;  // the end: a released array
+  ts->given = true;
+  auto* own = new TextsArray{std::move(ts->t), {}};
+  own->buffers[0] = own->t.nulls ? own->t.valid.data() : nullptr;
+  own->buffers[1] = own->t.offsets.data();
+  own->buffers[2] = own->t.data.empty() ? (const void*)"" : own->t.data.data();
+  out->length = own->t.n;
+  out->null_count = own->t.nulls;
+  out->n_buffers = 3;
+  out->buffers = own->buffers;
+  out->release = texts_array_release;
+  out->private_data = own;
+  return 0;
+}
+
+const char* texts_last_error(ArrowArrayStream*) { return nullptr; }
+
+void texts_stream_release(ArrowArrayStream* st) {
+  delete (TextsStream*)st->private_data;
+  st->private_data = nullptr;
+  st->release = nullptr;
+}
+
+void texts_capsule_free(PyObject* cap) {
+  auto* st = (ArrowArrayStream*)PyCapsule_GetPointer(cap, "arrow_array_stream");
+  if (st == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  if (st->release) st->release(st);
+  delete st;
+}
+
+// the column as an Arrow C stream capsule (the buffers live until polars releases them)
+py::object texts_capsule(TextsOut&& t) {
+  t.finish();
+  auto* st = new ArrowArrayStream{};
+  auto* ts = new TextsStream{};
+  ts->t = std::move(t);
+  st->get_schema = texts_get_schema;
+  st->get_next = texts_get_next;
+  st->get_last_error = texts_last_error;
+  st->release = texts_stream_release;
+  st->private_data = ts;
+  PyObject* cap = PyCapsule_New(st, "arrow_array_stream", texts_capsule_free);
+  if (cap == nullptr) {
+    texts_stream_release(st);
+    delete st;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(cap);
+}
+
+// the rows of a string column's Arrow stream, in order (None: every row null)
+struct TextsIn {
+  std::vector<ArrowArray> chunks;
+  StringChunk::Kind ck = StringChunk::UTF8;
+  size_t at = 0;       // the chunk being read
+  int64_t base = 0;    // its first row
+  explicit TextsIn(py::object capsule) {
+    if (capsule.is_none()) return;
+    auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
+    if (!stream) throw py::error_already_set();
+    ArrowSchema schema{};
+    if (stream->get_schema(stream, &schema) != 0) throw py::value_error("texts: no schema");
+    std::string fmt = schema.format ? schema.format : "";
+    if (schema.release) schema.release(&schema);
+    if (fmt == "u") ck = StringChunk::UTF8;
+    else if (fmt == "U") ck = StringChunk::LARGE_UTF8;
+    else if (fmt == "vu") ck = StringChunk::VIEW;
+    else {
+      stream->release(stream);
+      throw py::value_error("texts: not a string column (format " + fmt + ")");
+    }
+    for (;;) {
+      ArrowArray a{};
+      if (stream->get_next(stream, &a) != 0) {
+        stream->release(stream);
+        throw py::value_error("texts: the stream failed");
+      }
+      if (!a.release) break;
+      chunks.push_back(a);
+      if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3)) {
+        stream->release(stream);
+        throw py::value_error("texts: a chunk without its buffers");
+      }
+    }
+    stream->release(stream);
+  }
+  ~TextsIn() {
+    for (auto& a : chunks)
+      if (a.release) a.release(&a);
+  }
+  TextsIn(const TextsIn&) = delete;
+  TextsIn& operator=(const TextsIn&) = delete;
+  // row i's text (rows asked for in increasing order); false where null
+  bool get(int64_t i, const char*& p, int64_t& n) {
+    while (at < chunks.size() && i >= base + chunks[at].length) base += chunks[at++].length;
+    if (at >= chunks.size()) return false;
+    StringChunk sc{ck, &chunks[at]};
+    return sc.get(i - base, p, n);
+  }
+  int64_t rows() const {
+    int64_t n = 0;
+    for (auto& a : chunks) n += a.length;
+    return n;
+  }
+};
+
+}  // namespace
+
+// hex_texts(values int64[n], nulls bool[n] or None, prefix, null_text or None): prefix +
+// %016x of each value, null_text (or null) where it is null. A negative value raises ValueError
+// (the numpy path's cast to unsigned refuses it too).
+py::object hex_texts(carr<int64_t> values, py::object nulls_obj, std::string prefix, py::object null_text) {
+  const int64_t n = values.size();
+  carr<bool> nulls_a;
+  const bool* nulls = nullptr;
+  if (!nulls_obj.is_none()) {
+    nulls_a = carr<bool>::ensure(nulls_obj);
+    if (!nulls_a || nulls_a.size() != n) throw py::value_error("hex_texts: nulls of another length");
+    nulls = nulls_a.data();
+  }
+  const bool has_null_text = !null_text.is_none();
+  const std::string nt = has_null_text ? null_text.cast<std::string>() : std::string();
+  const int64_t* v = values.data();
+  TextsOut t;
+  t.offsets.reserve((size_t)n + 1);
+  t.data.reserve((size_t)n * (prefix.size() + 16));
+  for (int64_t i = 0; i < n; ++i) {
+    if (nulls && nulls[i]) {
+      if (has_null_text) {
+        t.put(nt.data(), nt.size());
+        t.end_row();
+      } else {
+        t.null_row();
+      }
+      continue;
+    }
+    if (v[i] < 0) throw py::value_error("hex_texts: a negative value");
+    t.put(prefix.data(), prefix.size());
+    t.hex16((uint64_t)v[i]);
+    t.end_row();
+  }
+  return texts_capsule(std::move(t));
+}
+
+// template_texts(alloc_id, addr, size, used, total: each (int64[n], nulls bool[n]); owner,
+// module, phase: Arrow C stream capsules of string columns or None): the writer's MALLOC/FREE
+// Attr template, null where one of the five numbers is (io/columns.py template_attr).
+py::object template_texts(py::tuple nums, py::object owner, py::object module, py::object phase) {
+  if (nums.size() != 5) throw py::value_error("template_texts: five number columns");
+  std::vector<carr<int64_t>> vals;
+  std::vector<carr<bool>> nuls;
+  int64_t n = -1;
+  for (int k = 0; k < 5; ++k) {
+    py::tuple pair = nums[k].cast<py::tuple>();
+    vals.push_back(carr<int64_t>::ensure(pair[0]));
+    nuls.push_back(carr<bool>::ensure(pair[1]));
+    if (!vals.back() || !nuls.back()) throw py::error_already_set();
+    if (n < 0) n = vals.back().size();
+    if (vals.back().size() != n || nuls.back().size() != n) throw py::value_error("template_texts: lengths differ");
+  }
+  TextsIn texts[3] = {TextsIn(owner), TextsIn(module), TextsIn(phase)};
+  for (auto& tx : texts)
+    if (!tx.chunks.empty() && tx.rows() != n) throw py::value_error("template_texts: lengths differ");
+  static const char* keys[3] = {",\"owner\":\"", ",\"module\":\"", ",\"phase\":\""};
+  const int64_t *aid = vals[0].data(), *addr = vals[1].data(), *size = vals[2].data(), *used = vals[3].data(),
+                *total = vals[4].data();
+  TextsOut t;
+  t.offsets.reserve((size_t)n + 1);
+  t.data.reserve((size_t)n * 110);
+  for (int64_t i = 0; i < n; ++i) {
+    bool whole = true;
+    for (int k = 0; k < 5; ++k) whole = whole && !nuls[k].data()[i];
+    const char* p[3];
+    int64_t len[3];
+    bool has[3];
+    for (int k = 0; k < 3; ++k) has[k] = texts[k].get(i, p[k], len[k]);  // read in order, whole or not
+    if (!whole) {
+      t.null_row();
+      continue;
+    }
+    if (addr[i] < 0) throw py::value_error("template_texts: a negative address");
+    t.lit("{\"allocation_id\":");
+    t.num(aid[i]);
+    t.lit(",\"addr\":\"0x");
+    t.hex16((uint64_t)addr[i]);
+    t.lit("\",\"size\":");
+    t.num(size[i]);
+    t.lit(",\"used\":");
+    t.num(used[i]);
+    t.lit(",\"total\":");
+    t.num(total[i]);
+    for (int k = 0; k < 3; ++k) {
+      if (!has[k]) continue;
+      t.put(keys[k], std::strlen(keys[k]));
+      t.put(p[k], (size_t)len[k]);
+      t.lit("\"");
+    }
+    t.lit("}");
+    t.end_row();
+  }
+  return texts_capsule(std::move(t));
+}
+
 // ---------------------------------------------------------------- inefficient memory's fold
 // (issue 22) Tracker.feed's array work (analysis/inefficient.py) for one chunk, in loops instead
 // of numpy passes: the same live-block columns in, the same columns out, for the old blocks
@@ -1605,6 +1893,8 @@ PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("replay_rows", &replay_rows);
   m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"), py::arg("kinds") = py::none());
   m.def("inefficient_fold", &inefficient_fold);
+  m.def("hex_texts", &hex_texts);
+  m.def("template_texts", &template_texts);
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)

@@ -334,3 +334,46 @@ def test_attr_fields_parsed_in_threads_are_one_threads(monkeypatch):
     want = R._attr_columns(df)
     for c in R._ATTR_COLUMNS:
         assert got[c].to_list() == want[c].to_list(), c
+
+
+_i64 = st.one_of(st.none(), st.integers(0, 2**63 - 1), st.sampled_from([0, 1, 255, 4096, 2**63 - 1]))
+_txt = st.one_of(st.none(), st.sampled_from(["", "PTA@weight", "GPT.blocks.0.attn", "forward", "ü-x", "a,b"]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(_i64, _i64, _i64, st.one_of(st.none(), st.integers(-2**63, 2**63 - 1),
+                                                   st.sampled_from([-1, -2, -4096, -2**63])), _i64,
+                          _txt, _txt, _txt), max_size=30),
+       st.sampled_from([("", None), ("0x", None), ("0x", "N/A")]), st.integers(0, 3))
+def test_texts_made_in_cpp_are_polars_texts(rows, hexform, cuts):
+    """The addresses as 0x%016x and the MALLOC/FREE rows' Attr template, made in C++ (one Arrow
+    array handed to polars), are the texts numpy's and polars' ways make, nulls included, on
+    frames of several chunks; a negative address is refused the same way by both."""
+    from msmemscope.io import columns as C
+    if C._text_module() is None:
+        pytest.skip("the C++ module is not built (make native)")
+    cols = ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase")
+    df = pl.DataFrame([dict(zip(cols, r)) for r in rows],
+                      schema={**{c: pl.Int64 for c in cols[:5]}, **{c: pl.String for c in cols[5:]}})
+    if cuts and df.height > cuts:  # the reader's frames come in chunks
+        df = pl.concat([df.slice(0, cuts), df.slice(cuts)], rechunk=False)
+
+    def both(fn):
+        out = []
+        for way in ("c++", "polars"):
+            with pytest.MonkeyPatch.context() as m:
+                if way == "polars":
+                    m.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
+                try:
+                    got = fn()
+                    out.append((got.name, got.dtype, got.to_list()))
+                except pl.exceptions.PolarsError as e:
+                    out.append(type(e).__name__)
+        return out
+    prefix, null = hexform
+    a, b = both(lambda: C.hex16(df["addr"], prefix, null))
+    assert a == b
+    a, b = both(lambda: C.template_attr(df))
+    assert a == b
+    a, b = both(lambda: C.hex16(df["used"], "0x", "N/A"))  # negative values: refused by both
+    assert a == b

@@ -101,11 +101,47 @@ _HEX2 = None  # the 256 two-digit hex texts as uint16 cells (made on first use)
 _HEX_SLICE = 1 << 20
 
 
+class _Stream:
+    """An Arrow C stream made in C++ (``hex_texts``, ``template_texts``), handed to ``pl.Series``."""
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __arrow_c_stream__(self, requested_schema=None):
+        return self.capsule
+
+
+def _text_module():
+    """The C++ module's text makers, or None: not built, or ``MSMEMSCOPE_ATTR_FIELDS=polars``
+    (polars' and numpy's way for the texts too)."""
+    if os.environ.get("MSMEMSCOPE_ATTR_FIELDS", "").strip().lower() == "polars":
+        return None
+    from .. import leak_native
+    m = leak_native.load_module()
+    return m if m is not None and hasattr(m, "template_texts") else None
+
+
+def _null_mask(s):
+    return s.is_null().to_numpy() if s.null_count() else None
+
+
 def hex16(s, prefix: str = "", null: str | None = None):
     """A polars Int64 Series as ``prefix`` + ``%016x`` text, ``null`` where it is null (None: stays
-    null): vectorised (numpy, a byte at a time through a table of the 256 two-digit texts), the
-    whole text made in one buffer. On a big dump every column made is memory touched for the first
-    time, which costs more than the work in it: no "0x" + text or when/then pass after it."""
+    null). In C++ where the module is built (one Arrow string array); else vectorised (numpy, a
+    byte at a time through a table of the 256 two-digit texts), the whole text made in one buffer.
+    On a big dump every column made is memory touched for the first time, which costs more than
+    the work in it: no "0x" + text or when/then pass after it."""
+    import polars as pl
+    m = _text_module()
+    if m is not None and s.dtype == pl.Int64:
+        try:
+            got = pl.Series(_Stream(m.hex_texts(s.fill_null(0).to_numpy(), _null_mask(s), prefix, null)))
+            return got.alias(s.name)
+        except ValueError:  # a negative value: numpy's way, which refuses it as it always has
+            pass
+    return _hex16_numpy(s, prefix, null)
+
+
+def _hex16_numpy(s, prefix: str = "", null: str | None = None):
     import numpy as np
     import polars as pl
     global _HEX2
@@ -117,7 +153,8 @@ def hex16(s, prefix: str = "", null: str | None = None):
     k = len(pre) // 2
     n = len(s)
     if n > _HEX_SLICE:  # in slices: each slice's buffers reuse the memory of the one before
-        return pl.concat([hex16(s.slice(i, _HEX_SLICE), prefix, null) for i in range(0, n, _HEX_SLICE)], rechunk=False)
+        return pl.concat([_hex16_numpy(s.slice(i, _HEX_SLICE), prefix, null) for i in range(0, n, _HEX_SLICE)],
+                         rechunk=False)
     cells = np.empty((n, k + 8), dtype=np.uint16)
     if k:
         cells[:, :k] = np.frombuffer(pre, dtype=np.uint16)
@@ -136,12 +173,35 @@ def hex16(s, prefix: str = "", null: str | None = None):
     return text
 
 
+_TEMPLATE_NUMBERS = ("alloc_id", "addr", "size", "used", "total")
+
+
+def _native_template(df):
+    """``template_attr`` in C++ (one Arrow array), or None: the module is not there, a number
+    column is not Int64, or an address is negative (polars' way then refuses it, as it always
+    has)."""
+    import polars as pl
+    m = _text_module()
+    if m is None or not all(df.schema.get(c) == pl.Int64 for c in _TEMPLATE_NUMBERS):
+        return None
+    nums = tuple((df[c].fill_null(0).to_numpy(), df[c].is_null().to_numpy()) for c in _TEMPLATE_NUMBERS)
+    texts = [df[c].cast(pl.String).__arrow_c_stream__() if c in df.columns else None
+             for c in ("owner", "module", "phase")]
+    try:
+        return pl.Series(_Stream(m.template_texts(nums, *texts))).alias("attr")
+    except ValueError:
+        return None
+
+
 def template_attr(df):
     """The Attr text of the MALLOC/FREE rows from their fields, as the writer's template prints
     it (``{"allocation_id":…,"addr":"0x…","size":…,"used":…,"total":…[,"owner":…][,"module":…[,"phase":…]]}``);
     null where one of its five first fields is. One concat over the fields (an optional key's part
     is null where its value is, and left out)."""
     import polars as pl
+    got = _native_template(df)
+    if got is not None:
+        return got
     f = df.select("alloc_id", "size", "used", "total", "owner", "module", "phase", h=hex16(df["addr"], "0x"))
     part = [pl.lit('{"allocation_id":'), pl.col("alloc_id").cast(pl.String), pl.lit(',"addr":"'), pl.col("h"),
             pl.lit('","size":'), pl.col("size").cast(pl.String), pl.lit(',"used":'), pl.col("used").cast(pl.String),
