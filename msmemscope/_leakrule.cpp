@@ -1028,6 +1028,73 @@ struct StringChunk {
   }
 };
 
+// a string column's chunks, taken from its Arrow C stream capsule (None: no chunks, every row
+// null); its rows read in order with ``get``
+struct TextsIn {
+  std::vector<ArrowArray> chunks;
+  StringChunk::Kind ck = StringChunk::UTF8;
+  size_t at = 0;       // the chunk being read
+  int64_t base = 0;    // its first row
+  explicit TextsIn(py::object capsule) {
+    if (capsule.is_none()) return;
+    auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
+    if (!stream) throw py::error_already_set();
+    struct StreamGuard {
+      ArrowArrayStream* s;
+      ~StreamGuard() { if (s->release) s->release(s); }
+    } sg{stream};
+    try {
+      ArrowSchema schema{};
+      if (stream->get_schema(stream, &schema) != 0) throw py::value_error("a string column: no schema");
+      std::string fmt = schema.format ? schema.format : "";
+      if (schema.release) schema.release(&schema);
+      if (fmt == "u") ck = StringChunk::UTF8;
+      else if (fmt == "U") ck = StringChunk::LARGE_UTF8;
+      else if (fmt == "vu") ck = StringChunk::VIEW;
+      else throw py::value_error("not a string column (format " + fmt + ")");
+      for (;;) {
+        ArrowArray a{};
+        if (stream->get_next(stream, &a) != 0) throw py::value_error("a string column: the stream failed");
+        if (!a.release) break;  // the end
+        chunks.push_back(a);
+        if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3))
+          throw py::value_error("a string column: a chunk without its buffers");
+      }
+    } catch (...) {  // no destructor runs for a constructor that throws
+      release();
+      throw;
+    }
+  }
+  ~TextsIn() { release(); }
+  TextsIn(const TextsIn&) = delete;
+  TextsIn& operator=(const TextsIn&) = delete;
+  void release() {
+    for (auto& a : chunks)
+      if (a.release) a.release(&a);
+  }
+  // row i's text (rows asked for in increasing order); false where null
+  bool get(int64_t i, const char*& p, int64_t& n) {
+    while (at < chunks.size() && i >= base + chunks[at].length) base += chunks[at++].length;
+    if (at >= chunks.size()) return false;
+    StringChunk sc{ck, &chunks[at]};
+    return sc.get(i - base, p, n);
+  }
+  int64_t rows() const {
+    int64_t n = 0;
+    for (auto& a : chunks) n += a.length;
+    return n;
+  }
+};
+
+// an optional numpy array of n items: its data, or nullptr for None (``keep`` holds the array)
+template <typename T>
+const T* optional_array(py::object obj, int64_t n, carr<T>& keep, const char* what) {
+  if (obj.is_none()) return nullptr;
+  keep = carr<T>::ensure(obj);
+  if (!keep || keep.size() != n) throw py::value_error(std::string(what) + " of another length");
+  return keep.data();
+}
+
 // a cursor over one text, each step what the template's pattern asks
 struct Cursor {
   const char* p;
@@ -1227,47 +1294,19 @@ void merge_codes(Codes& global, const Codes& local, int32_t* codes, int64_t r0, 
 // dump's column. The chunks are parsed by a few threads without the GIL (the CSV parse has no
 // other work for the second core then); the codes come out as one thread's would.
 py::tuple attr_fields(py::object capsule, int kind, py::object kinds_obj) {
-  auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
-  if (!stream) throw py::error_already_set();
-  struct StreamGuard {
-    ArrowArrayStream* s;
-    ~StreamGuard() { if (s->release) s->release(s); }
-  } sg{stream};
-  ArrowSchema schema{};
-  if (stream->get_schema(stream, &schema) != 0) throw py::value_error("attr_fields: no schema");
-  std::string fmt = schema.format ? schema.format : "";
-  if (schema.release) schema.release(&schema);
-  StringChunk::Kind ck;
-  if (fmt == "u") ck = StringChunk::UTF8;
-  else if (fmt == "U") ck = StringChunk::LARGE_UTF8;
-  else if (fmt == "vu") ck = StringChunk::VIEW;
-  else throw py::value_error("attr_fields: not a string column (format " + fmt + ")");
-
-  std::vector<ArrowArray> chunks;
-  struct ChunksGuard {
-    std::vector<ArrowArray>& c;
-    ~ChunksGuard() { for (auto& a : c) if (a.release) a.release(&a); }
-  } cg{chunks};
+  if (capsule.is_none()) throw py::value_error("attr_fields: no column");
+  TextsIn in(capsule);
+  const std::vector<ArrowArray>& chunks = in.chunks;
+  const StringChunk::Kind ck = in.ck;
   int64_t n = 0;
-  std::vector<int64_t> starts;  // the first row of each chunk
-  for (;;) {
-    ArrowArray a{};
-    if (stream->get_next(stream, &a) != 0) throw py::value_error("attr_fields: the stream failed");
-    if (!a.release) break;  // the end
-    chunks.push_back(a);
-    if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3))
-      throw py::value_error("attr_fields: a chunk without its buffers");
+  std::vector<int64_t> starts;  // the first row of each chunk, then the row count
+  for (const ArrowArray& a : chunks) {
     starts.push_back(n);
     n += a.length;
   }
   starts.push_back(n);
   carr<uint8_t> kinds_a;
-  const uint8_t* kinds = nullptr;
-  if (!kinds_obj.is_none()) {
-    kinds_a = carr<uint8_t>::ensure(kinds_obj);
-    if (!kinds_a || kinds_a.size() != n) throw py::value_error("attr_fields: kinds of another length");
-    kinds = kinds_a.data();
-  }
+  const uint8_t* kinds = optional_array(kinds_obj, n, kinds_a, "attr_fields: kinds");
   py::array_t<bool> matched(n);
   py::array_t<int64_t> aid(n), size(n), used(n), total(n), addr(n);
   py::array_t<int32_t> oc(n), mc(n), pc(n);
@@ -1311,13 +1350,11 @@ py::tuple attr_fields(py::object capsule, int kind, py::object kinds_obj) {
     for (auto& th : threads) th.join();
   }
   if (std::find(failed.begin(), failed.end(), 1) != failed.end()) throw std::bad_alloc();
-  {
-    for (size_t t = 1; t < shares; ++t) {
-      const int64_t r0 = starts[cut[t]], r1 = starts[cut[t + 1]];
-      merge_codes(owners[0], owners[t], o.O, r0, r1);
-      merge_codes(modules[0], modules[t], o.MO, r0, r1);
-      merge_codes(phases[0], phases[t], o.PH, r0, r1);
-    }
+  for (size_t t = 1; t < shares; ++t) {
+    const int64_t r0 = starts[cut[t]], r1 = starts[cut[t + 1]];
+    merge_codes(owners[0], owners[t], o.O, r0, r1);
+    merge_codes(modules[0], modules[t], o.MO, r0, r1);
+    merge_codes(phases[0], phases[t], o.PH, r0, r1);
   }
   return py::make_tuple(matched, aid, size, used, total, addr, over, py::make_tuple(oc, owners[0].to_list()),
                         py::make_tuple(mc, modules[0].to_list()), py::make_tuple(pc, phases[0].to_list()));
@@ -1458,62 +1495,6 @@ py::object texts_capsule(TextsOut&& t) {
   return py::reinterpret_steal<py::object>(cap);
 }
 
-// the rows of a string column's Arrow stream, in order (None: every row null)
-struct TextsIn {
-  std::vector<ArrowArray> chunks;
-  StringChunk::Kind ck = StringChunk::UTF8;
-  size_t at = 0;       // the chunk being read
-  int64_t base = 0;    // its first row
-  explicit TextsIn(py::object capsule) {
-    if (capsule.is_none()) return;
-    auto* stream = (ArrowArrayStream*)PyCapsule_GetPointer(capsule.ptr(), "arrow_array_stream");
-    if (!stream) throw py::error_already_set();
-    ArrowSchema schema{};
-    if (stream->get_schema(stream, &schema) != 0) throw py::value_error("texts: no schema");
-    std::string fmt = schema.format ? schema.format : "";
-    if (schema.release) schema.release(&schema);
-    if (fmt == "u") ck = StringChunk::UTF8;
-    else if (fmt == "U") ck = StringChunk::LARGE_UTF8;
-    else if (fmt == "vu") ck = StringChunk::VIEW;
-    else {
-      stream->release(stream);
-      throw py::value_error("texts: not a string column (format " + fmt + ")");
-    }
-    for (;;) {
-      ArrowArray a{};
-      if (stream->get_next(stream, &a) != 0) {
-        stream->release(stream);
-        throw py::value_error("texts: the stream failed");
-      }
-      if (!a.release) break;
-      chunks.push_back(a);
-      if ((ck == StringChunk::VIEW && a.n_buffers < 3) || (ck != StringChunk::VIEW && a.n_buffers != 3)) {
-        stream->release(stream);
-        throw py::value_error("texts: a chunk without its buffers");
-      }
-    }
-    stream->release(stream);
-  }
-  ~TextsIn() {
-    for (auto& a : chunks)
-      if (a.release) a.release(&a);
-  }
-  TextsIn(const TextsIn&) = delete;
-  TextsIn& operator=(const TextsIn&) = delete;
-  // row i's text (rows asked for in increasing order); false where null
-  bool get(int64_t i, const char*& p, int64_t& n) {
-    while (at < chunks.size() && i >= base + chunks[at].length) base += chunks[at++].length;
-    if (at >= chunks.size()) return false;
-    StringChunk sc{ck, &chunks[at]};
-    return sc.get(i - base, p, n);
-  }
-  int64_t rows() const {
-    int64_t n = 0;
-    for (auto& a : chunks) n += a.length;
-    return n;
-  }
-};
-
 }  // namespace
 
 // hex_texts(values int64[n], nulls bool[n] or None, prefix, null_text or None): prefix +
@@ -1522,12 +1503,7 @@ struct TextsIn {
 py::object hex_texts(carr<int64_t> values, py::object nulls_obj, std::string prefix, py::object null_text) {
   const int64_t n = values.size();
   carr<bool> nulls_a;
-  const bool* nulls = nullptr;
-  if (!nulls_obj.is_none()) {
-    nulls_a = carr<bool>::ensure(nulls_obj);
-    if (!nulls_a || nulls_a.size() != n) throw py::value_error("hex_texts: nulls of another length");
-    nulls = nulls_a.data();
-  }
+  const bool* nulls = optional_array(nulls_obj, n, nulls_a, "hex_texts: nulls");
   const bool has_null_text = !null_text.is_none();
   const std::string nt = has_null_text ? null_text.cast<std::string>() : std::string();
   const int64_t* v = values.data();

@@ -350,7 +350,7 @@ def test_texts_made_in_cpp_are_polars_texts(rows, hexform, cuts):
     array handed to polars), are the texts numpy's and polars' ways make, nulls included, on
     frames of several chunks; a negative address is refused the same way by both."""
     from msmemscope.io import columns as C
-    if C._text_module() is None:
+    if C.text_module() is None:
         pytest.skip("the C++ module is not built (make native)")
     cols = ("alloc_id", "addr", "size", "used", "total", "owner", "module", "phase")
     df = pl.DataFrame([dict(zip(cols, r)) for r in rows],

@@ -110,14 +110,15 @@ class _Stream:
         return self.capsule
 
 
-def _text_module():
-    """The C++ module's text makers, or None: not built, or ``MSMEMSCOPE_ATTR_FIELDS=polars``
-    (polars' and numpy's way for the texts too)."""
+def text_module(needs: str = "template_texts"):
+    """The torch-free C++ module (built with the native source) for the Attr fields the reader
+    parses and the texts it makes again, or None: not built, without ``needs``, or
+    ``MSMEMSCOPE_ATTR_FIELDS=polars`` (polars' and numpy's ways for all of them)."""
     if os.environ.get("MSMEMSCOPE_ATTR_FIELDS", "").strip().lower() == "polars":
         return None
     from .. import leak_native
     m = leak_native.load_module()
-    return m if m is not None and hasattr(m, "template_texts") else None
+    return m if m is not None and hasattr(m, needs) else None
 
 
 def _null_mask(s):
@@ -131,7 +132,7 @@ def hex16(s, prefix: str = "", null: str | None = None):
     On a big dump every column made is memory touched for the first time, which costs more than
     the work in it: no "0x" + text or when/then pass after it."""
     import polars as pl
-    m = _text_module()
+    m = text_module()
     if m is not None and s.dtype == pl.Int64:
         try:
             got = pl.Series(_Stream(m.hex_texts(s.fill_null(0).to_numpy(), _null_mask(s), prefix, null)))
@@ -181,7 +182,7 @@ def _native_template(df):
     column is not Int64, or an address is negative (polars' way then refuses it, as it always
     has)."""
     import polars as pl
-    m = _text_module()
+    m = text_module()
     if m is None or not all(df.schema.get(c) == pl.Int64 for c in _TEMPLATE_NUMBERS):
         return None
     nums = tuple((df[c].fill_null(0).to_numpy(), df[c].is_null().to_numpy()) for c in _TEMPLATE_NUMBERS)

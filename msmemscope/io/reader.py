@@ -403,13 +403,9 @@ BIG_MAYBE = validate.BIG_MAYBE
 
 
 def _attr_module():
-    """The torch-free C++ module with ``attr_fields`` (built with the native source), or None:
-    not built, or ``MSMEMSCOPE_ATTR_FIELDS=polars``."""
-    if os.environ.get("MSMEMSCOPE_ATTR_FIELDS", "").strip().lower() == "polars":
-        return None
-    from .. import leak_native
-    m = leak_native.load_module()
-    return m if m is not None and hasattr(m, "attr_fields") else None
+    """The C++ module with ``attr_fields`` (``columns.text_module``), or None."""
+    from . import columns as C
+    return C.text_module("attr_fields")
 
 
 def _native_fields(df: pl.DataFrame, fields):
