@@ -216,7 +216,8 @@ def test_module_hooks_removed_at_stop_and_cli(tmp_path):
 def test_node_hooks_mark_as_the_multi_grad_hooks():
     """The module tracker's backward hooks go on the tensors' autograd nodes (one C++ call each)
     instead of torch's register_multi_grad_hook (a hook dict and a handle per tensor, per module
-    call): the marks, in order, are those the multi-grad hooks give, on modules with several
+    call), in C++ where built (capture/_native.cpp) and in Python: the marks of both, in order, are
+    those the multi-grad hooks give, on modules with several
     inputs and outputs, a shared output, a leaf input that needs a gradient (the multi-grad hook's
     path), a module called twice, and the transformer example."""
     import threading
@@ -244,7 +245,8 @@ def test_node_hooks_mark_as_the_multi_grad_hooks():
             u, v = self.two(self.pre(x), x.relu())
             return self.head(u + v)
 
-    def marks(kind, multi_grad):
+    def marks(kind, impl):
+        multi_grad = impl == "multi-grad"
         torch.manual_seed(0)
         if kind == "gpt":
             from examples.transformer import GPT
@@ -255,7 +257,8 @@ def test_node_hooks_mark_as_the_multi_grad_hooks():
         if multi_grad:
             M._on_first_grad = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn, mode="any")
             M._on_all_grads = lambda ts, fn: torch.autograd.graph.register_multi_grad_hook(ts, fn)
-        tr = M.ModuleTracker(types.SimpleNamespace(active=True)).install()
+        tr = M.ModuleTracker(types.SimpleNamespace(active=True), native=False if impl != "c++" else None).install()
+        assert (tr.nat is not None) == (impl == "c++")
         try:
             for _ in range(2):
                 model(x).float().mean().backward()
@@ -264,14 +267,16 @@ def test_node_hooks_mark_as_the_multi_grad_hooks():
             M._on_first_grad, M._on_all_grads = saved
         # every mark, in time order (each thread's list is in order already)
         me = threading.get_ident()
-        seq = sorted(((t, tid == me, st) for tid, (ts, sts) in tr.marks.items() for t, st in zip(ts, sts)),
+        seq = sorted(((t, tid == me, st) for tid, (ts, sts) in tr.marks_now().items() for t, st in zip(ts, sts)),
                      key=lambda m: m[0])
         return [m[1:] for m in seq]
 
+    impls = ("python", "multi-grad") + (("c++",) if M.native_hooks() is not None else ())
     for kind in ("net", "leaf", "gpt"):
-        ours, theirs = marks(kind, False), marks(kind, True)
-        assert sum(1 for _, st in ours if st is not None and st[1] == M.BACKWARD) > 4
-        assert ours == theirs, kind
+        theirs = marks(kind, "multi-grad")
+        assert sum(1 for _, st in theirs if st is not None and st[1] == M.BACKWARD) > 4
+        for impl in impls:
+            assert marks(kind, impl) == theirs, (kind, impl)
 
 
 def test_leaf_input_hooks_do_not_pile_up():
@@ -293,12 +298,95 @@ def test_leaf_input_hooks_do_not_pile_up():
     per_iter, hooks = [], []
     try:
         for _ in range(6):
-            n0 = sum(len(v[1]) for v in tr.marks.values())
+            n0 = sum(len(v[1]) for v in tr.marks_now().values())
             model(x).sum().backward()
-            per_iter.append([st for v in tr.marks.values() for st in v[1]][n0:])
+            per_iter.append([st for v in tr.marks_now().values() for st in v[1]][n0:])
             hooks.append(len(x._backward_hooks or {}))
     finally:
         tr.remove()
     assert any(st is not None and st[1] == M.BACKWARD and st[0].endswith(".0") for st in per_iter[0])
     assert all(p == per_iter[0] for p in per_iter[1:])
     assert max(hooks) <= 1, hooks
+
+
+MIX = r'''
+import sys, torch, msmemscope
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+torch.set_num_threads(1)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = Block(), Block(), nn.Linear(16, 1)
+
+    def forward(self, x, ckpt):
+        h = self.a(x)
+        # activation checkpointing: b's forward runs again inside the backward pass
+        h = checkpoint(self.b, h, use_reentrant=False) if ckpt else self.b(h)
+        return self.head(self.a(h))  # a is called twice
+
+
+msmemscope.config(output=sys.argv[1], analysis="decompose", collect_mode="immediate")
+net = Net()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+x = torch.randn(8, 16, requires_grad=True)  # a leaf input that needs a gradient: the multi-grad hook
+for step in range(4):
+    if step == 2:  # a stop/start gap, and blocks freed inside it
+        msmemscope.stop()
+        y = net(x, False).sum(); y.backward(); del y
+        msmemscope.start()
+    opt.zero_grad(set_to_none=True)
+    net(x, step % 2 == 1).pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        net(x, False)
+    msmemscope.step()
+msmemscope.stop()
+'''
+
+
+@pytest.mark.skipif(not native_built(), reason="the native source is not built (make native)")
+def test_cpp_module_hooks_attribute_as_the_python_hooks(tmp_path):
+    """The module hooks, the backward node hooks and the saved-tensor pack hook in C++ (the default
+    where built) give every MALLOC row the owner, module and phase that the Python hooks
+    (MSMEMSCOPE_FOLD=python) give, and the same decomposition, on a program that meets them all:
+    activation checkpointing (a forward inside the backward pass), a leaf input that needs a
+    gradient, a module called twice, a forward under no_grad and a stop/start gap."""
+    prog = tmp_path / "mix.py"
+    prog.write_text(MIX)
+    got = {}
+    for impl in ("c++", "python"):
+        env = env_for_tests()
+        env["MSMEMSCOPE_QUIET"] = "1"
+        if impl == "python":
+            env["MSMEMSCOPE_FOLD"] = "python"
+        out = tmp_path / impl
+        r = subprocess.run([sys.executable, str(prog), str(out)], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (folder,) = run_folders(out)
+        df = read(dump_of(folder))
+        check_invariants(df)
+        from msmemscope.io.reader import read_dump
+        cols = read_dump(dump_of(folder), columns=("event", "name", "owner", "module", "phase"), events=("MALLOC",))
+        res = json.load(open(os.path.join(folder, "analysis", "decompose.json")))
+        got[impl] = (cols.select("name", "owner", "module", "phase").rows(), res)
+    rows, res = got["c++"]
+    assert rows == got["python"][0]
+    assert res == got["python"][1]
+    # what the case is about happened: recomputed forwards in backward, both phases, activations
+    recomputed = {m for _, _, m, ph in rows if ph == "backward" and m and m.startswith("Net.b.")}
+    assert recomputed, "no allocation of the checkpointed block attributed to its backward"
+    assert {ph for *_, ph in rows} >= {"forward", "backward", None}
+    assert any(o.endswith("@activation") and m and m.startswith("Net.a") for _, o, m, _ in rows)

@@ -27,6 +27,9 @@
 // the headers this file uses, not <torch/extension.h> (all of libtorch's C++ API, twice the build time)
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <c10/core/GradMode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
@@ -1347,6 +1350,605 @@ py::list relabel_mallocs(py::list buf, py::dict owner, py::dict info, py::dict c
   return todo;
 }
 
+// ================================================================ module attribution (issue 25)
+// The hot half of capture/modules.py ModuleTracker, in C++: the global module forward hooks are
+// the C functions `mt_pre` / `mt_post`, and the backward moments of a module call are pre-hooks on
+// the autograd nodes of its inputs and outputs (MtHook), so no Python runs per module call or per
+// backward node. State, per thread: the stack of (path, phase) open now and the marks (ts, state)
+// at each change of its top, on the rows' clock and thread ids. Python names the modules (once
+// each, `namer`), handles leaves (a tensor without a node keeps the multi-grad hook, `leaf`), and
+// reads the marks at each flush (`mt_marks`). ModuleTracker's Python hooks are the reference
+// (MSMEMSCOPE_FOLD=python), held equal by tests/test_modules.py.
+//
+// Locking: mt_mu guards the stacks, marks and path texts; it is never held while Python runs
+// (a hook holding it while Python switches threads would wait on a thread that waits on it). The
+// module -> path cache is touched only by the forward hooks, which hold the GIL.
+namespace modtrack {
+
+using torch::autograd::Node;
+
+enum Phase : int32_t { FWD = 0, BWD = 1 };
+inline int32_t state_of(int32_t path, int32_t phase) { return path * 2 + phase; }
+
+struct Thread {
+  std::vector<int32_t> stack;  // states open now, innermost last
+  std::vector<int64_t> ts;     // marks since the last prune
+  std::vector<int32_t> st;     // their states (-1: no module)
+  int32_t base = -1;           // state before the first mark kept
+};
+
+std::mutex& mt_mu = *new std::mutex();
+std::unordered_map<uint64_t, Thread>& threads = *new std::unordered_map<uint64_t, Thread>();
+std::vector<std::string>& paths = *new std::vector<std::string>();
+std::unordered_map<std::string, int32_t>& path_ids = *new std::unordered_map<std::string, int32_t>();
+std::vector<PyObject*>& state_objs = *new std::vector<PyObject*>();  // state -> (path, phase) tuple, made at export
+std::atomic<bool> on{false};          // the session traces: hooks act
+bool callback_queued = false;         // the end-of-backward callback of this pass is queued
+// the owner labeller's view of forwards (all threads together, as capture/owners.py Labeler): the
+// depth of forwards running, and the first allocation id of the outermost one
+int depth = 0;
+int64_t fwd_first_aid = -1;
+std::vector<int64_t>& saved_aids = *new std::vector<int64_t>();  // blocks saved for backward since the last take
+
+// GIL-guarded
+struct Known { PyObject* ref; int32_t path; };   // a weak reference to the module, its path id
+std::unordered_map<PyObject*, Known>& known = *new std::unordered_map<PyObject*, Known>();
+PyObject* namer = nullptr;     // namer(module, parent path or None) -> path text
+PyObject* leaf = nullptr;      // leaf(tensors, path, "any" | "all"): a leaf among them
+PyObject* on_root = nullptr;   // on_root(module): an outermost forward begins (or None)
+PyObject* pack_py = nullptr;   // the labeller's Python pack hook, for tensors that are not plain
+PyObject* str_fwd = nullptr;
+PyObject* str_bwd = nullptr;
+bool forked_handlers = false;
+
+void mt_before_fork() { mt_mu.lock(); }
+void mt_after_fork_parent() { mt_mu.unlock(); }
+void mt_after_fork_child() {
+  on = false;
+  mt_mu.unlock();
+}
+
+// under mt_mu
+int32_t intern_path_locked(const std::string& p) {
+  auto it = path_ids.find(p);
+  if (it != path_ids.end()) return it->second;
+  int32_t id = (int32_t)paths.size();
+  paths.push_back(p);
+  path_ids.emplace(p, id);
+  return id;
+}
+
+inline void mark_locked(Thread& th, int64_t ts, int32_t state) {
+  th.ts.push_back(ts);
+  th.st.push_back(state);
+}
+
+// ModuleTracker._push: a module's forward or backward begins on this thread
+void push_locked(uint64_t t, int32_t path, int32_t phase) {
+  Thread& th = threads[t];
+  int32_t state = state_of(path, phase);
+  auto& stk = th.stack;
+  if (phase == BWD && !stk.empty()) {
+    // hooks on one tensor fire in registration order: a parent whose output is its last child's
+    // output (GPT and GPT.head) enters after it; it still encloses it
+    const std::string& me = paths[path];
+    size_t i = stk.size();
+    while (i > 0 && (stk[i - 1] & 1) == BWD) {
+      const std::string& other = paths[stk[i - 1] >> 1];
+      if (other.size() > me.size() && other.compare(0, me.size(), me) == 0 && other[me.size()] == '.') --i;
+      else break;
+    }
+    stk.insert(stk.begin() + (std::ptrdiff_t)i, state);
+    state = stk.back();
+  } else {
+    stk.push_back(state);
+  }
+  mark_locked(th, now_ns(), state);
+}
+
+// ModuleTracker._pop: it ends (the innermost one, or wherever it is in the stack)
+void pop_locked(uint64_t t, int32_t path, int32_t phase) {
+  auto it = threads.find(t);
+  if (it == threads.end() || it->second.stack.empty()) return;
+  Thread& th = it->second;
+  auto& stk = th.stack;
+  int32_t state = state_of(path, phase);
+  if (stk.back() == state) {
+    stk.pop_back();
+  } else {
+    bool found = false;
+    for (size_t i = stk.size() - 1; i-- > 0;) {
+      if (stk[i] == state) {
+        stk.erase(stk.begin() + (std::ptrdiff_t)i);
+        found = true;
+        break;
+      }
+    }
+    if (!found) return;
+  }
+  mark_locked(th, now_ns(), stk.empty() ? -1 : stk.back());
+}
+
+// the backward pass ended: every module still in backward ends (those whose inputs needed no gradient)
+void bw_done() {
+  std::lock_guard<std::mutex> g(mt_mu);
+  callback_queued = false;
+  int64_t ts = now_ns();
+  for (auto& kv : threads) {
+    auto& stk = kv.second.stack;
+    size_t before = stk.size();
+    stk.erase(std::remove_if(stk.begin(), stk.end(), [](int32_t s) { return (s & 1) == BWD; }), stk.end());
+    if (stk.size() != before) mark_locked(kv.second, ts, stk.empty() ? -1 : stk.back());
+  }
+}
+
+// a module's backward begins (ModuleTracker._bw_enter): under mt_mu, inside the backward pass
+void enter_locked(int32_t path) {
+  if (!callback_queued) {
+    callback_queued = true;
+    torch::autograd::Engine::get_default_engine().queue_callback(&bw_done);
+  }
+  push_locked(tid(), path, BWD);
+}
+
+// torch._C._will_engine_execute_node: the node is in this backward pass's graph and runs
+bool will_run(Node* n) {
+  auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (in_graph == nullptr || in_graph->find(n) == in_graph->end()) return false;
+  auto* exec = torch::autograd::get_current_graph_task_exec_info();
+  if (exec == nullptr || exec->empty()) return true;
+  auto it = exec->find(n);
+  return it != exec->end() && it->second.should_execute();
+}
+
+// the backward moments of one module call over the nodes of its tensors (capture/modules.py
+// _on_first_grad / _on_all_grads)
+struct Group {
+  int32_t path;
+  bool all;                                           // all gradients (its end) or the first (its start)
+  std::vector<c10::weak_intrusive_ptr<Node>> nodes;  // weak: a hook must not keep its graph alive
+  std::vector<std::pair<int, int>> seen;              // backward pass -> (first: 1 ran; all: nodes still to run)
+};
+
+void fire(Group& g) {
+  int gid = torch::autograd::get_current_graph_task_id();
+  if (!g.all) {
+    std::lock_guard<std::mutex> lk(mt_mu);
+    for (auto& s : g.seen)
+      if (s.first == gid) return;
+    g.seen.emplace_back(gid, 1);
+    enter_locked(g.path);
+    return;
+  }
+  if (g.nodes.size() == 1) {
+    std::lock_guard<std::mutex> lk(mt_mu);
+    pop_locked(tid(), g.path, BWD);
+    return;
+  }
+  // which of the nodes run is known once the pass runs (outside the lock: it reads the graph task)
+  int runs = -1;
+  {
+    std::lock_guard<std::mutex> lk(mt_mu);
+    for (auto& s : g.seen)
+      if (s.first == gid) runs = s.second;
+  }
+  if (runs < 0) {
+    runs = 0;
+    for (auto& w : g.nodes) {
+      auto n = w.lock();
+      if (n && will_run(n.get())) ++runs;
+    }
+  }
+  std::lock_guard<std::mutex> lk(mt_mu);
+  auto it = std::find_if(g.seen.begin(), g.seen.end(), [gid](const std::pair<int, int>& s) { return s.first == gid; });
+  if (it != g.seen.end()) runs = it->second;  // another thread's node of this pass counted first
+  if (runs <= 1) {
+    if (it != g.seen.end()) g.seen.erase(it);
+    pop_locked(tid(), g.path, BWD);
+  } else if (it != g.seen.end()) {
+    it->second = runs - 1;
+  } else {
+    g.seen.emplace_back(gid, runs - 1);
+  }
+}
+
+struct Hook final : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Group> g;
+  explicit Hook(std::shared_ptr<Group> g_) : g(std::move(g_)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (on.load(std::memory_order_relaxed)) {
+      try {
+        fire(*g);
+      } catch (...) {  // never the program's backward
+      }
+    }
+    return grads;
+  }
+  // compiled autograd traces only the hooks it knows: ours are left out of its graph (no backward
+  // marks there) rather than failing the program's backward
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {}
+};
+
+// the tensors that require grad in a module's inputs or outputs (tuples, lists, dicts, 3 levels)
+void grad_tensors(PyObject* o, std::vector<PyObject*>& out, int level) {
+  if (THPVariable_Check(o)) {
+    if (THPVariable_Unpack(o).requires_grad()) out.push_back(o);
+  } else if (level < 3) {
+    if (PyTuple_Check(o)) {
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) grad_tensors(PyTuple_GET_ITEM(o, i), out, level + 1);
+    } else if (PyList_Check(o)) {
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) grad_tensors(PyList_GET_ITEM(o, i), out, level + 1);
+    } else if (PyDict_Check(o)) {
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(o, &pos, &k, &v)) grad_tensors(v, out, level + 1);
+    }
+  }
+}
+
+// hooks for one module call's backward moment; false with a Python error set
+bool on_grads(const std::vector<PyObject*>& tensors, int32_t path, bool all) {
+  std::vector<Node*> raw;
+  auto g = std::make_shared<Group>();
+  g->path = path;
+  g->all = all;
+  for (PyObject* o : tensors) {
+    const auto& fn = THPVariable_Unpack(o).grad_fn();
+    if (!fn) {  // a leaf: its gradient is accumulated, the multi-grad hook (Python) sees it
+      if (leaf == nullptr) return true;
+      PyObject* lst = PyList_New((Py_ssize_t)tensors.size());
+      if (lst == nullptr) return false;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        Py_INCREF(tensors[i]);
+        PyList_SET_ITEM(lst, (Py_ssize_t)i, tensors[i]);
+      }
+      std::string p;
+      {
+        std::lock_guard<std::mutex> lk(mt_mu);
+        p = paths[path];
+      }
+      PyObject* r = PyObject_CallFunction(leaf, "Oss", lst, p.c_str(), all ? "all" : "any");
+      Py_DECREF(lst);
+      Py_XDECREF(r);
+      return r != nullptr;
+    }
+    if (std::find(raw.begin(), raw.end(), fn.get()) == raw.end()) {
+      raw.push_back(fn.get());
+      g->nodes.emplace_back(fn);
+    }
+  }
+  for (auto& w : g->nodes) {
+    auto n = w.lock();
+    if (n) n->add_pre_hook(std::make_unique<Hook>(g));
+  }
+  return true;
+}
+
+// the path id of a module, named by Python the first time (parent: the innermost forward's path)
+int32_t path_of(PyObject* module, bool may_name) {
+  auto it = known.find(module);
+  if (it != known.end()) {
+    if (PyWeakref_GetObject(it->second.ref) == module) return it->second.path;
+    Py_DECREF(it->second.ref);  // a module that died; another now lives at its address
+    known.erase(it);
+  }
+  if (!may_name || namer == nullptr) return -1;
+  std::string parent;
+  bool has_parent = false;
+  {
+    std::lock_guard<std::mutex> lk(mt_mu);
+    auto th = threads.find(tid());
+    if (th != threads.end())
+      for (auto s = th->second.stack.rbegin(); s != th->second.stack.rend(); ++s)
+        if ((*s & 1) == FWD) {
+          parent = paths[*s >> 1];
+          has_parent = true;
+          break;
+        }
+  }
+  PyObject* r = has_parent ? PyObject_CallFunction(namer, "Os", module, parent.c_str())
+                           : PyObject_CallFunctionObjArgs(namer, module, Py_None, nullptr);
+  if (r == nullptr) return -2;
+  const char* text = PyUnicode_AsUTF8(r);
+  if (text == nullptr) {
+    Py_DECREF(r);
+    return -2;
+  }
+  int32_t id;
+  {
+    std::lock_guard<std::mutex> lk(mt_mu);
+    id = intern_path_locked(text);
+  }
+  Py_DECREF(r);
+  PyObject* ref = PyWeakref_NewRef(module, nullptr);
+  if (ref == nullptr) {  // no weak references: named again at each call (rare: modules have them)
+    PyErr_Clear();
+    return id;
+  }
+  if (known.size() > 4096 && known.size() % 4096 == 0) {  // forget the modules that died
+    for (auto k = known.begin(); k != known.end();) {
+      if (PyWeakref_GetObject(k->second.ref) != k->first) {
+        Py_DECREF(k->second.ref);
+        k = known.erase(k);
+      } else {
+        ++k;
+      }
+    }
+  }
+  known[module] = {ref, id};
+  return id;
+}
+
+inline bool in_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+// register_module_forward_pre_hook(mt_pre): hook(module, args)
+PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n < 2 || !on.load(std::memory_order_relaxed)) Py_RETURN_NONE;
+  try {
+    PyObject* module = a[0];
+    if (depth == 0) {
+      {
+        std::lock_guard<std::mutex> g(mu);
+        fwd_first_aid = next_aid + 1;
+      }
+      if (on_root != nullptr) {
+        PyObject* r = PyObject_CallFunctionObjArgs(on_root, module, nullptr);
+        if (r == nullptr) PyErr_Clear();
+        Py_XDECREF(r);
+      }
+    }
+    ++depth;
+    int32_t path = path_of(module, true);
+    if (path < 0) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    bool bw = in_backward();  // a forward run again inside backward (checkpointing) serves the backward
+    {
+      std::lock_guard<std::mutex> g(mt_mu);
+      push_locked(tid(), path, bw ? BWD : FWD);
+    }
+    if (!bw && c10::GradMode::is_enabled()) {
+      std::vector<PyObject*> ins;
+      grad_tensors(a[1], ins, 0);
+      if (!ins.empty() && !on_grads(ins, path, true)) PyErr_Clear();  // else it ends with the backward pass
+    }
+  } catch (...) {
+    PyErr_Clear();
+  }
+  Py_RETURN_NONE;
+}
+
+// register_module_forward_hook(mt_post, always_call=True): hook(module, args, output)
+PyObject* mt_post(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n < 3) Py_RETURN_NONE;
+  try {
+    if (depth > 0) --depth;
+    int32_t path = path_of(a[0], false);
+    if (path < 0) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    bool bw = in_backward();
+    {
+      std::lock_guard<std::mutex> g(mt_mu);
+      pop_locked(tid(), path, bw ? BWD : FWD);
+    }
+    if (!bw && c10::GradMode::is_enabled() && on.load(std::memory_order_relaxed)) {
+      std::vector<PyObject*> outs;
+      grad_tensors(a[2], outs, 0);
+      if (!outs.empty() && !on_grads(outs, path, false)) PyErr_Clear();
+    }
+  } catch (...) {
+    PyErr_Clear();
+  }
+  Py_RETURN_NONE;
+}
+
+// the labeller's saved-tensor pack hook (capture/owners.py NativeLabeler._pack): a plain tensor's
+// block is noted as saved for backward when the forward pass made it (an autograd result, or a
+// block allocated inside the running outermost forward); other tensors go to the Python hook
+PyObject* mt_pack(PyObject*, PyObject* t) {
+  Py_INCREF(t);
+  if (!on.load(std::memory_order_relaxed)) return t;
+  if (!THPVariable_CheckExact(t)) {
+    if (pack_py != nullptr) {
+      PyObject* r = PyObject_CallFunctionObjArgs(pack_py, t, nullptr);
+      if (r == nullptr) PyErr_Clear();
+      Py_XDECREF(r);
+    }
+    return t;
+  }
+  try {
+    const at::Tensor& x = THPVariable_Unpack(t);
+    if (!x.defined() || !x.unsafeGetTensorImpl()->has_storage() || !x.device().is_cpu()) return t;
+    bool has_fn = (bool)x.grad_fn();
+    const void* data = x.storage().data();
+    int64_t first = depth > 0 ? fwd_first_aid : -1;
+    std::lock_guard<std::mutex> g(mu);
+    auto it = live.find(const_cast<void*>(data));
+    if (it != live.end() && it->second.counted && (has_fn || (first >= 0 && it->second.aid >= first)))
+      saved_aids.push_back(it->second.aid);
+  } catch (...) {
+  }
+  return t;
+}
+
+PyObject* mt_unpack(PyObject*, PyObject* t) {
+  Py_INCREF(t);
+  return t;
+}
+
+PyMethodDef defs[] = {
+    {"mt_pre", (PyCFunction)(void (*)(void))mt_pre, METH_FASTCALL, "the module forward pre-hook"},
+    {"mt_post", (PyCFunction)(void (*)(void))mt_post, METH_FASTCALL, "the module forward hook"},
+    {"mt_pack", (PyCFunction)mt_pack, METH_O, "the saved-tensor pack hook"},
+    {"mt_unpack", (PyCFunction)mt_unpack, METH_O, "the saved-tensor unpack hook"},
+    {nullptr, nullptr, 0, nullptr}};
+
+void set_callable(PyObject*& slot, py::object v) {
+  PyObject* old = slot;
+  slot = v.is_none() ? nullptr : v.inc_ref().ptr();
+  Py_XDECREF(old);
+}
+
+// the module tracker's callables (capture/modules.py)
+void mt_setup(py::object namer_, py::object leaf_) {
+  set_callable(namer, namer_);
+  set_callable(leaf, leaf_);
+  if (str_fwd == nullptr) {
+    str_fwd = PyUnicode_InternFromString("forward");
+    str_bwd = PyUnicode_InternFromString("backward");
+  }
+  if (!forked_handlers) {
+    forked_handlers = true;
+    pthread_atfork(&mt_before_fork, &mt_after_fork_parent, &mt_after_fork_child);
+  }
+}
+
+// the owner labeller's callables (capture/owners.py NativeLabeler; None: none)
+void mt_labeller(py::object on_root_, py::object pack_py_) {
+  set_callable(on_root, on_root_);
+  set_callable(pack_py, pack_py_);
+}
+
+void mt_set_on(bool v) {
+  on = v;
+  if (!v) depth = 0;
+}
+
+// a leaf's multi-grad hook fired (Python): its module's backward begins or ends on this thread
+void mt_enter(const std::string& path) {
+  std::lock_guard<std::mutex> g(mt_mu);
+  enter_locked(intern_path_locked(path));
+}
+
+void mt_exit(const std::string& path) {
+  std::lock_guard<std::mutex> g(mt_mu);
+  pop_locked(tid(), intern_path_locked(path), BWD);
+}
+
+// tracing stops: what is still open is closed now (rows made after carry no module)
+void mt_close_all() {
+  std::lock_guard<std::mutex> g(mt_mu);
+  int64_t ts = now_ns();
+  for (auto& kv : threads)
+    if (!kv.second.stack.empty()) {
+      kv.second.stack.clear();
+      mark_locked(kv.second, ts, -1);
+    }
+  depth = 0;
+}
+
+PyObject* state_obj(int32_t s) {  // borrowed; the (path, phase) tuple of a state, None for -1
+  if (s < 0) return Py_None;
+  if ((size_t)s >= state_objs.size()) state_objs.resize((size_t)s + 1, nullptr);
+  PyObject*& o = state_objs[(size_t)s];
+  if (o == nullptr) {
+    const std::string& p = paths[(size_t)(s >> 1)];
+    PyObject* text = PyUnicode_FromStringAndSize(p.data(), (Py_ssize_t)p.size());
+    if (text == nullptr) throw py::error_already_set();
+    PyObject* ph = (s & 1) == BWD ? str_bwd : str_fwd;
+    Py_INCREF(ph);
+    o = PyTuple_Pack(2, text, ph);
+    Py_DECREF(text);
+    Py_DECREF(ph);
+    if (o == nullptr) throw py::error_already_set();
+  }
+  return o;
+}
+
+// ({tid: ([ts, ...], [state, ...])}, {tid: state before its first mark}): ModuleTracker's marks
+// and base, as the Python tracker keeps them (state: (path, phase) or None)
+py::tuple mt_marks() {
+  std::vector<std::pair<uint64_t, Thread>> copy;
+  {
+    std::lock_guard<std::mutex> g(mt_mu);
+    copy.reserve(threads.size());
+    for (auto& kv : threads) {
+      Thread t;
+      t.ts = kv.second.ts;
+      t.st = kv.second.st;
+      t.base = kv.second.base;
+      copy.emplace_back(kv.first, std::move(t));
+    }
+  }
+  py::dict marks, base;
+  for (auto& kv : copy) {
+    py::int_ key(kv.first);
+    if (!kv.second.ts.empty()) {
+      py::list ts(kv.second.ts.size()), st(kv.second.st.size());
+      for (size_t i = 0; i < kv.second.ts.size(); ++i) {
+        ts[i] = py::int_(kv.second.ts[i]);
+        st[i] = py::reinterpret_borrow<py::object>(state_obj(kv.second.st[i]));
+      }
+      marks[key] = py::make_tuple(ts, st);
+    }
+    if (kv.second.base >= 0) base[key] = py::reinterpret_borrow<py::object>(state_obj(kv.second.base));
+  }
+  return py::make_tuple(marks, base);
+}
+
+// marks older than `cut` fold into each thread's base state (ModuleTracker._prune)
+void mt_prune(int64_t cut) {
+  std::lock_guard<std::mutex> g(mt_mu);
+  for (auto& kv : threads) {
+    Thread& t = kv.second;
+    size_t k = (size_t)(std::lower_bound(t.ts.begin(), t.ts.end(), cut) - t.ts.begin());
+    if (k) {
+      t.base = t.st[k - 1];
+      t.ts.erase(t.ts.begin(), t.ts.begin() + (std::ptrdiff_t)k);
+      t.st.erase(t.st.begin(), t.st.begin() + (std::ptrdiff_t)k);
+    }
+  }
+}
+
+// the allocation ids the pack hook noted since the last call
+py::list mt_take_saved() {
+  std::vector<int64_t> got;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    got.swap(saved_aids);
+  }
+  py::list out(got.size());
+  for (size_t i = 0; i < got.size(); ++i) out[i] = py::int_(got[i]);
+  return out;
+}
+
+py::tuple mt_forward() {  // (depth, first allocation id of the outermost forward or -1)
+  return py::make_tuple(depth, fwd_first_aid);
+}
+
+// a new tracker (tests; a session started again in a forked child): nothing open, no marks
+void mt_reset() {
+  std::lock_guard<std::mutex> g(mt_mu);
+  threads.clear();
+  callback_queued = false;
+  depth = 0;
+}
+
+void add_to(py::module_& m) {
+  for (PyMethodDef* d = defs; d->ml_name != nullptr; ++d) {
+    PyObject* f = PyCFunction_New(d, nullptr);
+    if (f == nullptr) throw py::error_already_set();
+    m.attr(d->ml_name) = py::reinterpret_steal<py::object>(f);
+  }
+  m.def("mt_setup", &mt_setup);
+  m.def("mt_labeller", &mt_labeller);
+  m.def("mt_set_on", &mt_set_on);
+  m.def("mt_enter", &mt_enter);
+  m.def("mt_exit", &mt_exit);
+  m.def("mt_close_all", &mt_close_all);
+  m.def("mt_marks", &mt_marks);
+  m.def("mt_prune", &mt_prune);
+  m.def("mt_take_saved", &mt_take_saved);
+  m.def("mt_forward", &mt_forward);
+  m.def("mt_reset", &mt_reset);
+}
+
+}  // namespace modtrack
+// ================================================================ end of module attribution
+
 // ================================================================ analysis folds (issue 25)
 // Generic accumulators the online analyses drive (analysis/decompose.py, analysis/inefficient.py),
 // so that no Python runs per row: they read the session's row tuples (events.RawRow order,
@@ -2017,4 +2619,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("live", &fold::Fold::live);
   m.def("chunk_columns", &fold::chunk_columns);
   m.def("attribute", &fold::attribute);
+  modtrack::add_to(m);  // module attribution (issue 25)
 }

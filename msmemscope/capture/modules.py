@@ -156,9 +156,23 @@ def _on_all_grads(tensors, fn):
         n.register_prehook(hook)
 
 
+def native_hooks():
+    """The native module when its module hooks are built (``MSMEMSCOPE_FOLD=python``: None, the
+    Python hooks below run): ``mt_pre``/``mt_post`` and the node hooks in C++ (capture/_native.cpp
+    "module attribution"), this class's Python hooks being their reference."""
+    from . import native
+    return native.built_with("mt_pre")
+
+
 class ModuleTracker:
-    def __init__(self, session):
+    def __init__(self, session, native=None):
         self.s = session
+        # the C++ hooks where built (native=False: the Python ones, the reference)
+        self.nat = native_hooks() if native is not False else None
+        if self.nat is not None:
+            self.nat.mt_reset()
+            self.nat.mt_setup(self._namer, self._leaf)
+        self._leaf_callback_queued = False
         self.paths = weakref.WeakKeyDictionary()   # module -> path
         self._path_get = self.paths.get
         self.roots = {}                            # root name -> weakref to the root
@@ -182,18 +196,30 @@ class ModuleTracker:
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt))
         self._tree = None  # modules registered while stopped are not seen by the hook
         self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
-        self._handles.append(nn_module.register_module_forward_pre_hook(self._pre))
+        pre, post = (self.nat.mt_pre, self.nat.mt_post) if self.nat is not None else (self._pre, self._post)
+        self._handles.append(nn_module.register_module_forward_pre_hook(pre))
         try:
-            self._handles.append(nn_module.register_module_forward_hook(self._post, always_call=True))
+            self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
         except TypeError:
-            self._handles.append(nn_module.register_module_forward_hook(self._post))
+            self._handles.append(nn_module.register_module_forward_hook(post))
+        if self.nat is not None:
+            self.nat.mt_set_on(bool(getattr(self.s, "active", True)))
         return self
+
+    def set_active(self, on):
+        """The session traces (or stopped, failed, forked): the C++ hooks act only while it does."""
+        if self.nat is not None and self._handles:
+            self.nat.mt_set_on(bool(on))
 
     def remove(self):
         for h in self._handles:
             h.remove()
         self._handles.clear()
         _remove_fired_leaf_hooks()
+        if self.nat is not None:
+            self.nat.mt_set_on(False)
+            self.nat.mt_close_all()  # what is still open is closed now: rows made after stop carry no module
+            return
         # what is still open is closed now: rows made after stop carry no module
         with self.lock:
             ts = time_ns()
@@ -228,6 +254,35 @@ class ModuleTracker:
         except Exception:
             self.paths[module] = name
         return self.paths.get(module, name)
+
+    # ------------------------------------------------------------ the C++ hooks' calls into Python
+    def _namer(self, module, parent):
+        """The path of a module the C++ hooks meet for the first time (parent: the innermost forward's)."""
+        p = self._path_get(module)
+        return p if p is not None else self._name(module, parent)
+
+    def _leaf(self, tensors, path, mode):
+        """A leaf among a module call's tensors (no node to hook): the multi-grad hook, as the Python
+        hooks do, its moments sent to the C++ marks."""
+        nat = self.nat
+
+        def moment():
+            if not self._leaf_callback_queued:  # fired leaf hooks go after the pass (not from inside it)
+                self._leaf_callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._leaf_pass_done)
+            (nat.mt_enter if mode == "any" else nat.mt_exit)(path)
+        _leaf_hook(tensors, moment, mode)
+
+    def _leaf_pass_done(self):
+        self._leaf_callback_queued = False
+        _remove_fired_leaf_hooks()
+
+    def marks_now(self):
+        """{tid: ([ts, ...], [state, ...])}: the marks kept (since the previous flush), a copy."""
+        if self.nat is not None:
+            return self.nat.mt_marks()[0]
+        with self.lock:
+            return {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
 
     # ------------------------------------------------------------ marks
     def _mark(self, tid, ts, state):
@@ -435,9 +490,12 @@ class ModuleTracker:
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
         optimizer state: capture/owners.py), which wins over the running module."""
-        with self.lock:
-            marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
-            base = dict(self.base)
+        if self.nat is not None:
+            marks, base = self.nat.mt_marks()
+        else:
+            with self.lock:
+                marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
+                base = dict(self.base)
         malloc = Event.MALLOC
         cats = {}
         if owned is None:  # no owner labels: the owning modules and their categories from here
@@ -460,6 +518,9 @@ class ModuleTracker:
         """Keep the marks since the previous flush (rows of a source drained one flush late still
         find theirs); older ones fold into each thread's base state."""
         cut, self._cut = self._cut, time_ns()
+        if self.nat is not None:
+            self.nat.mt_prune(cut)
+            return
         with self.lock:
             for tid, (ts, st) in list(self.marks.items()):
                 k = bisect.bisect_left(ts, cut)

@@ -194,13 +194,16 @@ class Labeler:
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
         try:
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+            self._push_pack_hooks()
             self._hooks_pushed = True
         except Exception:  # hooks disabled by the program (torch.func): no activation labels
             pass
         # FSDP2's wrappers wait for the program's own import of it: importing it here would cost
         # every run ~1.3 s (it pulls in torch._dynamo and sympy)
         self._fsdp2_wait = after_import(FSDP2_PARAM_GROUP, self._patch_fsdp2, "no FSDP2 labels in process {pid}")
+
+    def _push_pack_hooks(self):
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
 
     def _module_hooks(self):
         from torch.nn.modules import module as nn_module
@@ -603,12 +606,43 @@ class NativeLabeler(Labeler):
         self._plain = {}       # (pool, resolved) -> owner of a block without Info (compose's answer)
         # the row loop of before_flush in C++ where built (MSMEMSCOPE_FOLD=python: this loop)
         self._relabel_rows = getattr(native.built_with("relabel_mallocs"), "relabel_mallocs", None)
+        # with module attribution's C++ hooks (capture/modules.py), those hooks also keep the
+        # forwards' depth and first allocation id for this labeller, and the saved-tensor pack hook
+        # is C++: no Python per module call or saved tensor (None: this class's Python hooks)
+        from . import modules
+        self._cpp = modules.native_hooks() if modules.wanted(session.opts) else None
 
     def install(self):
         global _on_labels_changed
         super().install()
+        if self._cpp is not None:
+            self._cpp.mt_labeller(self.roots.add, self._pack)
         _on_labels_changed = self._labels_changed
         self._labels_changed()
+
+    def _module_hooks(self):
+        if self._cpp is None:
+            super()._module_hooks()
+        else:
+            self._mod_handles = []
+
+    def _push_pack_hooks(self):
+        if self._cpp is None:
+            super()._push_pack_hooks()
+        else:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._cpp.mt_pack, self._cpp.mt_unpack)
+
+    def _forward(self):
+        """(depth of the forwards running, first allocation id of the outermost one)."""
+        if self._cpp is None:
+            return self.depth, self.fwd_first_aid
+        return self._cpp.mt_forward()
+
+    def _take_saved(self):
+        """The blocks the C++ pack hook saw saved for backward since the last call."""
+        if self._cpp is not None:
+            for aid in self._cpp.mt_take_saved():
+                self._info_aid(aid).saved = True
 
     def remove(self):
         global _on_labels_changed
@@ -618,6 +652,8 @@ class NativeLabeler(Labeler):
             self.nat.m.set_owner_tag(0)
         except Exception:
             pass
+        if self._cpp is not None:
+            self._cpp.mt_labeller(None, None)
         super().remove()
 
     def handed_over(self):
@@ -631,7 +667,7 @@ class NativeLabeler(Labeler):
         self.remove()
         lab = Labeler(self.s)
         lab.roots, lab.optimizers, lab.info = self.roots, self.optimizers, self.info
-        lab.depth, lab.fwd_first_aid = self.depth, self.fwd_first_aid
+        lab.depth, lab.fwd_first_aid = self._forward()
         lab.updates, lab.flushed_upto = self.updates, self.flushed_upto
         lab.install()
         return lab
@@ -675,7 +711,8 @@ class NativeLabeler(Labeler):
         try:
             if self.s.active:
                 has_fn = t.grad_fn is not None
-                first = self.fwd_first_aid if self.depth > 0 else None
+                depth, first = self._forward()
+                first = first if depth > 0 else None
                 for aid in self.nat.m.block_ids(plain_tensors(t)):
                     if aid >= 0 and (has_fn or (first is not None and aid >= first)):
                         self._info_aid(aid).saved = True
@@ -694,6 +731,7 @@ class NativeLabeler(Labeler):
                 s.system(OWNER_ROW, {"allocation_id": aid, "owner": new})
 
     def mark(self, tensors, category, comp):
+        self._take_saved()
         for t in tensors:
             for p in plain_tensors(t):
                 aid = self._aid_of(p)
@@ -702,6 +740,7 @@ class NativeLabeler(Labeler):
                     self._relabel(aid, self.nat.pool)
 
     def add_user_label(self, t, owner):
+        self._take_saved()
         found = False
         for p in plain_tensors(t):
             aid = self._aid_of(p)
@@ -754,6 +793,7 @@ class NativeLabeler(Labeler):
             users, comp = self.tag_info[tag]
             inf = self._info_aid(aid)
             inf.users, inf.comp = users, comp
+        self._take_saved()
         prev_upto, self.flushed_upto = self.flushed_upto, upto
         try:
             cats = self._collect_native()

@@ -371,6 +371,8 @@ class Session:
                                self.free_untraced, self.emit_launch and on, self.emit_access and on)
         if self.native is not None:
             self.native.set_flags(f)
+        if self.modules is not None:
+            self.modules.set_active(self.active and on)
 
     # ------------------------------------------------------------------ accounting
     def account(self, device, pool, delta):
