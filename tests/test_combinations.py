@@ -44,7 +44,8 @@ def _rows(df, event, **where):
     return q
 
 
-@pytest.mark.parametrize("source,analysis", [(s, None) for s in SOURCES] + [("native", "leaks,decompose")],
+@pytest.mark.parametrize("source,analysis", [(s, None) for s in SOURCES] + [("native", "leaks,decompose"),
+                                                                             ("native", "inefficient")],
                          ids=lambda v: str(v))
 def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
     """Frees between stop() and start() get their FREE row (flagged ``untraced``), so ``used`` stays
@@ -76,7 +77,21 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
     assert held == [4000]
     sizes = sorted(live.values())
     assert sizes.count(4000) >= 1, sizes
-    if analysis:
+    if analysis == "inefficient":
+        # the sink's C++ fold fed across the gaps, the threads and the handover marks in the dump the
+        # blocks that the offline analysis finds in the whole file
+        from msmemscope import check_inefficient
+        import polars as pl
+        mal = _rows(df, "MALLOC")
+        online = {(i, t) for i, t in zip(mal["id"].to_list(),
+                                          mal["attr"].str.extract(r'"inefficient_type":"([^"]*)"', 1).to_list())
+                  if t is not None}
+        res = check_inefficient(dump_of(folder), write=False, quiet=True)
+        offline = set(zip(res.blocks["mpos"].to_list(), res.blocks["inefficient_type"].to_list()))
+        assert online == offline and online, (sorted(online)[:5], sorted(offline)[:5])
+        with open(os.path.join(folder, "analysis", "inefficient.json")) as f:
+            assert json.load(f)["by_type"]
+    elif analysis:
         # every MALLOC row has its owner label, and the optimizer's blocks are told apart
         owners = _rows(df, "MALLOC")["owner"].to_list()
         assert owners and all(owners), sorted({o for o in owners if not o})
