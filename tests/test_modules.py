@@ -390,3 +390,85 @@ def test_cpp_module_hooks_attribute_as_the_python_hooks(tmp_path):
     assert recomputed, "no allocation of the checkpointed block attributed to its backward"
     assert {ph for *_, ph in rows} >= {"forward", "backward", None}
     assert any(o.endswith("@activation") and m and m.startswith("Net.a") for _, o, m, _ in rows)
+
+
+WALK = r'''
+import json, sys, torch, msmemscope
+from torch import nn
+from msmemscope import capture
+from msmemscope.capture import modules as M
+torch.manual_seed(0)
+msmemscope.config(output=sys.argv[1], analysis="decompose", collect_mode="immediate")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 10)
+        self.head.weight = self.emb.weight  # tied: one storage, two modules
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+net = Net()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+ids = torch.randint(0, 10, (16,))
+out = {}
+for step in range(3):
+    opt.zero_grad(set_to_none=step != 1)
+    net(ids).sum().backward()
+    if step == 2:  # gradients live, optimizer state from the earlier steps
+        s = capture.current()
+        lab, tr = s.labeler, s.modules
+        walk = lab._walk
+        got = lab._collect_native()
+        lab._walk = None
+        want = lab._collect_native()
+        lab._walk = walk
+        owned = tr.owned_blocks()
+        real, M._native_walk = M._native_walk, lambda: None
+        owned_py = tr.owned_blocks()
+        M._native_walk = real
+        out = {"cats": [got == want, len(got), sorted({v[0] for v in got.values()})],
+               "owned": [owned == owned_py, len(owned), sorted({v[1] for v in owned.values()})],
+               "trees": walk is not None}
+        # a wrapper subclass among the tensors: the C++ walk hands over to the Python one
+        class Tagged(torch.Tensor):
+            pass
+        t = torch.ones(4).as_subclass(Tagged)
+        out["subclass"] = walk.live_categories([[nn.Module()]], [], ((1,), (2,), (3,))) == {} and \
+            walk.live_categories([[]], [], ((1,), (2,), (3,))) == {}
+        holder = nn.Module()
+        holder.register_buffer("t", t)
+        out["subclass_none"] = walk.live_categories([[holder]], [], ((1,), (2,), (3,))) is None
+    opt.step()
+msmemscope.stop()
+print("WALK", json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not native_built(), reason="the native source is not built (make native)")
+def test_cpp_walks_of_the_live_objects_are_the_python_walks(tmp_path):
+    """The walks of the live objects at each flush (the owner labeller's categories, module
+    attribution's owning modules) in C++ find, per allocation id, what the Python walks find: a
+    tied weight, a bias-less layer, buffers, gradients and AdamW's state; a wrapper subclass
+    among the tensors hands the walk back to Python (None)."""
+    prog = tmp_path / "walk.py"
+    prog.write_text(WALK)
+    env = env_for_tests()
+    env["MSMEMSCOPE_QUIET"] = "1"
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.split("WALK ", 1)[1])
+    assert got["trees"]
+    same, n, kinds = got["cats"]
+    assert same and n >= 8 and kinds == ["gradient", "optimizer_state", "weight"], got
+    same, n, kinds = got["owned"]
+    assert same and n >= 8 and kinds == ["gradient", "optimizer_state", "weight"], got
+    assert got["subclass"] and got["subclass_none"]
+    (folder,) = run_folders(tmp_path / "out")
+    check_invariants(read(dump_of(folder)))

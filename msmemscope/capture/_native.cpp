@@ -1261,6 +1261,214 @@ py::list take_tagged() {
   return out;
 }
 
+// ---------------------------------------------------------------- the live objects' blocks
+// The owner labeller's walk of the live objects (capture/owners.py walk_live_objects) and module
+// attribution's owning modules (capture/modules.py ModuleTracker.owned_blocks), in C++: run at
+// every flush, their Python loops over parameters, gradients, buffers and optimizer state cost
+// more than the rest of a small model's flush. Same order, same "first one wins" per allocation
+// id. None (the caller walks in Python) where a tensor is not a plain Tensor or Parameter (a
+// wrapper subclass: plain_tensors unwraps it) or a module is FSDP2's (its own storages first).
+struct Walk {
+  std::vector<const void*> ptrs;
+  std::vector<PyObject*> vals;  // borrowed: the caller's values outlive the call
+  bool plain = true;
+  void tensor(const at::Tensor& t, PyObject* v) {
+    const void* data = nullptr;
+    if (t.defined() && t.unsafeGetTensorImpl()->has_storage() && t.device().is_cpu()) data = t.storage().data();
+    ptrs.push_back(data);
+    vals.push_back(v);
+  }
+  void add(PyObject* o, PyObject* v) {  // a tensor, or None
+    if (o == nullptr || o == Py_None) return;
+    if (!THPVariable_CheckExact(o)) {
+      plain = false;
+      return;
+    }
+    tensor(THPVariable_Unpack(o), v);
+  }
+  void grad_of(PyObject* p, PyObject* v) {
+    if (!THPVariable_CheckExact(p)) {
+      plain = false;
+      return;
+    }
+    const at::Tensor& g = THPVariable_Unpack(p).grad();
+    if (g.defined()) tensor(g, v);
+  }
+  // {alloc_id: value} of the counted blocks, the first value given to each
+  py::dict resolve() {
+    std::vector<int64_t> ids(ptrs.size(), -1);
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (size_t i = 0; i < ptrs.size(); ++i) {
+        if (ptrs[i] == nullptr) continue;
+        auto it = live.find(const_cast<void*>(ptrs[i]));
+        if (it != live.end() && it->second.counted) ids[i] = it->second.aid;
+      }
+    }
+    py::dict out;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0) continue;
+      py::int_ k(ids[i]);
+      if (!PyDict_Contains(out.ptr(), k.ptr())) out[k] = py::reinterpret_borrow<py::object>(vals[i]);
+    }
+    return out;
+  }
+};
+
+// new reference or nullptr (no error left set): a module's own dict of parameters or buffers
+PyObject* own_dict(PyObject* module, const char* name) {
+  PyObject* d = PyObject_GetAttrString(module, name);
+  if (d == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (!PyDict_Check(d)) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
+}
+
+bool is_fsdp2(PyObject* module) {
+  static PyObject* name = PyUnicode_InternFromString("_get_fsdp_state");
+  return _PyType_Lookup(Py_TYPE(module), name) != nullptr;
+}
+
+// an optimizer's param_groups' params, each with the callback; false: not walkable here
+template <class F>
+bool each_group_param(PyObject* opt, F f) {
+  py::object groups = py::reinterpret_steal<py::object>(PyObject_GetAttrString(opt, "param_groups"));
+  if (!groups) {
+    PyErr_Clear();
+    return false;
+  }
+  py::list gl = py::list(groups);
+  for (auto g : gl) {
+    if (!PyDict_Check(g.ptr())) return false;
+    PyObject* ps = PyDict_GetItemString(g.ptr(), "params");  // borrowed
+    if (ps == nullptr) continue;
+    py::list pl = py::list(py::reinterpret_borrow<py::object>(ps));
+    for (auto p : pl) f(p.ptr());
+  }
+  return true;
+}
+
+// {id: state dict} of an optimizer, as (param, state) pairs; false: not walkable here
+bool opt_state(PyObject* opt, std::vector<std::pair<py::object, py::object>>& out) {
+  py::object st = py::reinterpret_steal<py::object>(PyObject_GetAttrString(opt, "state"));
+  if (!st) {
+    PyErr_Clear();
+    return false;
+  }
+  if (!PyDict_Check(st.ptr())) return false;
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(st.ptr(), &pos, &k, &v))
+    out.emplace_back(py::reinterpret_borrow<py::object>(k), py::reinterpret_borrow<py::object>(v));
+  return true;
+}
+
+// walk_live_objects' categories: trees (one list of modules per root), optimizers, and the
+// values for (weight, gradient, optimizer state) -> {alloc_id: value} or None
+py::object live_categories(py::list trees, py::list optimizers, py::tuple vals) {
+  PyObject *weight = vals[0].ptr(), *grad = vals[1].ptr(), *state = vals[2].ptr();
+  Walk w;
+  for (auto mods_h : trees) {
+    py::list mods = py::list(py::reinterpret_borrow<py::object>(mods_h));
+    std::vector<py::object> params;
+    for (auto sub : mods) {
+      if (is_fsdp2(sub.ptr())) return py::none();
+      PyObject* d = own_dict(sub.ptr(), "_parameters");
+      if (d == nullptr) return py::none();
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(d, &pos, &k, &v))
+        if (v != Py_None) params.push_back(py::reinterpret_borrow<py::object>(v));
+      Py_DECREF(d);
+    }
+    for (auto& p : params) w.add(p.ptr(), weight);
+    for (auto sub : mods) {
+      PyObject* d = own_dict(sub.ptr(), "_buffers");
+      if (d == nullptr) return py::none();
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(d, &pos, &k, &v)) w.add(v, weight);
+      Py_DECREF(d);
+    }
+    for (auto& p : params) w.grad_of(p.ptr(), grad);
+  }
+  for (auto opt : optimizers) {
+    bool ok = each_group_param(opt.ptr(), [&](PyObject* p) {
+      w.add(p, weight);
+      if (THPVariable_Check(p)) w.grad_of(p, grad);
+    });
+    std::vector<std::pair<py::object, py::object>> st;
+    if (!ok || !opt_state(opt.ptr(), st)) return py::none();
+    for (auto& kv : st) {
+      if (!PyDict_Check(kv.second.ptr())) continue;
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(kv.second.ptr(), &pos, &k, &v))
+        if (THPVariable_Check(v)) w.add(v, state);
+    }
+  }
+  if (!w.plain) return py::none();
+  return w.resolve();
+}
+
+// ModuleTracker.owned_blocks: tree [(path, module)], optimizers, (weight, gradient, optimizer
+// state) names -> {alloc_id: (path, category)} or None
+py::object owning_modules(py::list tree, py::list optimizers, py::tuple cats) {
+  Walk w;
+  std::vector<py::object> keep;  // the (path, category) values
+  std::unordered_map<PyObject*, size_t> by_param;  // parameter -> its module's entry in `paths`
+  std::vector<py::object> paths;
+  auto value = [&](const py::object& path, size_t c) {
+    keep.push_back(py::make_tuple(path, cats[c]));
+    return keep.back().ptr();
+  };
+  for (auto item : tree) {
+    py::tuple pm = py::reinterpret_borrow<py::tuple>(item);
+    py::object path = pm[0], sub = pm[1];
+    if (sub.is_none()) continue;
+    if (is_fsdp2(sub.ptr())) return py::none();
+    paths.push_back(path);
+    PyObject *wv = value(path, 0), *gv = value(path, 1);
+    PyObject* d = own_dict(sub.ptr(), "_parameters");
+    if (d == nullptr) return py::none();
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+      if (v == Py_None) continue;
+      by_param.emplace(v, paths.size() - 1);
+      w.add(v, wv);
+      if (THPVariable_Check(v)) w.grad_of(v, gv);
+    }
+    Py_DECREF(d);
+    d = own_dict(sub.ptr(), "_buffers");
+    if (d == nullptr) return py::none();
+    pos = 0;
+    while (PyDict_Next(d, &pos, &k, &v))
+      if (v != Py_None) w.add(v, wv);
+    Py_DECREF(d);
+  }
+  for (auto opt : optimizers) {
+    std::vector<std::pair<py::object, py::object>> st;
+    if (!opt_state(opt.ptr(), st)) return py::none();
+    for (auto& kv : st) {
+      auto it = by_param.find(kv.first.ptr());
+      if (it == by_param.end() || !PyDict_Check(kv.second.ptr())) continue;
+      PyObject* sv = value(paths[it->second], 2);
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(kv.second.ptr(), &pos, &k, &v))
+        if (THPVariable_Check(v)) w.add(v, sv);
+    }
+  }
+  if (!w.plain) return py::none();
+  return w.resolve();
+}
+
 // the last allocation id given
 int64_t last_alloc_id() {
   std::lock_guard<std::mutex> g(mu);
@@ -2604,6 +2812,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("account", &account);
   m.def("counted_block", &counted_block);
   m.def("block_ids", &block_ids);
+  m.def("live_categories", &live_categories);
+  m.def("owning_modules", &owning_modules);
   m.def("reset", &reset);
   // analysis folds (issue 25)
   py::class_<fold::Fold>(m, "Fold")

@@ -452,7 +452,17 @@ class ModuleTracker:
     def owned_blocks(self):
         """alloc_id -> (path, category) of the parameters, buffers, gradients and optimizer state of the
         modules seen (by the sources' allocation ids): what a run without owner labels (no
-        ``decompose``, e.g. the native source) knows of the blocks' owning modules."""
+        ``decompose``, e.g. the native source) knows of the blocks' owning modules. The walk is C++
+        where it can be (``owning_modules``: the native source's blocks, plain tensors, no FSDP2);
+        the loop below is its reference."""
+        s = self.s
+        nat = getattr(s, "native", None)
+        walk = _native_walk()
+        if walk is not None and nat is not None and not getattr(getattr(s, "dispatch", None), "live", None):
+            got = walk.owning_modules([(path, ref()) for path, ref in self._module_tree()], list(self.optimizers),
+                                      ("weight", "gradient", "optimizer_state"))
+            if got is not None:
+                return got
         tensors, meta, by_param = [], [], {}
         for path, ref in self._module_tree():
             sub = ref()
@@ -529,6 +539,12 @@ class ModuleTracker:
                     del ts[:k], st[:k]
                 if not ts:
                     del self.marks[tid]
+
+
+def _native_walk():
+    """The native module's ``owning_modules`` where built (``MSMEMSCOPE_FOLD=python``: None)."""
+    from . import native
+    return native.built_with("owning_modules")
 
 
 def _native_module():

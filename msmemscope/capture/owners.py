@@ -43,6 +43,7 @@ from . import native
 FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 WEIGHT, GRADIENT, OPT_STATE, ACTIVATION, OPS = "weight", "gradient", "optimizer_state", "activation", "ops"
+_CATEGORY_VALUES = ((WEIGHT, ()), (GRADIENT, ()), (OPT_STATE, ()))  # native live_categories' values
 OWNER_ROW = "OWNER"  # SYSTEM event type of an owner update row
 MAX_LABELS = 3
 MAX_LABEL_LEN = 128
@@ -606,6 +607,7 @@ class NativeLabeler(Labeler):
         self._plain = {}       # (pool, resolved) -> owner of a block without Info (compose's answer)
         # the row loop of before_flush in C++ where built (MSMEMSCOPE_FOLD=python: this loop)
         self._relabel_rows = getattr(native.built_with("relabel_mallocs"), "relabel_mallocs", None)
+        self._walk = native.built_with("live_categories")  # the walk of the live objects in C++
         # with module attribution's C++ hooks (capture/modules.py), those hooks also keep the
         # forwards' depth and first allocation id for this labeller, and the saved-tensor pack hook
         # is C++: no Python per module call or saved tensor (None: this class's Python hooks)
@@ -755,7 +757,13 @@ class NativeLabeler(Labeler):
 
     def _collect_native(self):
         """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
-        tensors' blocks are looked up in one C++ call."""
+        tensors' blocks are looked up in one C++ call, and where it can the walk itself is C++
+        (``live_categories``: plain tensors, no FSDP2; this walk is its reference)."""
+        if self._walk is not None:
+            got = self._walk.live_categories([list(m.modules()) for m in list(self.roots)], list(self.optimizers),
+                                             _CATEGORY_VALUES)
+            if got is not None:
+                return got
         tensors, meta = [], []
 
         def add(t, cat, comp=()):
