@@ -472,3 +472,85 @@ def test_cpp_walks_of_the_live_objects_are_the_python_walks(tmp_path):
     assert got["subclass"] and got["subclass_none"]
     (folder,) = run_folders(tmp_path / "out")
     check_invariants(read(dump_of(folder)))
+
+
+THREADS = r'''
+import sys, threading, torch, msmemscope
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+msmemscope.config(output=sys.argv[1], analysis="decompose", collect_mode="immediate")
+
+
+class Left(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Right(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.d = nn.Linear(16, 48), nn.Linear(48, 1)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(x)))
+
+
+def train(model, x, n, tids, name):
+    tids[name] = threading.get_ident()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+tids = {}
+left, right = Left(), Right()
+ts = [threading.Thread(target=train, args=(left, torch.randn(64, 32), 30, tids, "Left")),
+      threading.Thread(target=train, args=(right, torch.randn(64, 16), 30, tids, "Right"))]
+for t in ts:
+    t.start()
+for _ in range(5):  # flushes while both threads are in forwards and backwards
+    msmemscope.step()
+for t in ts:
+    t.join()
+msmemscope.stop()
+print("TIDS", tids["Left"], tids["Right"])
+'''
+
+
+@pytest.mark.parametrize("impl", ["c++", "python"])
+def test_two_threads_training_two_models_keep_their_own_modules(tmp_path, impl):
+    """Two threads train two models at once under decompose: every MALLOC row a thread makes is
+    attributed to its own model's modules (never the other's), forward and backward, with the C++
+    hooks and with the Python ones."""
+    if impl == "c++" and not native_built():
+        pytest.skip("the native source is not built (make native)")
+    prog = tmp_path / "threads.py"
+    prog.write_text(THREADS)
+    env = env_for_tests()
+    env["MSMEMSCOPE_QUIET"] = "1"
+    if impl == "python":
+        env["MSMEMSCOPE_FOLD"] = "python"
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    left, right = (int(x) for x in r.stdout.split("TIDS ", 1)[1].split())
+    (folder,) = run_folders(tmp_path / "out")
+    check_invariants(read(dump_of(folder)))
+    from msmemscope.io.reader import read_dump
+    cols = read_dump(dump_of(folder), columns=("event", "tid", "owner", "module", "phase"), events=("MALLOC",))
+    seen = {}
+    for tid, owner, module, phase in cols.select("tid", "owner", "module", "phase").iter_rows():
+        if module is None or tid not in (left, right):
+            continue
+        root = module.split(".", 1)[0]
+        want = "Left" if tid == left else "Right"
+        assert root == want, (tid, owner, module, phase)
+        seen.setdefault(want, set()).add(phase)
+    assert seen == {"Left": {"forward", "backward"}, "Right": {"forward", "backward"}}, seen
