@@ -309,6 +309,20 @@ def test_leaf_input_hooks_do_not_pile_up():
     assert max(hooks) <= 1, hooks
 
 
+def run_prog(tmp_path, name, text, out, impl="c++"):
+    """Run a traced program (``sys.argv[1]``: the output folder) quietly, the module hooks in C++ or
+    (``impl="python"``) the Python reference; returns its stdout."""
+    prog = tmp_path / name
+    prog.write_text(text)
+    env = env_for_tests()
+    env["MSMEMSCOPE_QUIET"] = "1"
+    if impl == "python":
+        env["MSMEMSCOPE_FOLD"] = "python"
+    r = subprocess.run([sys.executable, str(prog), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 MIX = r'''
 import sys, torch, msmemscope
 from torch import nn
@@ -364,17 +378,10 @@ def test_cpp_module_hooks_attribute_as_the_python_hooks(tmp_path):
     (MSMEMSCOPE_FOLD=python) give, and the same decomposition, on a program that meets them all:
     activation checkpointing (a forward inside the backward pass), a leaf input that needs a
     gradient, a module called twice, a forward under no_grad and a stop/start gap."""
-    prog = tmp_path / "mix.py"
-    prog.write_text(MIX)
     got = {}
     for impl in ("c++", "python"):
-        env = env_for_tests()
-        env["MSMEMSCOPE_QUIET"] = "1"
-        if impl == "python":
-            env["MSMEMSCOPE_FOLD"] = "python"
         out = tmp_path / impl
-        r = subprocess.run([sys.executable, str(prog), str(out)], env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        run_prog(tmp_path, "mix.py", MIX, out, impl)
         (folder,) = run_folders(out)
         df = read(dump_of(folder))
         check_invariants(df)
@@ -456,14 +463,7 @@ def test_cpp_walks_of_the_live_objects_are_the_python_walks(tmp_path):
     attribution's owning modules) in C++ find, per allocation id, what the Python walks find: a
     tied weight, a bias-less layer, buffers, gradients and AdamW's state; a wrapper subclass
     among the tensors hands the walk back to Python (None)."""
-    prog = tmp_path / "walk.py"
-    prog.write_text(WALK)
-    env = env_for_tests()
-    env["MSMEMSCOPE_QUIET"] = "1"
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out")], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.split("WALK ", 1)[1])
+    got = json.loads(run_prog(tmp_path, "walk.py", WALK, tmp_path / "out").split("WALK ", 1)[1])
     assert got["trees"]
     same, n, kinds = got["cats"]
     assert same and n >= 8 and kinds == ["gradient", "optimizer_state", "weight"], got
@@ -531,16 +531,8 @@ def test_two_threads_training_two_models_keep_their_own_modules(tmp_path, impl):
     hooks and with the Python ones."""
     if impl == "c++" and not native_built():
         pytest.skip("the native source is not built (make native)")
-    prog = tmp_path / "threads.py"
-    prog.write_text(THREADS)
-    env = env_for_tests()
-    env["MSMEMSCOPE_QUIET"] = "1"
-    if impl == "python":
-        env["MSMEMSCOPE_FOLD"] = "python"
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out")], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    left, right = (int(x) for x in r.stdout.split("TIDS ", 1)[1].split())
+    stdout = run_prog(tmp_path, "threads.py", THREADS, tmp_path / "out", impl)
+    left, right = (int(x) for x in stdout.split("TIDS ", 1)[1].split())
     (folder,) = run_folders(tmp_path / "out")
     check_invariants(read(dump_of(folder)))
     from msmemscope.io.reader import read_dump

@@ -1184,6 +1184,18 @@ py::object counted_block(uint64_t addr) {
   return py::make_tuple(it->second.aid, it->second.size);
 }
 
+// the allocation ids of the counted blocks at these data pointers (-1: none, or no pointer)
+std::vector<int64_t> counted_ids(const std::vector<const void*>& ptrs) {
+  std::vector<int64_t> ids(ptrs.size(), -1);
+  std::lock_guard<std::mutex> g(mu);
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    if (ptrs[i] == nullptr) continue;
+    auto it = live.find(const_cast<void*>(ptrs[i]));
+    if (it != live.end() && it->second.counted) ids[i] = it->second.aid;
+  }
+  return ids;
+}
+
 // The alloc ids of the counted blocks behind these tensors' storages (-1: none), in one call: the
 // owner labels and the module attribution resolve every parameter, gradient and optimizer state at
 // each flush, and a call per tensor (storage object, data_ptr, lookup) cost ~1.5 us each.
@@ -1207,15 +1219,7 @@ py::list block_ids(py::sequence tensors) {
     Py_DECREF(o);
     ptrs.push_back(data);
   }
-  std::vector<int64_t> ids(ptrs.size(), -1);
-  {
-    std::lock_guard<std::mutex> g(mu);
-    for (size_t i = 0; i < ptrs.size(); ++i) {
-      if (ptrs[i] == nullptr) continue;
-      auto it = live.find(const_cast<void*>(ptrs[i]));
-      if (it != live.end() && it->second.counted) ids[i] = it->second.aid;
-    }
-  }
+  std::vector<int64_t> ids = counted_ids(ptrs);
   py::list out(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) out[i] = py::int_(ids[i]);
   return out;
@@ -1286,6 +1290,14 @@ struct Walk {
     }
     tensor(THPVariable_Unpack(o), v);
   }
+  // the tensors among an optimizer's per-parameter state (a dict: moments, step counters)
+  void state_tensors(PyObject* st, PyObject* v) {
+    if (!PyDict_Check(st)) return;
+    PyObject *k, *x;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(st, &pos, &k, &x))
+      if (THPVariable_Check(x)) add(x, v);
+  }
   void grad_of(PyObject* p, PyObject* v) {
     if (!THPVariable_CheckExact(p)) {
       plain = false;
@@ -1296,15 +1308,7 @@ struct Walk {
   }
   // {alloc_id: value} of the counted blocks, the first value given to each
   py::dict resolve() {
-    std::vector<int64_t> ids(ptrs.size(), -1);
-    {
-      std::lock_guard<std::mutex> g(mu);
-      for (size_t i = 0; i < ptrs.size(); ++i) {
-        if (ptrs[i] == nullptr) continue;
-        auto it = live.find(const_cast<void*>(ptrs[i]));
-        if (it != live.end() && it->second.counted) ids[i] = it->second.aid;
-      }
-    }
+    std::vector<int64_t> ids = counted_ids(ptrs);
     py::dict out;
     for (size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] < 0) continue;
@@ -1404,13 +1408,7 @@ py::object live_categories(py::list trees, py::list optimizers, py::tuple vals) 
     });
     std::vector<std::pair<py::object, py::object>> st;
     if (!ok || !opt_state(opt.ptr(), st)) return py::none();
-    for (auto& kv : st) {
-      if (!PyDict_Check(kv.second.ptr())) continue;
-      PyObject *k, *v;
-      Py_ssize_t pos = 0;
-      while (PyDict_Next(kv.second.ptr(), &pos, &k, &v))
-        if (THPVariable_Check(v)) w.add(v, state);
-    }
+    for (auto& kv : st) w.state_tensors(kv.second.ptr(), state);
   }
   if (!w.plain) return py::none();
   return w.resolve();
@@ -1457,12 +1455,8 @@ py::object owning_modules(py::list tree, py::list optimizers, py::tuple cats) {
     if (!opt_state(opt.ptr(), st)) return py::none();
     for (auto& kv : st) {
       auto it = by_param.find(kv.first.ptr());
-      if (it == by_param.end() || !PyDict_Check(kv.second.ptr())) continue;
-      PyObject* sv = value(paths[it->second], 2);
-      PyObject *k, *v;
-      Py_ssize_t pos = 0;
-      while (PyDict_Next(kv.second.ptr(), &pos, &k, &v))
-        if (THPVariable_Check(v)) w.add(v, sv);
+      if (it != by_param.end() && PyDict_Check(kv.second.ptr()))
+        w.state_tensors(kv.second.ptr(), value(paths[it->second], 2));
     }
   }
   if (!w.plain) return py::none();
