@@ -1184,6 +1184,16 @@ py::object counted_block(uint64_t addr) {
   return py::make_tuple(it->second.aid, it->second.size);
 }
 
+// the data pointer of a CPU tensor's storage, nullptr: none (no storage, another device, a
+// wrapper subclass whose storage cannot be reached)
+const void* cpu_data(const at::Tensor& t) {
+  try {
+    if (t.defined() && t.unsafeGetTensorImpl()->has_storage() && t.device().is_cpu()) return t.storage().data();
+  } catch (...) {
+  }
+  return nullptr;
+}
+
 // the allocation ids of the counted blocks at these data pointers (-1: none, or no pointer)
 std::vector<int64_t> counted_ids(const std::vector<const void*>& ptrs) {
   std::vector<int64_t> ids(ptrs.size(), -1);
@@ -1206,16 +1216,7 @@ py::list block_ids(py::sequence tensors) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* o = PySequence_GetItem(tensors.ptr(), i);
     if (o == nullptr) throw py::error_already_set();
-    const void* data = nullptr;
-    if (THPVariable_Check(o)) {
-      try {
-        const at::Tensor& t = THPVariable_Unpack(o);
-        if (t.defined() && t.unsafeGetTensorImpl()->has_storage() && t.device().is_cpu())
-          data = t.storage().data();
-      } catch (...) {  // a tensor whose storage cannot be reached (a wrapper subclass)
-        data = nullptr;
-      }
-    }
+    const void* data = THPVariable_Check(o) ? cpu_data(THPVariable_Unpack(o)) : nullptr;
     Py_DECREF(o);
     ptrs.push_back(data);
   }
@@ -1277,9 +1278,7 @@ struct Walk {
   std::vector<PyObject*> vals;  // borrowed: the caller's values outlive the call
   bool plain = true;
   void tensor(const at::Tensor& t, PyObject* v) {
-    const void* data = nullptr;
-    if (t.defined() && t.unsafeGetTensorImpl()->has_storage() && t.device().is_cpu()) data = t.storage().data();
-    ptrs.push_back(data);
+    ptrs.push_back(cpu_data(t));
     vals.push_back(v);
   }
   void add(PyObject* o, PyObject* v) {  // a tensor, or None
@@ -1727,23 +1726,17 @@ void fire(Group& g) {
     pop_locked(tid(), g.path, BWD);
     return;
   }
-  // which of the nodes run is known once the pass runs (outside the lock: it reads the graph task)
-  int runs = -1;
-  {
-    std::lock_guard<std::mutex> lk(mt_mu);
-    for (auto& s : g.seen)
-      if (s.first == gid) runs = s.second;
-  }
-  if (runs < 0) {
-    runs = 0;
+  std::lock_guard<std::mutex> lk(mt_mu);
+  auto it = std::find_if(g.seen.begin(), g.seen.end(), [gid](const std::pair<int, int>& s) { return s.first == gid; });
+  int runs = 0;  // nodes of the call still to run in this pass: which run is known once the pass runs
+  if (it != g.seen.end()) {
+    runs = it->second;
+  } else {
     for (auto& w : g.nodes) {
       auto n = w.lock();
       if (n && will_run(n.get())) ++runs;
     }
   }
-  std::lock_guard<std::mutex> lk(mt_mu);
-  auto it = std::find_if(g.seen.begin(), g.seen.end(), [gid](const std::pair<int, int>& s) { return s.first == gid; });
-  if (it != g.seen.end()) runs = it->second;  // another thread's node of this pass counted first
   if (runs <= 1) {
     if (it != g.seen.end()) g.seen.erase(it);
     pop_locked(tid(), g.path, BWD);
@@ -1889,10 +1882,7 @@ PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
   try {
     PyObject* module = a[0];
     if (depth == 0) {
-      {
-        std::lock_guard<std::mutex> g(mu);
-        fwd_first_aid = next_aid + 1;
-      }
+      fwd_first_aid = last_alloc_id() + 1;
       if (on_root != nullptr) {
         PyObject* r = PyObject_CallFunctionObjArgs(on_root, module, nullptr);
         if (r == nullptr) PyErr_Clear();
@@ -1961,16 +1951,16 @@ PyObject* mt_pack(PyObject*, PyObject* t) {
     }
     return t;
   }
-  try {
+  try {  // a C++ exception must not cross into the interpreter
     const at::Tensor& x = THPVariable_Unpack(t);
-    if (!x.defined() || !x.unsafeGetTensorImpl()->has_storage() || !x.device().is_cpu()) return t;
-    bool has_fn = (bool)x.grad_fn();
-    const void* data = x.storage().data();
+    const void* data = cpu_data(x);
+    if (data == nullptr) return t;
+    int64_t aid = counted_ids({data})[0];
     int64_t first = depth > 0 ? fwd_first_aid : -1;
-    std::lock_guard<std::mutex> g(mu);
-    auto it = live.find(const_cast<void*>(data));
-    if (it != live.end() && it->second.counted && (has_fn || (first >= 0 && it->second.aid >= first)))
-      saved_aids.push_back(it->second.aid);
+    if (aid >= 0 && ((bool)x.grad_fn() || (first >= 0 && aid >= first))) {
+      std::lock_guard<std::mutex> g(mu);
+      saved_aids.push_back(aid);
+    }
   } catch (...) {
   }
   return t;

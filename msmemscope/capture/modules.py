@@ -407,13 +407,18 @@ class ModuleTracker:
                     self._mark(tid, ts, kept[-1] if kept else None)
 
     # ------------------------------------------------------------ flush time
+    def _native_blocks(self):
+        """The native source while it holds the blocks (None: none, or the dispatch-mode source's since a handover)."""
+        s = self.s
+        nat = getattr(s, "native", None)
+        return nat if nat is not None and not getattr(getattr(s, "dispatch", None), "live", None) else None
+
     def _alloc_ids(self, tensors):
         """The allocation id of each tensor's block (None: not traced). The native source answers
         for all of them in one call; the dispatch-mode source's blocks (after a handover) by storage."""
         s = self.s
-        nat = getattr(s, "native", None)
-        disp = getattr(s, "dispatch", None)
-        if nat is not None and not getattr(disp, "live", None):
+        nat = self._native_blocks()
+        if nat is not None:
             try:
                 return [i if i >= 0 else None for i in nat.block_ids(tensors)]
             except Exception:
@@ -455,10 +460,8 @@ class ModuleTracker:
         ``decompose``, e.g. the native source) knows of the blocks' owning modules. The walk is C++
         where it can be (``owning_modules``: the native source's blocks, plain tensors, no FSDP2);
         the loop below is its reference."""
-        s = self.s
-        nat = getattr(s, "native", None)
         walk = _native_walk()
-        if walk is not None and nat is not None and not getattr(getattr(s, "dispatch", None), "live", None):
+        if walk is not None and self._native_blocks() is not None:
             got = walk.owning_modules([(path, ref()) for path, ref in self._module_tree()], list(self.optimizers),
                                       ("weight", "gradient", "optimizer_state"))
             if got is not None:
