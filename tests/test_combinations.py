@@ -164,18 +164,24 @@ def test_dataloader_workers_threads_and_steps(out_dir, source):
     assert df.filter(pl.col("attr").str.contains('"untraced":true')).height > 0
 
 
-@pytest.mark.parametrize("mode,source", full([("", "native"), ("term", "python")],
-                                              [(m, s) for m in ("", "term") for s in SOURCES]))
-def test_signals_during_flushes(tmp_path, source, mode):
+ALL_ONLINE = "leaks,decompose,inefficient"
+
+
+@pytest.mark.parametrize("mode,source,analysis", full(
+    [("", "native", None), ("term", "python", None), ("", "native", ALL_ONLINE)],
+    [(m, s, None) for m in ("", "term") for s in SOURCES] + [(m, "native", ALL_ONLINE) for m in ("", "term")]))
+def test_signals_during_flushes(tmp_path, source, mode, analysis):
     """A SIGUSR1 every millisecond while the buffer flushes every 64 rows, the handler allocating
     (it runs inside flushes); with ``term``, a SIGTERM mid-run. The losses are the plain run's, the
-    dump keeps the invariants, the handler's blocks it still holds are live, and its growth is found."""
+    dump keeps the invariants, the handler's blocks it still holds are live, and its growth is found.
+    With every online analysis (owner labels, module hooks, the inefficient sink), the same, and
+    their results are written."""
     prog = os.path.join(PROGS, "combo_signals.py")
     plain = _python([prog, "-"], source)
     want = [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")]
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, prog, str(out), mode], env=_env(source), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, prog, str(out), mode, *([analysis] if analysis else [])], env=_env(source),
+                       capture_output=True, text=True, timeout=300)
     losses = [ln for ln in r.stdout.splitlines() if ln.startswith("loss")]
     (folder,) = run_folders(out)
     df = read(dump_of(folder))
@@ -191,6 +197,7 @@ def test_signals_during_flushes(tmp_path, source, mode):
     sizes = sorted(live.values())
     import polars as pl
     made = {n for n in _rows(df, "MALLOC")["size"].to_list() if 3001 <= n < 5000 and n % 2}
+    assert config_of(folder)["source"].startswith("native" if source == "native" else "dispatch")
     if source == "native":  # every block the handler made and still holds is live in the dump
         assert all(n in sizes for n in sig["kept"]), (sig["kept"], sizes[:40])
     else:
@@ -198,3 +205,9 @@ def test_signals_during_flushes(tmp_path, source, mode):
         # interrupts it runs (README, limits): what it saw of them is all live, none freed
         assert made and all(n in sizes for n in made), (made, sizes[:40])
     assert "leak: +" in r.stderr and "aten.empty" in r.stderr.split("leak: +", 1)[1].splitlines()[0]
+    if analysis:
+        for a in ("decompose", "inefficient", "leaks"):
+            assert os.path.isfile(os.path.join(folder, "analysis", f"{a}.json")), a
+        from msmemscope.io.reader import read_dump
+        mods = read_dump(dump_of(folder), columns=("event", "module", "phase"), events=("MALLOC",))
+        assert mods["module"].drop_nulls().len() > 10 and set(mods["phase"].drop_nulls()) == {"forward", "backward"}

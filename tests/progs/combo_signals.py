@@ -1,6 +1,7 @@
 """Signals arriving while the session flushes: a thread sends SIGUSR1 every millisecond to a
 program whose buffer is flushed every 64 rows; the handler allocates and keeps tensors (it runs
-between bytecodes, often inside a flush). With ``term`` as argv[2], a SIGTERM comes mid-run.
+between bytecodes, often inside a flush). With ``term`` as argv[2], a SIGTERM comes mid-run;
+argv[3], the analyses (default: leaks).
 
 Prints the losses, how many signals the handler took and the bytes it still holds."""
 import json
@@ -28,10 +29,13 @@ def on_usr1(signum, frame):
 
 def main():
     out, mode = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+    analysis = sys.argv[3] if len(sys.argv) > 3 else None  # e.g. leaks,decompose,inefficient
     signal.signal(signal.SIGUSR1, on_usr1)
     traced = out != "-"
     if traced:
-        msmemscope.config(output=out)
+        # with analyses, tracing starts here (immediate): the native source then follows the
+        # ops with owner labels and access events (a deferred start takes the dispatch-mode one)
+        msmemscope.config(output=out, **({"analysis": analysis, "collect_mode": "immediate"} if analysis else {}))
         msmemscope.start()
         capture.current().flush_rows = 64
     torch.manual_seed(0)
