@@ -292,6 +292,51 @@ def test_rows_of_every_shape_read_alike(tmp_path, monkeypatch, kind):
     assert plain.height > 100
 
 
+@pytest.mark.parametrize("kind", ["csv", "csv.zst"])
+def test_frames_written_during_the_catch_up_wait_for_it(tmp_path, monkeypatch, kind):
+    """The catch-up (the rows already in the file, read when the dump passes the threshold) runs in
+    a thread; the frames the writer gets meanwhile are written to the file at once and join the
+    columns after it, in order, each row once: the companion reads as the text does. Here the
+    threshold is crossed at the third frame and the catch-up is held until four more have come."""
+    import threading
+    from msmemscope.io.writers import CsvWriter, ZstdCsvWriter
+    monkeypatch.delenv("MSMEMSCOPE_COLUMN_CACHE", raising=False)
+    monkeypatch.setenv("MSMEMSCOPE_COLUMN_PART_ROWS", "97")
+    go, started = threading.Event(), threading.Event()
+    real = W.ColumnWriter._catch_up
+
+    def held(self, end):
+        started.set()
+        assert go.wait(30)
+        real(self, end)
+    monkeypatch.setattr(W.ColumnWriter, "_catch_up", held)
+    rows = _odd_rows()
+    cls = CsvWriter if kind == "csv" else ZstdCsvWriter
+    path = str(tmp_path / ("memscope_dump_held" + cls.suffix))
+    w = cls(path)
+    w.columns = W.ColumnWriter(path)
+    step = max(1, len(rows) // 9)
+    batches = [(lo, rows[lo:lo + step]) for lo in range(0, len(rows), step)]
+    for k, (lo, part) in enumerate(batches):
+        if k == 0:
+            w.columns.least = 1 << 40
+        if k == 2:
+            w.columns.least = w.columns.seen + 1  # the third frame crosses the threshold
+        w.write(part, lo + 1, 4242)
+        if k == 2:
+            assert started.wait(30) and w.columns.state == "catching"
+        if k == 6:
+            assert len(w.columns._backlog) == 4 and w.columns.state == "catching"
+            go.set()
+    w.close()
+    assert len(R.capture_parts(path)[0]) >= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text, cols = _both(path, monkeypatch, lambda: R.read_dump(path, columns=R.COLUMNS_OFFERED))
+    _same(text, cols, "held catch-up")
+    assert cols.height == len(rows)
+
+
 def test_a_row_it_cannot_hold_turns_it_off(tmp_path, monkeypatch):
     """A NUL in a name (which the reader refuses) or a number over 64 bits: no companion, and the
     read says what the text says."""

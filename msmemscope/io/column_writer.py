@@ -100,26 +100,70 @@ class ColumnWriter:
                 if self.seen < self.least:
                     return
                 code_key()  # the code of this process, before anything is stored
-                self._catch_up()  # these rows are in the file already: read with the rest
-                self.state = "on"
-            else:
-                import gc
-                was = gc.isenabled()
-                gc.disable()  # tuples of numbers and texts, no cycles: no collector passes over them
-                try:
-                    self._collect(rows, first, pid, c_syms or {}, ids)
-                finally:
-                    if was:
-                        gc.enable()
-                if self.pending_rows >= BUILD_ROWS:
-                    self._build()
-            if self.held >= self.part_rows:
-                self._write_part()
+                self._start_catch_up()  # these rows are in the file already: read with the rest
+                return
+            if self.state == "catching":
+                # the catch-up reads the file in its thread meanwhile (a second of it at 64 MiB):
+                # the frames keep being written, and their rows wait here for it to end
+                self._backlog.append((rows, first, pid, c_syms, ids))
+                if self._catcher.is_alive():
+                    return
+                self._end_catch_up()
+                return
+            self._add_rows(rows, first, pid, c_syms, ids)
         except Exception:  # _Unfit, a full disk, polars refusing a value: the text stands alone
             self._give_up()
 
+    def _add_rows(self, rows, first, pid, c_syms, ids) -> None:
+        import gc
+        was = gc.isenabled()
+        gc.disable()  # tuples of numbers and texts, no cycles: no collector passes over them
+        try:
+            self._collect(rows, first, pid, c_syms or {}, ids)
+        finally:
+            if was:
+                gc.enable()
+        if self.pending_rows >= BUILD_ROWS:
+            self._build()
+        if self.held >= self.part_rows:
+            self._write_part()
+
+    def _start_catch_up(self) -> None:
+        """The rows in the file so far become columns in a thread of this process, not in the
+        loop that reads the pipe: done there, the traced program's frames filled the pipe while
+        it ran and the program waited (0.65 s once, at 64 MiB of an MLP's dump)."""
+        import threading
+        end = os.path.getsize(self.path)  # every row written so far is flushed: whole rows end here
+        self._backlog, self._caught = [], None
+        self.state = "catching"
+
+        def run():
+            try:
+                self._catch_up(end)
+            except BaseException as e:  # noqa: BLE001 - handed to the writer's loop, which gives up
+                self._caught = e
+        self._catcher = threading.Thread(target=run, name="msmemscope-columns", daemon=True)
+        self._catcher.start()
+
+    def _end_catch_up(self) -> None:
+        """The catch-up's thread has ended (or is waited for): the rows that came meanwhile."""
+        self._catcher.join()
+        backlog, self._backlog = self._backlog, []
+        if self._caught is not None:
+            raise self._caught
+        self.state = "on"
+        if self.held >= self.part_rows:
+            self._write_part()
+        for frame in backlog:
+            self._add_rows(*frame)
+
     def close(self) -> None:
         """The dump file is closed: commit the parts with what the file is now."""
+        if self.state == "catching":
+            try:
+                self._end_catch_up()
+            except Exception:
+                self._give_up()
         if self.state != "on":
             return
         try:
@@ -171,17 +215,17 @@ class ColumnWriter:
         os.chmod(os.path.join(self.folder, name), 0o640)  # the dump's own permissions (io/files.py)
         self.parts.append([name, df.height])
 
-    def _catch_up(self) -> None:
-        """The rows already in the file, read by the reader's own parse, as stored columns (a plain
-        CSV 32 MB of whole lines at a time, as the reader's batched read cuts it)."""
+    def _catch_up(self, end: int) -> None:
+        """The rows in the file's first ``end`` bytes, read by the reader's own parse, as stored
+        columns (a plain CSV 32 MB of whole lines at a time, as the reader's batched read cuts it)."""
         import io
         import polars as pl
         from . import reader as R
         os.makedirs(self.folder, mode=0o750, exist_ok=True)
         with open(self.path, "rb") as f:
             zst = f.read(4) == R.ZSTD_MAGIC
-        text = R._unzstd(self.path) if zst else None
-        complete, size = R.check_csv(self.path, text)
+        text = R._unzstd(self.path, end) if zst else None  # whole frames: each write is one
+        complete, size = R.check_csv(self.path, text, end=None if zst else end)
         if complete != size:
             raise _Unfit("the file ends inside a row")
         if zst:

@@ -189,10 +189,14 @@ def _read_db(path: str, want: tuple = DEFAULT_COLUMNS, events=None) -> pl.DataFr
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def open_text(path: str):
+def open_text(path: str, end: int | None = None):
     """A binary file object on the dump's CSV text: the file itself, or its zstd stream
-    (``.csv.zst``, any number of frames) decompressed as it is read."""
+    (``.csv.zst``, any number of frames) decompressed as it is read. ``end``: only the file's
+    first ``end`` bytes (compressed ones for a zstd dump), for a file another thread appends to."""
     f = open(path, "rb")
+    if end is not None:
+        with f:
+            f = io.BytesIO(f.read(end))
     if f.read(4) != ZSTD_MAGIC:
         f.seek(0)
         return f
@@ -208,12 +212,12 @@ def open_text(path: str):
                                                                          closefd=True), 1 << 20)
 
 
-def _unzstd(path: str) -> bytes:
+def _unzstd(path: str, end: int | None = None) -> bytes:
     """The CSV text of a ``.csv.zst`` dump, at most ``max_input_bytes()`` of it; a stream cut short
-    (a killed run) gives what it holds up to the cut."""
+    (a killed run) gives what it holds up to the cut. ``end``: see ``open_text``."""
     limit = max_input_bytes()
     out = bytearray()
-    f = open_text(path)
+    f = open_text(path, end)
     raw = getattr(f, "raw", f)  # unbuffered: a read that meets the cut loses at most its own block
     try:
         while True:
@@ -272,13 +276,15 @@ def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
 COUNT_BYTES = 64 << 20
 
 
-def check_csv(path: str, text: bytes | None = None, facts: dict | None = None) -> tuple[int, int]:
+def check_csv(path: str, text: bytes | None = None, facts: dict | None = None,
+              end: int | None = None) -> tuple[int, int]:
     """A cheap streaming pass over a CSV dump (blocks of at most ``CHUNK`` bytes, bounded memory):
     the header, and no line longer than ``max_line_bytes()`` (a corrupt file with a gigabyte-long
     line is refused without being loaded). Returns ``(bytes up to the end of the last complete
     line, file size)``; raises ``DumpError`` naming the file and line. ``text``: the decompressed
     text of a ``.csv.zst`` dump, checked instead of the file. ``facts``: a dict given ``nul``,
-    whether the text holds a NUL byte anywhere (none: no column of it can have one)."""
+    whether the text holds a NUL byte anywhere (none: no column of it can have one). ``end``: only
+    the first ``end`` bytes (of a file another thread appends to)."""
     limit = max_line_bytes()
     block_size = min(CHUNK, limit)  # a line inside one block is never over the limit
     with (open(path, "rb") if text is None else io.BytesIO(text)) as f:
@@ -299,8 +305,9 @@ def check_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
         # one buffer read into again and again: a new 16 MB bytes object a block was fresh
         # memory, whose page faults cost more than the scan
         block = bytearray(block_size)
+        view = memoryview(block)
         while True:
-            k = f.readinto(block)
+            k = f.readinto(block if end is None else view[:max(0, min(block_size, end - pos))])
             if not k:
                 break
             if not nul and block.find(b"\x00", 0, k) >= 0:  # memchr: a fraction of the line count's time
