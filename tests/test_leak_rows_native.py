@@ -78,6 +78,9 @@ def stream(seed, steps, per_step, p_keep, p_gap, p_dict):
 
 
 def state(t, found):
+    # the counts the step-end checkpoint reads: kept as rows come, they are the sums over the sites
+    assert t.hits == sum(s.hits for s in t.growth.sites.values())
+    assert t.growth.n_growing == len(t.growth.growing())
     res = leaks.result_json(t)
     sites = {str(k): [s.live, s.last_aid, s.example, s.hits, s.hit_bytes] for k, s in t.growth.sites.items()}
     return json.dumps([found, res, leaks.report_lines(t), leaks.gap_report(t.fluctuation()), sites,

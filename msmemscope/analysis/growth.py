@@ -138,6 +138,7 @@ class SiteGrowth:
         self.blocks: dict = {}    # (device, pool, alloc_id) -> (Site, size) for the live blocks
         self.k = 0                # step ends seen
         self.last_step = 0        # the number of the last step end (0: none yet)
+        self.n_growing = 0        # sites with a verdict: what growing() lists (counted at step ends)
 
     def site(self, device, pool, op, python, label):
         key = (device, pool, op, python, label)
@@ -165,6 +166,7 @@ class SiteGrowth:
             s.end_step(k, step, prev)
             if s.verdict is not None:
                 found.append(s)
+        self.n_growing = len(found)  # a site passed over is at rest, and a site at rest has no verdict
         blocks = self.blocks
         for s in found:  # the example block must be live now
             if s.example is not None and (s.device, s.pool, s.example) not in blocks:

@@ -152,6 +152,7 @@ class StepLeakTracker:
         self.growth = SiteGrowth()
         self._sites, self._blocks = self.growth.sites, self.growth.blocks
         self.steps_ended = 0
+        self.hits = 0                # blocks found by the block rule (the sites' hits summed)
         self.labels: dict = {}       # tid -> the label of its allocations (innermost range, else last mark)
         self._ranges: dict = {}      # tid -> [(range_id, message)] open ranges
         self._marks: dict = {}       # tid -> last mark message
@@ -280,6 +281,7 @@ class StepLeakTracker:
                 continue  # step n was not recorded: its FREE rows are not in the dump
             site = blocks[key][0]
             site.hits += 1
+            self.hits += 1
             site.hit_bytes += size or 0
             rec = {"device": str(device), "pool": pool, "addr": addr, "size": size, "step": s, "op": op,
                    "alloc_id": alloc_id, "id": row_id, "detected_at_step": n, "python": site.python,
@@ -609,8 +611,8 @@ class LeakSink:
     def findings(self, session, count_only=False):
         """The result as ``close`` would write it now, and how many findings it holds (block hits,
         growing sites): saved at step ends by analysis.StepCheckpoint."""
-        g = self.t.growth
-        count = (sum(s.hits for s in g.sites.values()), len(g.growing()))
+        # counted as they happen: summing over the sites at every step end was 1% of a small step
+        count = (self.t.hits, self.t.growth.n_growing)
         if count_only:
             return "leaks", None, count
         return "leaks", result_json(self.t, not session.opts.steps), count
