@@ -9,6 +9,7 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1860,6 +1861,238 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
   return py::make_tuple(out, mk_a, inside_a, freed_a, late_a);
 }
 
+// ---------------------------------------------------------------- the dump's CSV lines
+// CsvWriter.write's lines (io/writers.py) of the rows a flush is made of: OP_LAUNCH; MALLOC with a
+// 6-tuple Attr and a plain owner, or an 8-tuple (module, phase); FREE and ACCESS with a tuple
+// Attr; the texts in them plain ASCII. In the writer process (issue 22): the
+// Python loop cost ~1 us a row there, and that process's work slowed the traced program on the
+// other core (MLP, default events: 1.15x with it, 1.07x with the writer formatting nothing).
+// Same text to the byte (tests/test_csv_rows.py). Stops at the first row it would not write
+// exactly as the Python loop does (another kind, a value of another type, a name or stack whose
+// CSV text is not in `esc` yet, an owner that is not plain ASCII) and returns its index: the
+// Python loop writes that row (and caches its texts), then calls again.
+namespace {
+
+std::string& csv_buf = *new std::string();  // kept between calls: its capacity, not a new one each frame
+
+inline bool csv_int(std::string& out, PyObject* o) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  char tmp[24];
+  auto r = std::to_chars(tmp, tmp + sizeof(tmp), v);
+  out.append(tmp, (size_t)(r.ptr - tmp));
+  return true;
+}
+
+inline bool csv_hex16(std::string& out, PyObject* o) {  // f"{v:016x}" of a non-negative int
+  if (!PyLong_CheckExact(o)) return false;
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  char tmp[16];  // 16 hex digits, zero-filled: a 64-bit value never needs more
+  for (int k = 15; k >= 0; --k, v >>= 4) tmp[k] = "0123456789abcdef"[v & 0xf];
+  out.append(tmp, 16);
+  return true;
+}
+
+inline bool csv_str(std::string& out, PyObject* o) {  // f"{s}" of a str
+  if (!PyUnicode_CheckExact(o)) return false;
+  Py_ssize_t n = 0;
+  const char* u = PyUnicode_AsUTF8AndSize(o, &n);
+  if (u == nullptr) {  // a lone surrogate: the Python loop and the file's error handler
+    PyErr_Clear();
+    return false;
+  }
+  out.append(u, (size_t)n);
+  return true;
+}
+
+// writers._plain(owner) for an ASCII str: printable, no quote, no backslash
+inline bool plain_ascii(PyObject* o) {
+  if (!PyUnicode_CheckExact(o) || !PyUnicode_IS_ASCII(o)) return false;
+  const unsigned char* p = (const unsigned char*)PyUnicode_DATA(o);
+  for (Py_ssize_t k = 0, n = PyUnicode_GET_LENGTH(o); k < n; ++k)
+    if (p[k] < 0x20 || p[k] > 0x7e || p[k] == '"' || p[k] == '\\') return false;
+  return true;
+}
+
+// a text json.dumps writes as "text" (plain ASCII: nothing to escape), or None (null) where allowed
+inline bool json_plain(PyObject* o, bool none_ok) { return (none_ok && o == Py_None) || plain_ascii(o); }
+
+inline bool json_str(std::string& out, PyObject* o) {  // json.dumps(o) inside a CSV-quoted field
+  if (o == Py_None) {
+    out.append("null");
+    return true;
+  }
+  out.append("\"\"");
+  bool ok = csv_str(out, o);
+  out.append("\"\"");
+  return ok;
+}
+
+inline PyObject* esc_text(PyObject* esc, PyObject* key) {  // borrowed, or nullptr: not cached
+  PyObject* v = PyDict_GetItemWithError(esc, key);
+  if (v == nullptr) PyErr_Clear();  // an unhashable key: the Python loop says what it is
+  return v != nullptr && PyUnicode_CheckExact(v) ? v : nullptr;
+}
+
+}  // namespace
+
+// (index of the first row not written, the CSV text of rows[at:index])
+py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids, long long pid, py::dict esc,
+                   py::tuple consts) {
+  PyObject* lst = rows.ptr();
+  PyObject* ids_l = ids.is_none() ? nullptr : ids.ptr();
+  if (ids_l != nullptr && !PyList_CheckExact(ids_l)) return py::make_tuple(at, py::str(""));
+  PyObject* e = esc.ptr();
+  PyObject* s_launch = consts[0].ptr();
+  PyObject* s_malloc = consts[1].ptr();
+  PyObject* s_free = consts[2].ptr();
+  PyObject* s_access = consts[3].ptr();
+  char pid_s[24];
+  auto pr = std::to_chars(pid_s, pid_s + sizeof(pid_s), pid);
+  const std::string pid_text(pid_s, (size_t)(pr.ptr - pid_s));
+  std::string& out = csv_buf;
+  out.clear();
+  const Py_ssize_t n = PyList_GET_SIZE(lst);
+  Py_ssize_t i = at;
+  for (; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(lst, i);
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 10) break;
+    PyObject* ev = PyTuple_GET_ITEM(r, 0);
+    PyObject* attr = PyTuple_GET_ITEM(r, 7);
+    // 0 OP_LAUNCH, 1 MALLOC (6-tuple, plain owner), 2 FREE, 3 ACCESS, 4 MALLOC with module and phase
+    int kind;
+    if (same_str(ev, s_launch)) {
+      kind = 0;
+    } else if (same_str(ev, s_malloc)) {
+      if (!PyTuple_CheckExact(attr)) break;
+      if (PyTuple_GET_SIZE(attr) == 6 && plain_ascii(PyTuple_GET_ITEM(attr, 5))) {
+        kind = 1;
+      } else if (PyTuple_GET_SIZE(attr) == 8 && json_plain(PyTuple_GET_ITEM(attr, 5), true) &&
+                 json_plain(PyTuple_GET_ITEM(attr, 6), true) && json_plain(PyTuple_GET_ITEM(attr, 7), true)) {
+        kind = 4;
+      } else {
+        break;
+      }
+    } else if (same_str(ev, s_free)) {
+      if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) < 5) break;
+      kind = 2;
+    } else if (same_str(ev, s_access)) {
+      if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) != 4 || !json_plain(PyTuple_GET_ITEM(attr, 0), false))
+        break;
+      kind = 3;
+    } else {
+      break;
+    }
+    PyObject* nm = esc_text(e, PyTuple_GET_ITEM(r, 2));
+    if (nm == nullptr) break;
+    PyObject* ps = PyTuple_GET_ITEM(r, 8);
+    PyObject* st = nullptr;  // the stack's CSV text; none for None or ""
+    if (ps != Py_None && !(PyUnicode_CheckExact(ps) && PyUnicode_GET_LENGTH(ps) == 0)) {
+      if (!PyUnicode_CheckExact(ps) || (st = esc_text(e, ps)) == nullptr) break;
+    }
+    const size_t mark = out.size();  // a row that fails half-way is taken back whole
+    bool ok = true;
+    if (ids_l != nullptr) {
+      ok = i < PyList_GET_SIZE(ids_l) && csv_int(out, PyList_GET_ITEM(ids_l, i));
+    } else {
+      char tmp[24];
+      auto res = std::to_chars(tmp, tmp + sizeof(tmp), first + (long long)i);
+      out.append(tmp, (size_t)(res.ptr - tmp));
+    }
+    static const char* const head[] = {",OP_LAUNCH,", ",MALLOC,", ",FREE,", ",ACCESS,", ",MALLOC,"};
+    out.append(head[kind]);
+    ok = ok && csv_str(out, PyTuple_GET_ITEM(r, 1));
+    out.push_back(',');
+    ok = ok && csv_str(out, nm);
+    out.push_back(',');
+    ok = ok && csv_int(out, PyTuple_GET_ITEM(r, 3));
+    out.push_back(',');
+    out.append(pid_text);
+    out.push_back(',');
+    ok = ok && csv_int(out, PyTuple_GET_ITEM(r, 4));
+    out.push_back(',');
+    ok = ok && csv_str(out, PyTuple_GET_ITEM(r, 5));
+    if (kind == 0) {
+      out.append(",N/A,,");
+    } else if (kind == 3) {
+      // events._ACCESS_T through the general path's "%s" and CSV quoting
+      PyObject* ptr = PyTuple_GET_ITEM(r, 6);
+      if (ptr == Py_None) {
+        out.append(",N/A");
+      } else {
+        out.append(",0x");
+        ok = ok && csv_hex16(out, ptr);
+      }
+      out.append(",\"{\"\"dtype\"\":\"\"");
+      ok = ok && csv_str(out, PyTuple_GET_ITEM(attr, 0));
+      out.append("\"\",\"\"shape\"\":[");
+      PyObject* shape = PyTuple_GET_ITEM(attr, 1);
+      if (PyTuple_CheckExact(shape) || PyList_CheckExact(shape)) {
+        for (Py_ssize_t k = 0, nd = PySequence_Fast_GET_SIZE(shape); k < nd && ok; ++k) {
+          if (k) out.push_back(',');
+          ok = csv_int(out, PySequence_Fast_GET_ITEM(shape, k));
+        }
+      } else {
+        ok = false;
+      }
+      out.append("],\"\"size\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 2));
+      out.append(",\"\"allocation_id\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 3));
+      out.append("}\",");
+    } else {
+      out.append(",0x");
+      ok = ok && csv_hex16(out, PyTuple_GET_ITEM(r, 6));
+      out.append(",\"{\"\"allocation_id\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 0));
+      out.append(",\"\"addr\"\":\"\"0x");
+      ok = ok && csv_hex16(out, PyTuple_GET_ITEM(attr, 1));
+      out.append("\"\",\"\"size\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 2));
+      out.append(",\"\"used\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 3));
+      out.append(",\"\"total\"\":");
+      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 4));
+      if (kind == 1) {
+        out.append(",\"\"owner\"\":\"\"");
+        ok = ok && csv_str(out, PyTuple_GET_ITEM(attr, 5));
+        out.append("\"\"}\",");
+      } else if (kind == 4) {  // format_attr: owner and module as JSON (null for None), phase left out when None
+        out.append(",\"\"owner\"\":");
+        ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 5));
+        out.append(",\"\"module\"\":");
+        ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 6));
+        if (PyTuple_GET_ITEM(attr, 7) != Py_None) {
+          out.append(",\"\"phase\"\":");
+          ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 7));
+        }
+        out.append("}\",");
+      } else {
+        out.append("}\",");
+      }
+    }
+    if (st != nullptr) ok = ok && csv_str(out, st);
+    out.append(",\n");
+    if (!ok) {
+      out.resize(mark);
+      break;
+    }
+  }
+  PyObject* text = PyUnicode_DecodeUTF8(out.data(), (Py_ssize_t)out.size(), "strict");
+  if (text == nullptr) throw py::error_already_set();
+  if (out.capacity() > (size_t)(64 << 20)) std::string().swap(out);  // one huge frame: not kept for the next
+  return py::make_tuple(i, py::reinterpret_steal<py::str>(text));
+}
+
 #ifndef LEAKRULE_NAME
 #define LEAKRULE_NAME msmemscope_leakrule
 #endif
@@ -1871,6 +2104,7 @@ PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("inefficient_fold", &inefficient_fold);
   m.def("hex_texts", &hex_texts);
   m.def("template_texts", &template_texts);
+  m.def("csv_rows", &csv_rows);
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)

@@ -65,6 +65,26 @@ def table_rows(rows, first, pid, c_syms=None):
             for i, (ev, et, name, ts, tid, dev, ptr, attr, ps, _cs) in enumerate(rows)]
 
 
+_CSV_CONSTS = ("OP_LAUNCH", "MALLOC", "FREE", "ACCESS")
+_csv_fast = None  # the C++ line maker, False once looked for and absent
+
+
+def _csv_rows():
+    """``csv_rows`` of the torch-free C++ module where it is built (the writer process loads it
+    too), else None: the Python loop (``MSMEMSCOPE_CSV_ROWS=python`` forces it)."""
+    global _csv_fast
+    if _csv_fast is None:
+        _csv_fast = False
+        if os.environ.get("MSMEMSCOPE_CSV_ROWS", "").strip().lower() != "python":
+            try:
+                from ..leak_native import load_module
+                mod = load_module()
+                _csv_fast = getattr(mod, "csv_rows", None) or False
+            except Exception:  # a broken build: the Python loop writes the same text
+                _csv_fast = False
+    return _csv_fast or None
+
+
 class CsvWriter:
     suffix = ".csv"
 
@@ -112,14 +132,35 @@ class CsvWriter:
 
     def write(self, rows, first, pid, c_syms=None, ids=None) -> None:
         """Rows numbered ``first, first + 1, ...``, or ``ids`` (a bounded dump leaves gaps)."""
-        # One f-string per row, specialised for the frequent kinds; op names and
-        # stacks repeat, so their CSV text is cached. This loop is the cost of a
-        # flush, paid at every step: keep it lean.
         fault_point()
-        c_syms = c_syms or {}
         esc = self._esc
         if len(esc) > 200_000:
             esc.clear()
+        fast = _csv_rows()
+        if fast is not None and not c_syms and type(rows) is list and (ids is None or type(ids) is list):
+            # the frequent rows in C++ (_leakrule.cpp csv_rows); each row it stops at goes through
+            # the loop below alone (which caches its name's and stack's texts), then C++ goes on
+            out, at, n = [], 0, len(rows)
+            while at < n:
+                at, text = fast(rows, at, first, ids, pid, esc, _CSV_CONSTS)
+                out.append(text)
+                if at < n:
+                    out.append(self._lines(rows[at:at + 1], first + at, pid, None,
+                                           None if ids is None else ids[at:at + 1]))
+                    at += 1
+            text = "".join(out)
+        else:
+            text = self._lines(rows, first, pid, c_syms, ids)
+        self._put(text)
+        if self.columns is not None:
+            self.columns.add(rows, first, pid, c_syms, ids, len(text))
+
+    def _lines(self, rows, first, pid, c_syms, ids) -> str:
+        """The CSV lines of ``rows`` in Python: the reference of ``csv_rows`` and every row it leaves."""
+        # One f-string per row, specialised for the frequent kinds; op names and
+        # stacks repeat, so their CSV text is cached.
+        c_syms = c_syms or {}
+        esc = self._esc
         out = []
         add = out.append
         i = first
@@ -154,10 +195,7 @@ class CsvWriter:
                     "N/A" if ptr is None else "0x%016x" % ptr,
                     '"' + a.replace('"', '""') + '"' if a else "", st, cs))
             i += 1
-        text = "".join(out)
-        self._put(text)
-        if self.columns is not None:
-            self.columns.add(rows, first, pid, c_syms, ids, len(text))
+        return "".join(out)
 
     def _put(self, text: str) -> None:
         self._f.write(text)
