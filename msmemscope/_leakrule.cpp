@@ -2008,19 +2008,20 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
       auto res = std::to_chars(tmp, tmp + sizeof(tmp), first + (long long)i);
       out.append(tmp, (size_t)(res.ptr - tmp));
     }
+    // each field: the text before it, then the value written by `write` (ok turns false on a
+    // value it does not take)
+    auto put = [&](const char* before, bool (*write)(std::string&, PyObject*), PyObject* v) {
+      out.append(before);
+      ok = ok && write(out, v);
+    };
     static const char* const head[] = {",OP_LAUNCH,", ",MALLOC,", ",FREE,", ",ACCESS,", ",MALLOC,"};
-    out.append(head[kind]);
-    ok = ok && csv_str(out, PyTuple_GET_ITEM(r, 1));
-    out.push_back(',');
-    ok = ok && csv_str(out, nm);
-    out.push_back(',');
-    ok = ok && csv_int(out, PyTuple_GET_ITEM(r, 3));
+    put(head[kind], csv_str, PyTuple_GET_ITEM(r, 1));
+    put(",", csv_str, nm);
+    put(",", csv_int, PyTuple_GET_ITEM(r, 3));
     out.push_back(',');
     out.append(pid_text);
-    out.push_back(',');
-    ok = ok && csv_int(out, PyTuple_GET_ITEM(r, 4));
-    out.push_back(',');
-    ok = ok && csv_str(out, PyTuple_GET_ITEM(r, 5));
+    put(",", csv_int, PyTuple_GET_ITEM(r, 4));
+    put(",", csv_str, PyTuple_GET_ITEM(r, 5));
     if (kind == 0) {
       out.append(",N/A,,");
     } else if (kind == 3) {
@@ -2029,52 +2030,34 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
       if (ptr == Py_None) {
         out.append(",N/A");
       } else {
-        out.append(",0x");
-        ok = ok && csv_hex16(out, ptr);
+        put(",0x", csv_hex16, ptr);
       }
-      out.append(",\"{\"\"dtype\"\":\"\"");
-      ok = ok && csv_str(out, PyTuple_GET_ITEM(attr, 0));
+      put(",\"{\"\"dtype\"\":\"\"", csv_str, PyTuple_GET_ITEM(attr, 0));
       out.append("\"\",\"\"shape\"\":[");
       PyObject* shape = PyTuple_GET_ITEM(attr, 1);
       if (PyTuple_CheckExact(shape) || PyList_CheckExact(shape)) {
-        for (Py_ssize_t k = 0, nd = PySequence_Fast_GET_SIZE(shape); k < nd && ok; ++k) {
-          if (k) out.push_back(',');
-          ok = csv_int(out, PySequence_Fast_GET_ITEM(shape, k));
-        }
+        for (Py_ssize_t k = 0, nd = PySequence_Fast_GET_SIZE(shape); k < nd; ++k)
+          put(k ? "," : "", csv_int, PySequence_Fast_GET_ITEM(shape, k));
       } else {
         ok = false;
       }
-      out.append("],\"\"size\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 2));
-      out.append(",\"\"allocation_id\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 3));
+      put("],\"\"size\"\":", csv_int, PyTuple_GET_ITEM(attr, 2));
+      put(",\"\"allocation_id\"\":", csv_int, PyTuple_GET_ITEM(attr, 3));
       out.append("}\",");
     } else {
-      out.append(",0x");
-      ok = ok && csv_hex16(out, PyTuple_GET_ITEM(r, 6));
-      out.append(",\"{\"\"allocation_id\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 0));
-      out.append(",\"\"addr\"\":\"\"0x");
-      ok = ok && csv_hex16(out, PyTuple_GET_ITEM(attr, 1));
-      out.append("\"\",\"\"size\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 2));
-      out.append(",\"\"used\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 3));
-      out.append(",\"\"total\"\":");
-      ok = ok && csv_int(out, PyTuple_GET_ITEM(attr, 4));
+      put(",0x", csv_hex16, PyTuple_GET_ITEM(r, 6));
+      put(",\"{\"\"allocation_id\"\":", csv_int, PyTuple_GET_ITEM(attr, 0));
+      put(",\"\"addr\"\":\"\"0x", csv_hex16, PyTuple_GET_ITEM(attr, 1));
+      put("\"\",\"\"size\"\":", csv_int, PyTuple_GET_ITEM(attr, 2));
+      put(",\"\"used\"\":", csv_int, PyTuple_GET_ITEM(attr, 3));
+      put(",\"\"total\"\":", csv_int, PyTuple_GET_ITEM(attr, 4));
       if (kind == 1) {
-        out.append(",\"\"owner\"\":\"\"");
-        ok = ok && csv_str(out, PyTuple_GET_ITEM(attr, 5));
+        put(",\"\"owner\"\":\"\"", csv_str, PyTuple_GET_ITEM(attr, 5));
         out.append("\"\"}\",");
       } else if (kind == 4) {  // format_attr: owner and module as JSON (null for None), phase left out when None
-        out.append(",\"\"owner\"\":");
-        ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 5));
-        out.append(",\"\"module\"\":");
-        ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 6));
-        if (PyTuple_GET_ITEM(attr, 7) != Py_None) {
-          out.append(",\"\"phase\"\":");
-          ok = ok && json_str(out, PyTuple_GET_ITEM(attr, 7));
-        }
+        put(",\"\"owner\"\":", json_str, PyTuple_GET_ITEM(attr, 5));
+        put(",\"\"module\"\":", json_str, PyTuple_GET_ITEM(attr, 6));
+        if (PyTuple_GET_ITEM(attr, 7) != Py_None) put(",\"\"phase\"\":", json_str, PyTuple_GET_ITEM(attr, 7));
         out.append("}\",");
       } else {
         out.append("}\",");
