@@ -36,6 +36,7 @@ WORKLOADS = {
 CONFIGS = {
     "plain": "the program alone",
     "default": "msmemscope, default events (alloc,free,launch); the native source where it is built",
+    "default-eachstep": "msmemscope, default events, a flush at every step boundary (MSMEMSCOPE_STEP_FLUSH_S=0, as before the seventeenth session)",
     "default-dispatch": "msmemscope, default events, the dispatch-mode source (MSMEMSCOPE_SOURCE=python)",
     "events": "msmemscope, default events with no analysis (--analysis=none): the default less the leak rule",
     "access": "msmemscope --analysis=inefficient (adds access events)",
@@ -50,7 +51,7 @@ CONFIGS = {
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
-TRACED = ("default", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+TRACED = ("default", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
           "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
@@ -97,6 +98,7 @@ tmp = tempfile.mkdtemp()
 if config in {traced!r}:
     if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
     if config == "modules": os.environ["MSMEMSCOPE_MODULES"] = "1"
+    if config == "default-eachstep": os.environ["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
@@ -155,7 +157,7 @@ def run_one(workload, config, steps, env=None):
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+    want = {"default": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
             "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
             "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":

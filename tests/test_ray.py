@@ -156,6 +156,9 @@ def test_findings_survive_sigkill(tmp_path, source):
         pytest.skip("the dispatch-mode source: the long form only (MSMEMSCOPE_TEST_FULL=1)")
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
+    # findings saved at every step end: killed right after its last step, the program keeps them
+    # all (step boundaries that share a flush keep those of the last flush: tests/test_step_flush.py)
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
     procs = {}
     for how, end in (("killed", "os.kill(os.getpid(), signal.SIGKILL)"), ("normal", "")):
         prog = tmp_path / f"{how}.py"

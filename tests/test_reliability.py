@@ -68,7 +68,11 @@ def _ids_contiguous(df):
 
 @pytest.mark.parametrize("mode,at,phase", _fault_cases())
 def test_fault_at_random_point(out_dir, mode, at, phase):
-    r = run_cli(["-o", str(out_dir), os.path.join(SCRIPTS, "faults_phase.py"), mode, str(at), phase])
+    # a flush at every step boundary: the faults are planted in the flush of a given step, and a
+    # SIGKILL keeps every step before it (boundaries that share a flush: tests/test_step_flush.py)
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
+    r = run_cli(["-o", str(out_dir), os.path.join(SCRIPTS, "faults_phase.py"), mode, str(at), phase], env=env)
     assert r.returncode == STATUS[mode], r.stderr  # the program's own status
     assert r.stdout.count("step") == at - 1
     [folder] = run_folders(out_dir)

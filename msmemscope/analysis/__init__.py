@@ -108,6 +108,8 @@ class StepCheckpoint:
         self._cost = 0.0
         self._spent = 0.0  # CPU time of every save so far
 
+    batch_steps = True  # saves what is: once for the step boundaries that share a flush
+
     def consume(self, rows, first_id):
         pass
 
@@ -180,6 +182,8 @@ class StepCheckpoint:
 
 def checkpoint(session):
     """Save the current findings now (a Ray call returned), whatever the time budget says."""
+    if session._ended_unflushed is not None:
+        session.flush()  # the step boundaries whose flush waited: the findings include them
     with session.flush_lock:  # as at a step end (inside flush): one save at a time
         for s in session.sinks:
             if isinstance(s, StepCheckpoint):

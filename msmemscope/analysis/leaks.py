@@ -594,16 +594,36 @@ def native_module():
 class LeakSink:
     """``--analysis=leaks``: the online sink."""
 
+    # step boundaries may share a flush (Session._may_wait): the tracker ends each step at its STEP
+    # row, and the blocks live at that end are those live now or freed later in the same rows
+    batch_steps = True
+
     def __init__(self, session):
         self.t = StepLeakTracker()
-        self.t.live_ids = session.live_alloc_ids
+        self.t.live_ids = self._live_ids
         m = native_module()
         if m is not None:
             self.t.use_native(m)
         self.session = session
+        self._rows = self._freed = None  # the rows being consumed, the blocks freed in them
 
     def consume(self, rows, first_id):
-        self.t.consume(rows, first_id)
+        self._rows, self._freed = rows, None
+        try:
+            self.t.consume(rows, first_id)
+        finally:
+            self._rows = self._freed = None
+
+    def _live_ids(self):
+        """The blocks live at the end of the step being judged: those the tracer holds now, and
+        those freed after it in the rows of this flush (later step boundaries of a shared flush)."""
+        live = self.session.live_alloc_ids()
+        if self._rows:
+            if self._freed is None:  # once a flush: a leaking program has suspects at every step end
+                self._freed = {(r[ATTR][A_ALLOC_ID] if type(r[ATTR]) is tuple else (r[ATTR] or {}).get("allocation_id"))
+                               for r in self._rows if r[EVENT] == Event.FREE}
+            live |= self._freed
+        return live
 
     def step_end(self, session, step):
         pass  # findings are judged at exit: a block hit is a leak only if its site keeps growing

@@ -65,6 +65,19 @@ class _LogFile(logging.StreamHandler):
 
 
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
+# Step boundaries closer together than this share one flush where every analysis allows it
+# (``batch_steps``): a flush per 2 ms step cost the MLP 10 points of wall time and GPT-2 13, far
+# more than its instructions (BENCHMARKS.md, seventeenth session). A boundary whose flush waits is
+# flushed by the next boundary past this time, or by a thread of ours when the program goes quiet.
+# MSMEMSCOPE_STEP_FLUSH_S=0: a flush at every boundary.
+STEP_FLUSH_S = 0.1
+
+
+def _step_flush_ns() -> int:
+    try:
+        return max(0, int(float(os.environ.get("MSMEMSCOPE_STEP_FLUSH_S", STEP_FLUSH_S)) * 1e9))
+    except ValueError:
+        return int(STEP_FLUSH_S * 1e9)
 # the native source's rows go to the writer process as the marshal bytes it makes in C++
 # (MSMEMSCOPE_HANDOFF=marshal: every row marshalled here, as before)
 _PIECES = os.environ.get("MSMEMSCOPE_HANDOFF", "").strip().lower() != "marshal"
@@ -141,6 +154,10 @@ class Session:
         self._held_step = None               # the first optimizer step's boundary, until the program shows whether it numbers steps itself
         self._optimizer_steps = False        # settled: the optimizer steps are the steps
         self._flushes = 0
+        self._step_flush_ns = _step_flush_ns()
+        self._last_flush_ns = 0
+        self._ended_unflushed = None         # the last step ended whose flush waits (STEP_FLUSH_S)
+        self._flusher = None                 # the thread that flushes it once the program goes quiet
         self._exit_installed = False
         self.active = False
         self.started_once = False
@@ -546,7 +563,37 @@ class Session:
         self.system(System.STEP, {"step": ended})
         self.step_no += 1
         self._update_flags()
-        self.flush(step_end=ended)
+        if self._may_wait() and time_ns() - self._last_flush_ns < self._step_flush_ns:
+            self._ended_unflushed = ended  # its rows and STEP row are in the buffer, in order
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_waiting, name="msmemscope-step-flush",
+                                                 daemon=True)
+                self._flusher.start()
+        else:
+            self.flush(step_end=ended)
+
+    def _may_wait(self) -> bool:
+        """Whether this step boundary's flush may wait for the next: the default events on the
+        native source, and only analyses whose step_end holds for every step ended before it
+        (``batch_steps``: the leak rule judges the STEP rows in its rows; the checkpoint saves
+        what is)."""
+        return (self._step_flush_ns > 0 and self.native_ops and self.device_source is None
+                and self.labeler is None and self.modules is None and self.op_observer is None
+                and self._held_step is None and len(self.buf) < self.flush_rows
+                and "traceback" not in self.opts.events  # the Python trace would follow our thread too
+                and all(getattr(s, "batch_steps", False) for s in self.sinks))
+
+    def _flush_waiting(self):
+        """The flusher thread: a step boundary that waits is in the dump within STEP_FLUSH_S or
+        so, also when the program goes quiet (or is killed) after it."""
+        pid, nap = self.pid, self._step_flush_ns / 1e9
+        while not self.closed and os.getpid() == pid:
+            time.sleep(nap)
+            if self._ended_unflushed is not None and time_ns() - self._last_flush_ns >= self._step_flush_ns:
+                try:
+                    self.flush()
+                except Exception as e:  # never a traceback from our thread
+                    log.error("flushing a step boundary: %s", _why(e))
 
     def _device_step_end(self, ended):
         # the device's own figures at a step end (a held step 1: taken when it is settled)
@@ -606,6 +653,11 @@ class Session:
                 self._on_sigterm(signum, None)
 
     def _flush(self, step_end=None, drain=True):
+        # a step boundary whose flush waited is flushed now: the analyses' step_end holds for it
+        # and every one before (batch_steps), so the last boundary is the one they are told of
+        waited, self._ended_unflushed = self._ended_unflushed, None
+        if step_end is None:
+            step_end = waited
         if self.closed or self.failure is not None:
             self.buf.clear()
             self.pieces.clear()
@@ -655,6 +707,7 @@ class Session:
                     s.step_end(self, step_end)
             except Exception as e:  # an analysis's failure never reaches the program
                 self._sink_failed(s, e)
+        self._last_flush_ns = time_ns()
 
     def _pieces_of(self, rows):
         """The flushed rows for the hand-off as pieces: the native source's marshal bytes where

@@ -1,0 +1,154 @@
+"""Step boundaries that share a flush (Session._may_wait, STEP_FLUSH_S): with the default events on
+the native source, boundaries closer together than STEP_FLUSH_S are flushed together. The dump, the
+leak findings and the checkpointed findings must be those of a flush at every boundary
+(``MSMEMSCOPE_STEP_FLUSH_S=0``), for a program whose blocks leak, outlive a step by one and are freed
+within a later step of the same flush; a boundary whose flush waits reaches the dump when the
+program goes quiet, also when it is killed then."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import polars as pl
+import pytest
+
+from conftest import check_invariants, dump_of, env_for_tests, read, run_folders
+from msmemscope.capture import native
+
+pytestmark = pytest.mark.skipif(native.load_module() is None,
+                                reason="the native module is not built (python -m msmemscope.capture.native build)")
+
+PROG = r"""
+import json, sys, time, torch, msmemscope
+from msmemscope import capture
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+kept, late = [], []
+steps = int(sys.argv[1])
+for i in range(steps):
+    loss = m(torch.randn(16, 32)).sum()
+    loss.backward(); opt.step(); opt.zero_grad()
+    kept.append(torch.ones(64 * (i + 1)))     # a site that grows every step: a leak
+    late.append(torch.ones(48))                # lives two steps, then freed inside a later step
+    if len(late) > 2:
+        late.pop(0)
+    if i % 7 == 3:
+        time.sleep(0.02)                       # some boundaries far enough apart to flush alone
+    msmemscope.step()
+s = capture.current()
+print(json.dumps({"flushes": s._flushes, "steps": steps}))
+if sys.argv[2] == "kill":
+    time.sleep(float(sys.argv[3]))
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+STABLE = ["id", "event", "event_type", "name", "device", "alloc_id", "size", "used", "owner"]
+
+
+def run(tmp_path, name, steps, flush_s, end="exit", quiet=0.0):
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROG)
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = str(flush_s)
+    env["MSMEMSCOPE_SOURCE"] = "native"
+    out = tmp_path / name
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(out), "--analysis=leaks",
+                        sys.executable, str(prog), str(steps), end, str(quiet)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    [folder] = run_folders(out)
+    return r, folder
+
+
+def leaks_of(folder):
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        res = json.load(f)
+    for k in ("leaks", "retained"):
+        for lk in res[k]:
+            lk.pop("address", None)
+            lk.pop("addr", None)
+    return res
+
+
+def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path):
+    got = {}
+    for name, flush_s in (("shared", 0.5), ("each", 0)):
+        r, folder = run(tmp_path, name, 40, flush_s)
+        assert r.returncode == 0, r.stderr
+        counts = json.loads(r.stdout.strip().splitlines()[-1])
+        with open(os.path.join(folder, "config.json")) as f:
+            assert json.load(f)["source"] == "native"
+        df = read(dump_of(folder))
+        check_invariants(df)
+        got[name] = (counts, df, leaks_of(folder))
+    (c_shared, df_shared, lk_shared), (c_each, df_each, lk_each) = got["shared"], got["each"]
+    # the boundaries did share flushes, and the other run flushed at each of them
+    assert c_each["flushes"] >= 40
+    assert c_shared["flushes"] < 20
+    assert df_shared.select(STABLE).equals(df_each.select(STABLE))
+    assert df_shared.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height == 40
+    # the same findings: the leak, the blocks freed inside a later step of a shared flush judged
+    # as live at the end of the step they outlived
+    assert lk_shared == lk_each
+    assert lk_shared["steps_ended"] == 40
+    assert lk_shared["sites"], lk_shared
+    freed_later = [lk for lk in lk_shared["leaks"] + lk_shared["retained"] if lk.get("freed_at_step")]
+    assert freed_later, "the blocks that outlive a step and are freed later are found in both"
+
+
+@pytest.mark.parametrize("end", ["kill", "exit"])
+def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_path, end):
+    """Killed (SIGKILL, no exit handler) 3 x STEP_FLUSH_S after its last step, the program's dump
+    has every step: the flusher thread wrote the boundaries that waited."""
+    flush_s = 0.2
+    r, folder = run(tmp_path, "out", 12, flush_s, end, quiet=3 * flush_s)
+    if end == "kill":
+        assert r.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), r.stderr  # the launcher says 137
+        from msmemscope.io import spool
+        assert spool.wait_for_writer(dump_of(folder), timeout=60)
+    else:
+        assert r.returncode == 0, r.stderr
+    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert counts["flushes"] < 12  # they waited (the last ones flushed by the thread, after this print)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+    assert steps.height == 12
+    # the checkpointed findings were saved with the rows: the leak is on disk without an exit
+    res = leaks_of(folder)
+    assert res["steps_ended"] == 12
+
+
+def test_analyses_whose_step_end_needs_each_boundary_flush_at_each(tmp_path):
+    """--analysis=inefficient (no batch_steps): a flush at every boundary as before."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROG)
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "5"
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"),
+                        "--analysis=leaks,inefficient", sys.executable, str(prog), "10", "exit", "0"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["flushes"] >= 10
+    [folder] = run_folders(tmp_path / "o")
+    check_invariants(read(dump_of(folder)))
+
+
+def test_killed_right_after_a_waiting_boundary_the_dump_is_whole_up_to_its_last_flush(tmp_path):
+    """SIGKILL at once after the last step: the boundaries that waited are lost (at most
+    STEP_FLUSH_S of the run), what was flushed before is a valid dump with contiguous IDs, and the
+    findings on disk are those of that flush."""
+    r, folder = run(tmp_path, "out", 30, 5.0, "kill", quiet=0)
+    assert r.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), r.stderr
+    from msmemscope.io import spool
+    assert spool.wait_for_writer(dump_of(folder), timeout=60)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df["id"].to_list() == list(range(1, df.height + 1))
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height
+    assert steps < 30  # a 5 s window: the boundaries after the first flush waited, and were lost
+    res = leaks_of(folder) if os.path.exists(os.path.join(folder, "analysis", "leaks.json")) else None
+    assert res is None or res["steps_ended"] <= steps
