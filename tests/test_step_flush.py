@@ -49,14 +49,14 @@ if sys.argv[2] == "kill":
 STABLE = ["id", "event", "event_type", "name", "device", "alloc_id", "size", "used", "owner"]
 
 
-def run(tmp_path, name, steps, flush_s, end="exit", quiet=0.0):
+def run(tmp_path, name, steps, flush_s, end="exit", quiet=0.0, analysis="leaks"):
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
     env = env_for_tests()
     env["MSMEMSCOPE_STEP_FLUSH_S"] = str(flush_s)
     env["MSMEMSCOPE_SOURCE"] = "native"
     out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(out), "--analysis=leaks",
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(out), f"--analysis={analysis}",
                         sys.executable, str(prog), str(steps), end, str(quiet)],
                        env=env, capture_output=True, text=True, timeout=300)
     [folder] = run_folders(out)
@@ -73,10 +73,18 @@ def leaks_of(folder):
     return res
 
 
-def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path):
+def inefficient_of(folder):
+    with open(os.path.join(folder, "analysis", "inefficient.json")) as f:
+        res = json.load(f)
+    res.pop("dump", None)  # the run's own path
+    return res
+
+
+@pytest.mark.parametrize("analysis", ["leaks", "leaks,inefficient"])
+def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path, analysis):
     got = {}
     for name, flush_s in (("shared", 0.5), ("each", 0)):
-        r, folder = run(tmp_path, name, 40, flush_s)
+        r, folder = run(tmp_path, name, 40, flush_s, analysis=analysis)
         assert r.returncode == 0, r.stderr
         counts = json.loads(r.stdout.strip().splitlines()[-1])
         with open(os.path.join(folder, "config.json")) as f:
@@ -84,7 +92,13 @@ def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path)
         df = read(dump_of(folder))
         check_invariants(df)
         got[name] = (counts, df, leaks_of(folder))
-    (c_shared, df_shared, lk_shared), (c_each, df_each, lk_each) = got["shared"], got["each"]
+        if "inefficient" in analysis:  # the access events' analysis folds the same rows in the same order
+            assert df.filter(pl.col("event") == "ACCESS").height > 0
+            got[name] += (inefficient_of(folder),)
+    (c_shared, df_shared, lk_shared), (c_each, df_each, lk_each) = got["shared"][:3], got["each"][:3]
+    if "inefficient" in analysis:
+        assert got["shared"][3] == got["each"][3]
+        assert got["shared"][3]["blocks"] > 0, got["shared"][3]
     # the boundaries did share flushes, and the other run flushed at each of them
     assert c_each["flushes"] >= 40
     assert c_shared["flushes"] < 20
@@ -123,13 +137,14 @@ def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_pat
 
 
 def test_analyses_whose_step_end_needs_each_boundary_flush_at_each(tmp_path):
-    """--analysis=inefficient (no batch_steps): a flush at every boundary as before."""
+    """--analysis=decompose (owner labels at each flush, a step_end per step): a flush at every
+    boundary as before."""
     prog = tmp_path / "prog.py"
     prog.write_text(PROG)
     env = env_for_tests()
     env["MSMEMSCOPE_STEP_FLUSH_S"] = "5"
     r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"),
-                        "--analysis=leaks,inefficient", sys.executable, str(prog), "10", "exit", "0"],
+                        "--analysis=leaks,decompose", sys.executable, str(prog), "10", "exit", "0"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["flushes"] >= 10

@@ -760,6 +760,10 @@ def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES
 
 # ------------------------------------------------------------------ online sink
 class InefficientSink:
+    # its rows are folded in order whatever the flushes (in batches of BATCH_ROWS), and step_end is
+    # nothing: step boundaries may share a flush (Session._may_wait)
+    batch_steps = True
+
     def __init__(self, session):
         self.session = session
         v = os.environ.get(IDLE_ENV)
