@@ -6,7 +6,7 @@ import signal
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, full, read, run_cli, run_folders
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "faults.py")
 
@@ -23,7 +23,9 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "faults.py")
     ("alloc", 4, 1),
 ]))
 def test_fault_keeps_dump(out_dir, mode, at, status):
-    r = run_cli(["-o", str(out_dir), SCRIPT, mode, str(at)])
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # every step flushed at its end: a SIGKILL keeps them all
+    r = run_cli(["-o", str(out_dir), SCRIPT, mode, str(at)], env=env)
     assert r.returncode == status, r.stderr
     assert r.stdout.count("step") == at - 1
     [folder] = run_folders(out_dir)

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(native.load_module() is None,
 @pytest.mark.parametrize("opts", full([{"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}],
                                       [{}, {"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}]))
 def test_native_bytes_load_as_the_rows(tmp_path, opts):
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # a frame per step: pieces in several frames
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "handoff_rows.py"), str(tmp_path),
-                        json.dumps(opts)], env=env_for_tests(), capture_output=True, text=True, timeout=300)
+                        json.dumps(opts)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows, frames, fast = r.stdout.split()
     assert int(rows) > 500 and int(frames) >= 4, r.stdout
@@ -119,7 +121,9 @@ def test_writer_naps_instead_of_waiting_in_read(tmp_path, end):
     from msmemscope.io import spool
     prog = tmp_path / "prog.py"
     prog.write_text(NAPPING)
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out"), end], env=env_for_tests(),
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # a frame per step, each written while the writer naps
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "out"), end], env=env,
                        capture_output=True, text=True, timeout=300)
     if end == "sigkill":
         assert r.returncode == -9, r.stderr

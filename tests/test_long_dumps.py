@@ -60,7 +60,9 @@ def test_compressed_dump_written_online_killed_twice(tmp_path):
     from msmemscope.io.reader import TruncatedDumpWarning, read_dump
     from msmemscope.io.writers import last_id_in
     out = tmp_path / "o"
-    r = run_cli(["-o", str(out), "--compress=zstd:5", KILLED, "6"])
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # every step flushed at its end: the SIGKILL keeps them all
+    r = run_cli(["-o", str(out), "--compress=zstd:5", KILLED, "6"], env=env)
     assert r.returncode == 128 + 9, r.stderr
     assert [l.split()[1] for l in r.stdout.splitlines() if l.startswith("step")] == [str(i) for i in range(1, 7)]
     [folder] = run_folders(out)
