@@ -1864,10 +1864,8 @@ py::tuple inefficient_fold(carr<int8_t> kind_a, carr<int64_t> pos_a, carr<int64_
 // ---------------------------------------------------------------- the dump's CSV lines
 // CsvWriter.write's lines (io/writers.py) of the rows a flush is made of: OP_LAUNCH; MALLOC with a
 // 6-tuple Attr and a plain owner, or an 8-tuple (module, phase); FREE and ACCESS with a tuple
-// Attr; the texts in them plain ASCII. In the writer process (issue 22): the
-// Python loop cost ~1 us a row there, and that process's work slowed the traced program on the
-// other core (MLP, default events: 1.15x with it, 1.07x with the writer formatting nothing).
-// Same text to the byte (tests/test_csv_rows.py). Stops at the first row it would not write
+// Attr; the texts in them plain ASCII. In the writer process (issue 22): the Python loop cost
+// ~1 us of that process's CPU a row, this ~0.2 us (BENCHMARKS.md, seventeenth session). Same text to the byte (tests/test_csv_rows.py). Stops at the first row it would not write
 // exactly as the Python loop does (another kind, a value of another type, a name or stack whose
 // CSV text is not in `esc` yet, an owner that is not plain ASCII) and returns its index: the
 // Python loop writes that row (and caches its texts), then calls again.
@@ -1923,8 +1921,8 @@ inline bool plain_ascii(PyObject* o) {
   return true;
 }
 
-// a text json.dumps writes as "text" (plain ASCII: nothing to escape), or None (null) where allowed
-inline bool json_plain(PyObject* o, bool none_ok) { return (none_ok && o == Py_None) || plain_ascii(o); }
+// a text json.dumps writes as "text" (plain ASCII: nothing to escape), or None (null)
+inline bool json_plain(PyObject* o) { return o == Py_None || plain_ascii(o); }
 
 inline bool json_str(std::string& out, PyObject* o) {  // json.dumps(o) inside a CSV-quoted field
   if (o == Py_None) {
@@ -1976,8 +1974,8 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
       if (!PyTuple_CheckExact(attr)) break;
       if (PyTuple_GET_SIZE(attr) == 6 && plain_ascii(PyTuple_GET_ITEM(attr, 5))) {
         kind = 1;
-      } else if (PyTuple_GET_SIZE(attr) == 8 && json_plain(PyTuple_GET_ITEM(attr, 5), true) &&
-                 json_plain(PyTuple_GET_ITEM(attr, 6), true) && json_plain(PyTuple_GET_ITEM(attr, 7), true)) {
+      } else if (PyTuple_GET_SIZE(attr) == 8 && json_plain(PyTuple_GET_ITEM(attr, 5)) &&
+                 json_plain(PyTuple_GET_ITEM(attr, 6)) && json_plain(PyTuple_GET_ITEM(attr, 7))) {
         kind = 4;
       } else {
         break;
@@ -1986,7 +1984,7 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
       if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) < 5) break;
       kind = 2;
     } else if (same_str(ev, s_access)) {
-      if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) != 4 || !json_plain(PyTuple_GET_ITEM(attr, 0), false))
+      if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) != 4 || !plain_ascii(PyTuple_GET_ITEM(attr, 0)))
         break;
       kind = 3;
     } else {

@@ -99,6 +99,8 @@ class StepCheckpoint:
     """The last online sink: at each step end, the other sinks' findings and the peaks go to
     ``analysis/*.json`` when they changed, within ``SAVE_BUDGET`` of the run's time."""
 
+    batch_steps = True  # saves what is: once for the step boundaries that share a flush
+
     def __init__(self, sinks):
         from ..capture import backends  # noqa: F401  (imported now, not inside the first save)
         self.sinks = sinks
@@ -107,8 +109,6 @@ class StepCheckpoint:
         self._next_at = 0.0
         self._cost = 0.0
         self._spent = 0.0  # CPU time of every save so far
-
-    batch_steps = True  # saves what is: once for the step boundaries that share a flush
 
     def consume(self, rows, first_id):
         pass
@@ -182,8 +182,7 @@ class StepCheckpoint:
 
 def checkpoint(session):
     """Save the current findings now (a Ray call returned), whatever the time budget says."""
-    if session._ended_unflushed is not None:
-        session.flush()  # the step boundaries whose flush waited: the findings include them
+    session.flush_waiting()  # the step boundaries whose flush waited: the findings include them
     with session.flush_lock:  # as at a step end (inside flush): one save at a time
         for s in session.sinks:
             if isinstance(s, StepCheckpoint):

@@ -66,8 +66,8 @@ class _LogFile(logging.StreamHandler):
 
 FLUSH_ROWS = 1 << 16  # bound on the buffer between step boundaries
 # Step boundaries closer together than this share one flush where every analysis allows it
-# (``batch_steps``): a flush per 2 ms step cost the MLP 10 points of wall time and GPT-2 13, far
-# more than its instructions (BENCHMARKS.md, seventeenth session). A boundary whose flush waits is
+# (``batch_steps``): the flush's own calls (writer, analyses, checkpoint) a 2 ms step are ~35 us of
+# its ~160 us of step-end work (BENCHMARKS.md, seventeenth session). A boundary whose flush waits is
 # flushed by the next boundary past this time, or by a thread of ours when the program goes quiet.
 # MSMEMSCOPE_STEP_FLUSH_S=0: a flush at every boundary.
 STEP_FLUSH_S = 0.1
@@ -589,11 +589,17 @@ class Session:
         pid, nap = self.pid, self._step_flush_ns / 1e9
         while not self.closed and os.getpid() == pid:
             time.sleep(nap)
-            if self._ended_unflushed is not None and time_ns() - self._last_flush_ns >= self._step_flush_ns:
+            if time_ns() - self._last_flush_ns >= self._step_flush_ns:
                 try:
-                    self.flush()
+                    self.flush_waiting()
                 except Exception as e:  # never a traceback from our thread
                     log.error("flushing a step boundary: %s", _why(e))
+
+    def flush_waiting(self):
+        """Flush now if a step boundary's flush waits (nothing otherwise): the flusher thread, and
+        analysis.checkpoint before it saves."""
+        if self._ended_unflushed is not None:
+            self.flush()
 
     def _device_step_end(self, ended):
         # the device's own figures at a step end (a held step 1: taken when it is settled)
