@@ -167,3 +167,61 @@ def test_killed_right_after_a_waiting_boundary_the_dump_is_whole_up_to_its_last_
     assert steps < 30  # a 5 s window: the boundaries after the first flush waited, and were lost
     res = leaks_of(folder) if os.path.exists(os.path.join(folder, "analysis", "leaks.json")) else None
     assert res is None or res["steps_ended"] <= steps
+
+
+COMBO = r"""
+import json, os, signal, sys, threading, time, torch, msmemscope
+from msmemscope import capture
+done = threading.Event()
+
+def side():  # a thread allocating and freeing inside the steps, across the boundaries
+    while not done.is_set():
+        x = torch.ones(256); y = x * 2; del x, y
+        time.sleep(0.0005)
+
+t = threading.Thread(target=side); t.start()
+m = torch.nn.Linear(32, 32); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+kept = []
+for i in range(30):
+    m(torch.randn(8, 32)).sum().backward(); opt.step(); opt.zero_grad()
+    kept.append(torch.ones(32 * (i + 1)))
+    msmemscope.step()
+    if i == 14:  # a stop/start gap after boundaries that waited; a block of the dump freed inside it
+        msmemscope.stop(); kept.pop(0); time.sleep(0.05); msmemscope.start()
+print(json.dumps({"flushes": capture.current()._flushes}), flush=True)
+done.set(); t.join()
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))
+os.kill(os.getpid(), signal.SIGTERM)  # the program's own handler ends it: the exit writes the rest
+time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source):
+    """Boundaries that wait, met with a side thread allocating across them, a stop/start gap and
+    an exit from the program's SIGTERM handler: every step and the gap's untraced FREE are in a
+    dump whose invariants hold. The dispatch-mode source keeps a flush per boundary."""
+    prog = tmp_path / "combo.py"
+    prog.write_text(COMBO)
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0.5"
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=leaks",
+                        sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr
+    flushes = json.loads(r.stdout.strip().splitlines()[-1])["flushes"]
+    [folder] = run_folders(tmp_path / "o")
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["source"].startswith("native" if source == "native" else "dispatch")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df["id"].to_list() == list(range(1, df.height + 1))
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+    assert steps.height == 30
+    assert df.filter((pl.col("event") == "FREE") & pl.col("attr").str.contains("untraced")).height >= 1
+    assert df.filter(pl.col("event") == "MALLOC")["tid"].n_unique() >= 2  # the side thread's blocks
+    if source == "native":
+        assert flushes < 15  # boundaries waited (the stop flushed once, the gap's start did not)
+    else:
+        assert flushes >= 30
+    assert leaks_of(folder)["steps_ended"] == 30
