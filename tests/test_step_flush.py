@@ -225,3 +225,56 @@ def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source):
     else:
         assert flushes >= 30
     assert leaks_of(folder)["steps_ended"] == 30
+
+
+EVERY_ALLOC = r"""
+import json, threading, torch, msmemscope
+from msmemscope import capture
+made = [0]
+done = threading.Event()
+
+def side():  # blocks of a size nothing else makes, allocated while the main thread ends steps
+    while not done.is_set():
+        x = torch.empty(777)
+        made[0] += 1
+        del x
+
+t = threading.Thread(target=side); t.start()
+a = torch.ones(16)
+for i in range(200):
+    a = a + 1               # the step's own work: one op, one block
+    msmemscope.step()
+done.set(); t.join()
+print(json.dumps({"made": made[0], "tid": t.ident}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("flush_s", ["0", "0.1"])
+def test_a_thread_allocating_across_step_boundaries_loses_no_block(tmp_path, flush_s):
+    """The STEP record goes among the native source's records, under their lock, with no pause of
+    the recording: every block a side thread makes while the main thread ends 200 steps is in the
+    dump (a pause at each boundary dropped those made inside it), the STEP rows keep the order in
+    which things happened (times never go back), and the invariants hold, with a flush at each
+    boundary or shared."""
+    prog = tmp_path / "every.py"
+    prog.write_text(EVERY_ALLOC)
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = "native"
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = flush_s
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=leaks",
+                        sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+    assert steps.height == 200
+    assert steps["attr"].str.extract(r"(\d+)").cast(pl.Int64).to_list() == list(range(1, 201))
+    side = df.filter((pl.col("event") == "MALLOC") & (pl.col("size") == 777 * 4))
+    assert out["made"] > 200 and side.height == out["made"]
+    assert side["tid"].unique().to_list() == [out["tid"]]
+    ts = df.filter(pl.col("event").is_in(["MALLOC", "FREE", "OP_LAUNCH", "SYSTEM"])
+                   & (pl.col("event_type") != "OWNER"))["ts"]
+    assert ts.is_sorted()
+    assert leaks_of(folder)["steps_ended"] == 200

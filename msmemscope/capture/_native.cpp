@@ -64,7 +64,7 @@ inline bool py_finalizing() {
 // MALLOC_BEFORE_OP: a block allocated outside the traced window, counted when a traced op first
 // reads it (access events on), as the dispatch-mode source registers it ("origin": "before_op").
 enum Kind : int32_t { OP_START = 0, OP_END = 1, MALLOC = 2, FREE = 3, ALLOC_FAILED = 4, FREE_UNTRACED = 5,
-                      MALLOC_BEFORE_OP = 6, ACCESS_READ = 7, ACCESS_WRITE = 8 };
+                      MALLOC_BEFORE_OP = 6, ACCESS_READ = 7, ACCESS_WRITE = 8, STEP_END = 9 };
 
 struct Rec {
   int64_t ts;
@@ -887,6 +887,9 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   PyObject* acc_write = names[12].ptr();
   PyObject* origin_key = names[13].ptr();
   PyObject* before_op = names[14].ptr();
+  PyObject* ev_system = names[15].ptr();
+  PyObject* sys_step = names[16].ptr();
+  PyObject* step_key = names[17].ptr();
   // the tuples, appended to `out` once all are made (slots not reached on a failure stay NULL,
   // which the list's release skips)
   py::list made = py::reinterpret_steal<py::list>(PyList_New((Py_ssize_t)nrec));
@@ -951,6 +954,13 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
           : Py_BuildValue("(OOLL)", dtype_strs[st], shape, (long long)r.size, (long long)r.aid);
       if (shape != nullptr) PyObject_GC_UnTrack(shape);  // ints only
       Py_XDECREF(shape);
+    } else if (r.kind == STEP_END) {
+      // the session's SYSTEM/STEP row: Attr {"step": the step that ended}
+      ev = ev_system;
+      type = sys_step;
+      ptr = Py_None;
+      Py_INCREF(ptr);
+      attr = Py_BuildValue("{O:L}", step_key, (long long)r.aid);
     } else if (r.kind == ALLOC_FAILED) {
       ++failed;
       // not a dump row: the session turns it into the OOM snapshot (used and peak at the failure)
@@ -1050,6 +1060,23 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
         stack = stack_str(r.stack);
       m.small_tuple(10);
+      if (r.kind == STEP_END) {
+        m.str(ev_system);
+        m.str(sys_step);
+        m.str(na);
+        m.i64(r.ts);
+        m.u64(r.tid);
+        m.str(device);
+        m.none();
+        m.byte('{');
+        m.str(step_key);
+        m.i64(r.aid);
+        m.byte('0');
+        m.none();
+        m.none();
+        if (!m.ok) break;
+        continue;
+      }
       bool launch = r.kind == OP_START || r.kind == OP_END;
       bool access = r.kind == ACCESS_READ || r.kind == ACCESS_WRITE;
       m.str(launch ? ev_launch : access ? ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? ev_malloc : ev_free);
@@ -1174,6 +1201,14 @@ py::tuple account(int64_t delta) {
   used_bytes += delta;
   if (used_bytes > peak_bytes) peak_bytes = used_bytes;
   return py::make_tuple(used_bytes, now_ns());
+}
+
+// A step boundary recorded among the records (aid: the step that ended), so that a boundary
+// whose flush waits needs no drain: its SYSTEM/STEP row comes out of the next drain in the order
+// things happened. Called with the GIL, by the thread that ends the step.
+void step_end(int64_t step) {
+  std::lock_guard<std::mutex> g(mu);
+  recs.push_back({now_ns(), tid(), 0, 0, 0, step, STEP_END, -1, -1, 0});
 }
 
 // (alloc_id, size) of the counted block starting at this address, or None
@@ -2788,6 +2823,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install);
   m.def("uninstall", &uninstall);
   m.def("set_flags", &set_flags);
+  m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from .. import leak_native
-from ..events import NA, TS, UNTRACED, Access, Event, Op, Pool
+from ..events import NA, TS, UNTRACED, Access, Event, Op, Pool, System
 from . import stacks
 from .source import ALLOC_FAILED, Source
 
@@ -35,7 +35,8 @@ log = logging.getLogger("msmemscope")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "_native.cpp")
 _NAMES = (Event.OP_LAUNCH, Op.START, Op.END, Event.MALLOC, Event.FREE, Pool.PTA, "cpu", NA, ALLOC_FAILED,
-          UNTRACED, Event.ACCESS, Access.READ, Access.WRITE, "origin", "before_op")
+          UNTRACED, Event.ACCESS, Access.READ, Access.WRITE, "origin", "before_op", Event.SYSTEM, System.STEP,
+          "step")
 
 
 # the leak rule's C++ source (msmemscope/_leakrule.cpp) is built with this one: a change to it is a
@@ -327,6 +328,11 @@ class NativeSource(Source):
             except IndexError:
                 pass
         return failed
+
+    def step_end(self, step: int):
+        """Record the end of ``step`` among the records: its SYSTEM/STEP row comes out of a later
+        drain where it happened (a step boundary whose flush waits drains nothing)."""
+        self.m.step_end(step)
 
     def counters(self):
         """(bytes in use, peak) of the CPU pool."""

@@ -556,13 +556,20 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
-        self._device_step_end(ended)
-        # the STEP row is a clean cut: nothing is recorded from before it is written until the
-        # next step's flags are set, so no row of another thread lands in the wrong step
-        self._update_flags(pause=True)
-        self.system(System.STEP, {"step": ended})
-        self.step_no += 1
-        self._update_flags()
+        if self.native_ops and self.device_source is None and self.op_device == "cpu" and not self.opts.steps:
+            # the STEP record goes among the native source's records, under their lock: a clean
+            # cut between the rows of the two steps, on every thread, with nothing drained here;
+            # no pause, as every step records alike (with --steps the flags change: the cut below)
+            self.native.step_end(ended)
+            self.step_no += 1
+        else:
+            self._device_step_end(ended)
+            # the STEP row is a clean cut: nothing is recorded from before it is written until the
+            # next step's flags are set, so no row of another thread lands in the wrong step
+            self._update_flags(pause=True)
+            self.system(System.STEP, {"step": ended})
+            self.step_no += 1
+            self._update_flags()
         if self._may_wait() and time_ns() - self._last_flush_ns < self._step_flush_ns:
             self._ended_unflushed = ended  # its rows and STEP row are in the buffer, in order
             if self._flusher is None:
