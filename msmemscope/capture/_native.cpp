@@ -16,9 +16,9 @@
 //    walking the interpreter's frames with the GIL; (code object, instruction) pairs and whole
 //    stacks are interned, so a record holds a stack id and the text is built once, at drain.
 //
-// Records go into one vector under a mutex; Python drains it (at step boundaries, before each
-// Python-side row so that the order holds, and from the op exit when it grows past a bound)
-// into row tuples shaped like the Python source's.
+// Records go into one vector under a mutex (a step boundary too: a STEP record); Python drains it
+// (at flushes, before each Python-side row so that the order holds, and from the op exit when it
+// grows past a bound) into row tuples shaped like the Python source's.
 // libtorch is built with NDEBUG, and RecordFunction's layout depends on it (a debug-only field
 // before its inputs): built without it, inputs() would read the wrong member.
 #ifndef NDEBUG
