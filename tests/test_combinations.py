@@ -75,6 +75,12 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
     # what the program still holds of the blocks it made while tracing is live in the dump
     held = json.loads(r.stdout.split("HELD", 1)[1])
     assert held == [4000]
+    # every step boundary once, in order, whether it was a STEP record waiting in the native source
+    # at a stop or at watch()'s handover, or a row the session wrote
+    import polars as pl
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))["attr"]
+    numbers = [json.loads(a)["step"] for a in steps.to_list()]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 5, numbers
     sizes = sorted(live.values())
     assert sizes.count(4000) >= 1, sizes
     if analysis == "inefficient":
