@@ -278,3 +278,47 @@ def test_a_thread_allocating_across_step_boundaries_loses_no_block(tmp_path, flu
                    & (pl.col("event_type") != "OWNER"))["ts"]
     assert ts.is_sorted()
     assert leaks_of(folder)["steps_ended"] == 200
+
+
+WHO_FLUSHES = r"""
+import json, threading, time, torch, msmemscope
+from msmemscope import capture
+s = capture.current()
+who = []
+flush = s.flush
+def noted(*a, **k):
+    who.append(threading.current_thread().name)
+    return flush(*a, **k)
+s.flush = noted
+a = torch.ones(16)
+for i in range(300):                 # boundaries every ~5 ms: never quiet for STEP_FLUSH_S (0.3 s)
+    a = a + 1
+    time.sleep(0.005)
+    msmemscope.step()
+busy = list(who)
+time.sleep(1.2)                      # quiet: the last boundaries wait for the flusher thread
+print(json.dumps({"busy": busy, "quiet": who[len(busy):], "flushes": s._flushes}), flush=True)
+"""
+
+
+def test_while_boundaries_come_the_program_thread_flushes_and_the_flusher_only_when_quiet(tmp_path):
+    """Boundaries closer than STEP_FLUSH_S: the program's own thread flushes at the first one past
+    the time (no flush passes the GIL to the flusher thread while steps run); once the program
+    goes quiet, the flusher thread flushes what waits. Every step is in the dump either way."""
+    prog = tmp_path / "who.py"
+    prog.write_text(WHO_FLUSHES)
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = "native"
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0.3"  # a machine's hiccup would have to last that long
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=leaks",
+                        sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(out["busy"]) >= 3, out                       # the loop runs ~1.5 s: a flush every ~0.3 s
+    assert set(out["busy"]) == {"MainThread"}, out
+    assert out["quiet"] and set(out["quiet"]) == {"msmemscope-step-flush"}, out
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+    assert steps["attr"].str.extract(r"(\d+)").cast(pl.Int64).to_list() == list(range(1, 301))

@@ -156,6 +156,7 @@ class Session:
         self._flushes = 0
         self._step_flush_ns = _step_flush_ns()
         self._last_flush_ns = 0
+        self._last_wait_ns = 0               # when the last boundary whose flush waits ended its step
         self._ended_unflushed = None         # the last step ended whose flush waits (STEP_FLUSH_S)
         self._flusher = None                 # the thread that flushes it once the program goes quiet
         self._exit_installed = False
@@ -570,8 +571,10 @@ class Session:
             self.system(System.STEP, {"step": ended})
             self.step_no += 1
             self._update_flags()
-        if self._may_wait() and time_ns() - self._last_flush_ns < self._step_flush_ns:
+        now = time_ns()
+        if self._may_wait() and now - self._last_flush_ns < self._step_flush_ns:
             self._ended_unflushed = ended  # its rows and STEP row are in the buffer, in order
+            self._last_wait_ns = now
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_waiting, name="msmemscope-step-flush",
                                                  daemon=True)
@@ -592,11 +595,14 @@ class Session:
 
     def _flush_waiting(self):
         """The flusher thread: a step boundary that waits is in the dump within STEP_FLUSH_S or
-        so, also when the program goes quiet (or is killed) after it."""
+        so, also when the program goes quiet (or is killed) after it. It flushes only once no
+        boundary came for STEP_FLUSH_S: while they come, the program's own thread flushes at the
+        first one past the time, so the flush does not pass the GIL between threads (on the tiny
+        GPT-2 the main thread waited ~0.9 ms a step for it, BENCHMARKS.md eighteenth session)."""
         pid, nap = self.pid, self._step_flush_ns / 1e9
         while not self.closed and os.getpid() == pid:
             time.sleep(nap)
-            if time_ns() - self._last_flush_ns >= self._step_flush_ns:
+            if time_ns() - self._last_wait_ns >= self._step_flush_ns:
                 try:
                     self.flush_waiting()
                 except Exception as e:  # never a traceback from our thread
