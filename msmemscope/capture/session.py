@@ -573,7 +573,7 @@ class Session:
             self._update_flags()
         now = time_ns()
         if self._may_wait() and now - self._last_flush_ns < self._step_flush_ns:
-            self._ended_unflushed = ended  # its rows and STEP row are in the buffer, in order
+            self._ended_unflushed = ended  # its rows and STEP row wait (buffer, native records), in order
             self._last_wait_ns = now
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_waiting, name="msmemscope-step-flush",
