@@ -62,38 +62,6 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 workload, config, steps, out = {workload!r}, {config!r}, {steps}, {out!r}
 
-def build():
-    if workload == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-        data = torch.randint(0, 1000, (8, 64))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=data, labels=data).loss
-            loss.backward(); opt.step()
-        return model, step
-    if workload == "mlp":
-        from torch import nn
-        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        x, y = torch.randn(64, 256), torch.randn(64, 1)
-        def step():
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward(); opt.step()
-        return model, step
-    from examples.transformer import GPT
-    import torch.nn.functional as F
-    model = GPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    data = torch.randint(0, 1024, (8, 129)); x, y = data[:, :-1], data[:, 1:]
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward(); opt.step()
-    return model, step
-
 tmp = tempfile.mkdtemp()
 if config in {traced!r}:
     if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
@@ -107,7 +75,8 @@ if config in {traced!r}:
     if config.startswith("stack"): kw["call_stack"] = "python:10"
     if config.startswith("decompose"): kw["analysis"] = "decompose"
     msmemscope.config(**kw)
-model, step = build()
+from bench.workloads import build
+model, step = build(workload)
 ctx = None
 if config in ("profiler", "profiler-collect", "profiler+read"):
     from torch.profiler import profile, ProfilerActivity

@@ -38,31 +38,11 @@ ROOT = os.path.dirname(HERE)
 
 def build(workload):
     import torch
-    from torch import nn
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    if workload == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
-                         eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-        data = torch.randint(0, 1000, (8, 64))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            model(input_ids=data, labels=data).loss.backward()
-            opt.step()
-        return step
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x, y = torch.randn(64, 256), torch.randn(64, 1)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return step
+    sys.path.insert(0, ROOT)
+    from bench.workloads import build as build_workload
+    return build_workload(workload)[1]
 
 
 def session():
@@ -183,13 +163,13 @@ def layers(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("parts", "layers"))
-    p.add_argument("--workload", choices=("mlp", "gpt2"), default="mlp")
+    p.add_argument("--workload", choices=("mlp", "gpt2", "transformer"), default="mlp")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--analysis", default=None)
     a = p.parse_args()
     if a.steps is None:
-        a.steps = {"mlp": 1000, "gpt2": 100}[a.workload] if a.what == "parts" else {"mlp": 300, "gpt2": 40}[a.workload]
+        a.steps = {"mlp": 1000, "gpt2": 100, "transformer": 10}[a.workload] if a.what == "parts" else {"mlp": 300, "gpt2": 40, "transformer": 4}[a.workload]
     parts(a) if a.what == "parts" else layers(a)
 
 

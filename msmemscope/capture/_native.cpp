@@ -1060,27 +1060,11 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
         stack = stack_str(r.stack);
       m.small_tuple(10);
-      if (r.kind == STEP_END) {
-        m.str(ev_system);
-        m.str(sys_step);
-        m.str(na);
-        m.i64(r.ts);
-        m.u64(r.tid);
-        m.str(device);
-        m.none();
-        m.byte('{');
-        m.str(step_key);
-        m.i64(r.aid);
-        m.byte('0');
-        m.none();
-        m.none();
-        if (!m.ok) break;
-        continue;
-      }
       bool launch = r.kind == OP_START || r.kind == OP_END;
       bool access = r.kind == ACCESS_READ || r.kind == ACCESS_WRITE;
-      m.str(launch ? ev_launch : access ? ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? ev_malloc : ev_free);
-      m.str(launch ? (r.kind == OP_START ? ev_start : ev_end) : access ? (r.kind == ACCESS_WRITE ? acc_write : acc_read) : pool);
+      bool step = r.kind == STEP_END;
+      m.str(step ? ev_system : launch ? ev_launch : access ? ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? ev_malloc : ev_free);
+      m.str(step ? sys_step : launch ? (r.kind == OP_START ? ev_start : ev_end) : access ? (r.kind == ACCESS_WRITE ? acc_write : acc_read) : pool);
       m.str(name);
       m.i64(r.ts);
       m.u64(r.tid);
@@ -1088,6 +1072,12 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       if (launch) {
         m.none();
         m.none();
+      } else if (step) {  // no address; Attr {"step": the step that ended}
+        m.none();
+        m.byte('{');
+        m.str(step_key);
+        m.i64(r.aid);
+        m.byte('0');
       } else if (access) {
         m.u64(r.ptr);
         int st = r.extra & 0xff, ndim = r.extra >> 8;
