@@ -86,8 +86,13 @@ def check_invariants(df: pl.DataFrame):
     every FREE has exactly one MALLOC; ATEN_START/END pair per thread; ACCESS names a live block.
     A bounded dump (``--keep-steps``, io/bounded.py): in a step with a ``SYSTEM/STEP_SUMMARY`` row
     the blocks born and dead inside the step are left out, so there ``used`` is at least the
-    running sum (the dropped blocks live then), equal again at the step's end."""
+    running sum (the dropped blocks live then), equal again at the step's end. Every step boundary
+    is there once and in order: the SYSTEM/STEP rows number consecutive steps."""
     assert df["id"].is_sorted() and df["id"].n_unique() == df.height
+    ended = [json.loads(a)["step"] for a in
+             df.filter((df["event"] == "SYSTEM") & (df["event_type"] == "STEP"))["attr"].to_list()]
+    if ended:
+        assert ended == list(range(ended[0], ended[0] + len(ended))), f"STEP rows {ended}"
     summarised = set(df.filter((df["event"] == "SYSTEM") & (df["event_type"] == "STEP_SUMMARY"))["step"].to_list())
     running, live, freed, stacks = {}, {}, set(), {}
     for r in df.select("event", "event_type", "name", "tid", "device", "alloc_id", "size", "used", "step").iter_rows():

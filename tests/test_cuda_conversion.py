@@ -51,7 +51,9 @@ def convert(entries, conv=None, **kw):
 def write_and_read(tmp_path, rows, fmt="csv"):
     w = open_writer(fmt, str(tmp_path / f"memscope_dump_{fmt}"))
     ts = rows[-1][3] + 1 if rows else 1
-    step = ("SYSTEM", "STEP", "N/A", ts, 1, "0", None, {"step": 1}, None, None)
+    # the closing boundary ends the step after the rows' own last one (the dump numbers them in order)
+    ended = [r[7]["step"] for r in rows if r[0] == "SYSTEM" and r[1] == "STEP"]
+    step = ("SYSTEM", "STEP", "N/A", ts, 1, "0", None, {"step": (ended[-1] + 1) if ended else 1}, None, None)
     w.write(list(rows) + [step], 1, os.getpid(), None)
     w.close()
     return read(w.path)
