@@ -84,19 +84,9 @@ def main():
     m.stop_all()
 
     torch.manual_seed(0)
-    from examples.transformer import GPT
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
-    model = GPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    data = torch.randint(0, 1024, (8, 129))
-    x, y = data[:, :-1], data[:, 1:]
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
-        opt.step()
+    from workloads import build
+    _, step = build("transformer")
 
     def run(v):
         p = None
