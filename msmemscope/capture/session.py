@@ -539,10 +539,11 @@ class Session:
             if self.explicit_steps or not self.active:
                 return
             if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
-                self.sync_sources()
-                if self.labeler is not None:
-                    self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
-                self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                with self.flush_lock:  # the buffer's length and the flush count, taken together
+                    self.sync_sources()
+                    if self.labeler is not None:
+                        self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
+                    self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
@@ -621,31 +622,33 @@ class Session:
 
     def _release_held_step(self):
         """The program's steps are its optimizer steps: step 1 ended at the first one."""
-        held, self._held_step = self._held_step, None
-        if held is None:
+        if self._held_step is None:
             return
-        self._optimizer_steps = True
-        idx, flushes, ts, tid = held
-        self.sync_sources()
-        row = (Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None)
-        if flushes == self._flushes and idx <= len(self.buf):
-            # step 1's rows and its boundary are flushed alone, so that the analyses see the end of
-            # step 1 where it was; the rows since then go back at the head of the buffer. (With
-            # --steps=1 those rows stay in the dump, labelled step 2: dropping them could leave a
-            # later FREE without its MALLOC.)
-            if self.labeler is not None:
-                self.labeler.before_flush()  # label the rows of both parts while they are in the buffer
-            rest = self.buf[idx:]
-            del self.buf[idx:]
-            self.pieces.clear()  # their positions move: these rows are marshalled at the flush
-            self._device_step_end(1)
-            self.buf.append(row)
-            self.flush(step_end=1, drain=False)
-            self.buf[:0] = rest
-        else:  # a flush came between: the boundary is written now
-            self._device_step_end(1)
-            self.buf.append(row)
-            self.flush(step_end=1)
+        # under the flush lock, so that no flush of another thread (a source past FLUSH_ROWS, the
+        # flusher) comes between the count taken at the hold and the flush of step 1's rows
+        with self.flush_lock:
+            held, self._held_step = self._held_step, None
+            if held is None:
+                return
+            self._optimizer_steps = True
+            idx, flushes, ts, tid = held
+            self.sync_sources()
+            cut = []
+            if self.device_source is not None:  # the device's own figures at step 1's end
+                self.device_source.at_step_end(cut, 1)
+            cut.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None))
+            if flushes == self._flushes and idx <= len(self.buf):
+                # step 1's rows and its boundary are flushed alone, so that the analyses see the end
+                # of step 1 where it was; the rows since then stay in the buffer, and so do the rows
+                # a drain inside this flush adds after them (the owner labeller's). (With --steps=1
+                # those rows stay in the dump, labelled step 2: dropping them could leave a later
+                # FREE without its MALLOC.)
+                self.buf[idx:idx] = cut
+                self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
+                self.flush(step_end=1, drain=False, upto=idx + len(cut))
+            else:  # a flush came between: the boundary is written now
+                self.buf.extend(cut)
+                self.flush(step_end=1)
         self._update_flags()
 
     def op_failed(self, name, exc):
@@ -658,20 +661,21 @@ class Session:
                 fn(self, name, exc)
 
     # ------------------------------------------------------------------ flushing
-    def flush(self, step_end=None, drain=True):
+    def flush(self, step_end=None, drain=True, upto=None):
+        """Write the buffered rows (the first ``upto`` of them: a held step 1's) and tell the sinks."""
         with self.flush_lock:
             if self._flushing == threading.get_ident():  # a signal handler inside this thread's flush
                 return
             self._flushing = threading.get_ident()
             try:
-                self._flush(step_end, drain)
+                self._flush(step_end, drain, upto)
             finally:
                 self._flushing = None
             if self._pending_signal is not None:
                 signum, self._pending_signal = self._pending_signal, None
                 self._on_sigterm(signum, None)
 
-    def _flush(self, step_end=None, drain=True):
+    def _flush(self, step_end=None, drain=True, upto=None):
         # a step boundary whose flush waited is flushed now: the analyses' step_end holds for it
         # and every one before (batch_steps), so the last boundary is the one they are told of
         waited, self._ended_unflushed = self._ended_unflushed, None
@@ -694,7 +698,7 @@ class Session:
                 self.modules.attribute(self.buf, self.labeler.owned if self.labeler is not None else None)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
-        n = len(self.buf)
+        n = len(self.buf) if upto is None else min(upto, len(self.buf))
         rows = self.buf[:n]
         del self.buf[:n]
         pieces = self._pieces_of(rows)
