@@ -104,19 +104,21 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
         assert any("@weight" in o for o in owners) and any("@ops" in o for o in owners), sorted(set(owners))
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source,watch", [(s, "") for s in SOURCES] + [("native", "watch")])
 @pytest.mark.parametrize("analysis", ["leaks,decompose", "leaks"])
 def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_its_flush(tmp_path, source,
-                                                                                        analysis):
+                                                                                        analysis, watch):
     """The first optimizer step's boundary is held until the second (Session._release_held_step):
     then step 1's rows and its STEP row are flushed alone while the rows of step 2 wait in the
     buffer. A thread that records inside that flush (the owner labeller drains the native source
     there) must have its rows written after the waiting ones: written between the STEP 1 row and
     them (as in CI, ~2% of runs of the test above), ``used`` broke its running sum and times went
-    backwards on the thread."""
+    backwards on the thread. With watch, the native source hands over to the dispatch-mode source
+    first and its later rows are merged by time into the buffer at each drain."""
     import polars as pl
     out = tmp_path / "out"
-    r = _python([os.path.join(PROGS, "held_step_threads.py"), str(out), analysis], source)
+    r = _python([os.path.join(PROGS, "held_step_threads.py"), str(out), analysis, *([watch] if watch else [])],
+                source)
     fired = int(r.stdout.split("FIRED", 1)[1])
     assert fired >= 1  # the thread did record inside the release of the held step
     (folder,) = run_folders(out)

@@ -645,7 +645,9 @@ class Session:
                 # FREE without its MALLOC.)
                 self.buf[idx:idx] = cut
                 self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
-                self.flush(step_end=1, drain=False, upto=idx + len(cut))
+                # up to the STEP row itself, not a count: a drain that merges by time (a device
+                # source, the native source after a handover) may put rows before it
+                self.flush(step_end=1, drain=False, through=cut[-1])
             else:  # a flush came between: the boundary is written now
                 self.buf.extend(cut)
                 self.flush(step_end=1)
@@ -661,21 +663,21 @@ class Session:
                 fn(self, name, exc)
 
     # ------------------------------------------------------------------ flushing
-    def flush(self, step_end=None, drain=True, upto=None):
-        """Write the buffered rows (the first ``upto`` of them: a held step 1's) and tell the sinks."""
+    def flush(self, step_end=None, drain=True, through=None):
+        """Write the buffered rows (up to the row ``through`` only: a held step 1's) and tell the sinks."""
         with self.flush_lock:
             if self._flushing == threading.get_ident():  # a signal handler inside this thread's flush
                 return
             self._flushing = threading.get_ident()
             try:
-                self._flush(step_end, drain, upto)
+                self._flush(step_end, drain, through)
             finally:
                 self._flushing = None
             if self._pending_signal is not None:
                 signum, self._pending_signal = self._pending_signal, None
                 self._on_sigterm(signum, None)
 
-    def _flush(self, step_end=None, drain=True, upto=None):
+    def _flush(self, step_end=None, drain=True, through=None):
         # a step boundary whose flush waited is flushed now: the analyses' step_end holds for it
         # and every one before (batch_steps), so the last boundary is the one they are told of
         waited, self._ended_unflushed = self._ended_unflushed, None
@@ -698,7 +700,9 @@ class Session:
                 self.modules.attribute(self.buf, self.labeler.owned if self.labeler is not None else None)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
-        n = len(self.buf) if upto is None else min(upto, len(self.buf))
+        n = len(self.buf)
+        if through is not None:
+            n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
         rows = self.buf[:n]
         del self.buf[:n]
         pieces = self._pieces_of(rows)

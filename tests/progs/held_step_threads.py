@@ -12,12 +12,16 @@ import msmemscope
 from msmemscope import capture
 
 out, analysis = sys.argv[1], sys.argv[2]
+watch = len(sys.argv) > 3 and sys.argv[3] == "watch"  # handed over to the dispatch-mode source first
 msmemscope.config(output=out, events="alloc,free,launch", analysis=analysis, collect_mode="immediate")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 x, y = torch.randn(16, 32), torch.randn(16, 4)
 msmemscope.start()
+if watch:  # the native source's later frees are merged by time into the buffer at each drain
+    first = torch.ones(10) + 1
+    msmemscope.watcher.watch(x, name="x", dump_nums=100)
 s = capture.current()
 kept, state = [], {"in_release": False, "fired": 0}
 
