@@ -615,10 +615,11 @@ class Session:
         if self._ended_unflushed is not None:
             self.flush()
 
-    def _device_step_end(self, ended):
-        # the device's own figures at a step end (a held step 1: taken when it is settled)
+    def _device_step_end(self, ended, into=None):
+        # the device's own figures at a step end (a held step 1: taken when it is settled), as
+        # rows appended to ``into`` (the buffer unless given)
         if self.device_source is not None:
-            self.device_source.at_step_end(self.buf, ended)
+            self.device_source.at_step_end(self.buf if into is None else into, ended)
 
     def _release_held_step(self):
         """The program's steps are its optimizer steps: step 1 ended at the first one."""
@@ -634,8 +635,7 @@ class Session:
             idx, flushes, ts, tid = held
             self.sync_sources()
             cut = []
-            if self.device_source is not None:  # the device's own figures at step 1's end
-                self.device_source.at_step_end(cut, 1)
+            self._device_step_end(1, into=cut)
             cut.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None))
             if flushes == self._flushes and idx <= len(self.buf):
                 # step 1's rows and its boundary are flushed alone, so that the analyses see the end

@@ -19,8 +19,9 @@ model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 x, y = torch.randn(16, 32), torch.randn(16, 4)
 msmemscope.start()
-if watch:  # the native source's later frees are merged by time into the buffer at each drain
-    first = torch.ones(10) + 1
+early = []
+if watch:  # blocks the native source counted, freed after the handover: their FREE rows are merged
+    early = [torch.ones(10) + i for i in range(4)]  # by time into the buffer at each drain
     msmemscope.watcher.watch(x, name="x", dump_nums=100)
 s = capture.current()
 kept, state = [], {"in_release": False, "fired": 0}
@@ -75,5 +76,7 @@ for _ in range(4):
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     keep_step = torch.ones(100)  # rows of the next step, held in the buffer at the release
+    if early:
+        early.pop()
 msmemscope.stop()
 print("FIRED", state["fired"])
