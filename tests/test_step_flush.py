@@ -16,6 +16,7 @@ import pytest
 
 from conftest import check_invariants, dump_of, env_for_tests, read, run_folders
 from msmemscope.capture import native
+from msmemscope.io.reader import read_dump
 
 pytestmark = pytest.mark.skipif(native.load_module() is None,
                                 reason="the native module is not built (python -m msmemscope.capture.native build)")
@@ -136,20 +137,77 @@ def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_pat
     assert res["steps_ended"] == 12
 
 
-def test_analyses_whose_step_end_needs_each_boundary_flush_at_each(tmp_path):
-    """--analysis=decompose (owner labels at each flush, a step_end per step): a flush at every
-    boundary as before."""
-    prog = tmp_path / "prog.py"
-    prog.write_text(PROG)
-    env = env_for_tests()
-    env["MSMEMSCOPE_STEP_FLUSH_S"] = "5"
-    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"),
-                        "--analysis=leaks,decompose", sys.executable, str(prog), "10", "exit", "0"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])["flushes"] >= 10
-    [folder] = run_folders(tmp_path / "o")
-    check_invariants(read(dump_of(folder)))
+DECOMPOSE = r"""
+import json, sys, time, torch, msmemscope
+import msmemscope.describe as describe
+from msmemscope import capture
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+kept, late = [], []
+steps = int(sys.argv[1])
+for i in range(steps):
+    opt.zero_grad()                            # the last step's gradients: live at its end, freed now
+    loss = m(torch.randn(16, 32)).sum()
+    loss.backward(); opt.step()
+    kept.append(torch.ones(64 * (i + 1)))     # a site that grows every step
+    late.append(torch.ones(48))                # lives two steps, then freed inside a later step
+    if len(late) > 2:
+        late.pop(0)
+    if i == 5:
+        extra = torch.zeros(100)               # an op's block at the end of step 5 ...
+    if i == 8:
+        m.register_buffer("extra", extra)      # ... the model's from step 8: its label changes
+    if i == 11:
+        describe.describer(kept[3], owner="tagged")  # a user label on a block of step 3
+    if i == 14:
+        m.add_module("head", torch.nn.Linear(8, 4))  # a module made between two forwards, run from the next
+    if i % 7 == 3:
+        time.sleep(0.02)                       # some boundaries far enough apart to flush alone
+    msmemscope.step()
+print(json.dumps({"flushes": capture.current()._flushes, "steps": steps}))
+"""
+
+
+@pytest.mark.parametrize("analysis", ["leaks,decompose", "decompose"])
+def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, analysis):
+    """--analysis=decompose on the native source: boundaries share flushes too, with the owners and
+    owning modules kept at each step end (a gradient the next step frees, a block that becomes a
+    buffer of the model two steps after it was made, a user label on a block of an earlier step, a
+    module made between forwards). The dump's labels, modules and OWNER rows and the decomposition
+    (by owner, per step, and by module) are those of a flush at every boundary."""
+    prog = tmp_path / "dec.py"
+    prog.write_text(DECOMPOSE)
+    got = {}
+    for name, flush_s in (("shared", 5), ("each", 0)):
+        env = env_for_tests()
+        env["MSMEMSCOPE_STEP_FLUSH_S"] = str(flush_s)
+        env["MSMEMSCOPE_SOURCE"] = "native"
+        r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / name),
+                            f"--analysis={analysis}", sys.executable, str(prog), "24"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        [folder] = run_folders(tmp_path / name)
+        with open(os.path.join(folder, "config.json")) as f:
+            assert json.load(f)["source"] == "native"
+        with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+            res = json.load(f)
+        check_invariants(read(dump_of(folder)))
+        df = read_dump(dump_of(folder), columns=STABLE + ["module", "phase"])
+        got[name] = (json.loads(r.stdout.strip().splitlines()[-1])["flushes"], df, res)
+    (f_shared, df_shared, res_shared), (f_each, df_each, res_each) = got["shared"], got["each"]
+    assert f_each >= 24 and f_shared <= 3, (f_shared, f_each)
+    cols = STABLE + ["module", "phase"]
+    assert df_shared.select(cols).equals(df_each.select(cols))
+    assert res_shared == res_each
+    # what the program did is in the dump: the label changes and the modules
+    owner_rows = df_shared.filter(pl.col("event_type") == "OWNER")
+    assert sorted(owner_rows["owner"].to_list()) == ["PTA@ops@tagged", "PTA@weight"], owner_rows
+    m = df_shared.filter(pl.col("event") == "MALLOC")
+    assert set(m.filter(pl.col("owner") == "PTA@gradient")["module"].drop_nulls()) == {"Sequential.0", "Sequential.2", "Sequential.head"}, m.filter(pl.col("owner") == "PTA@gradient")["module"].unique().to_list()
+    assert m.filter((pl.col("owner") == "PTA@weight") & (pl.col("module") == "Sequential.head")).height == 2  # weight, bias
+    assert len(res_shared["steps"]) == 24
+    assert res_shared["modules"]["cpu"]["modules"]
 
 
 def test_killed_right_after_a_waiting_boundary_the_dump_is_whole_up_to_its_last_flush(tmp_path):

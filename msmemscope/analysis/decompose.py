@@ -237,9 +237,11 @@ class Decomposition:
                 self.end_step(stepnos[s])
 
     # ------------------------------------------------------------ feeding
-    def feed_raw(self, rows):
-        """Raw session rows (online)."""
-        for r in rows:
+    def feed_raw(self, rows, start=0, to_step=False):
+        """Raw session rows (online) from ``start``; with ``to_step`` only up to the first STEP row:
+        its index (len(rows): none)."""
+        for i in range(start, len(rows)):
+            r = rows[i]
             ev = r[EVENT]
             if ev == Event.MALLOC:
                 a = r[ATTR]
@@ -250,19 +252,54 @@ class Decomposition:
             elif ev == Event.FREE:
                 a = r[ATTR]
                 self.free(a[A_ALLOC_ID] if type(a) is tuple else (a or {}).get("allocation_id"))
-            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
-                self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
+            elif ev == Event.SYSTEM:
+                if r[EVENT_TYPE] == System.STEP:
+                    if to_step:
+                        return i
+                elif r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+                    self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"))
+        return len(rows)
 
 
-def _feed_fold(fold, rows, relabel):
-    """Rows into a native fold; each row it stops at (an OWNER row) relabels its block."""
+#: the SYSTEM rows a native fold leaves to the analysis: owner updates, and step ends
+_FOLD_STOPS = (OWNER_ROW, System.STEP)
+
+
+def _feed_fold(fold, rows, relabel, start=0, to_step=False):
+    """Rows from ``start`` into a native fold; each OWNER row it stops at relabels its block. With
+    ``to_step`` only up to the first STEP row: its index (len(rows): none)."""
     n = len(rows)
-    i = fold.feed(rows, 0)
+    i = fold.feed(rows, start)
     while i < n:
-        a = rows[i][ATTR]
-        if a:
-            relabel(a.get("allocation_id"), a.get("owner"), a.get("module"))
+        r = rows[i]
+        if r[EVENT_TYPE] == System.STEP:
+            if to_step:
+                return i
+        else:
+            a = r[ATTR]
+            if a:
+                relabel(a.get("allocation_id"), a.get("owner"), a.get("module"))
         i = fold.feed(rows, i + 1)
+    return n
+
+
+def feed_steps(rows, dec, mods):
+    """Session rows into the decomposition and the module table, each step ended at its STEP row."""
+    i, n = 0, len(rows)
+    while i < n:
+        j = dec.feed_raw(rows, i, to_step=True)
+        mods.feed_raw(rows, i, to_step=True)  # stops at the same STEP row
+        if j < n:
+            step = step_of(rows[j])
+            dec.end_step(step)
+            mods.end_step(step)
+        i = j + 1
+
+
+def step_of(row):
+    """The step number a SYSTEM/STEP row ends (None where it does not say)."""
+    a = row[ATTR]
+    return a.get("step") if isinstance(a, dict) else None
 
 
 class FoldedDecomposition(Decomposition):
@@ -278,7 +315,7 @@ class FoldedDecomposition(Decomposition):
         self._cinfo = []   # counter id -> that key
         self._kinfo = []   # key id -> (dev, owner)
         self._by_owner = {}  # (dev, owner) -> key id
-        self._fold = mod.Fold(self._key, (OWNER_ROW,))
+        self._fold = mod.Fold(self._key, _FOLD_STOPS)
 
     @property
     def rows_since_step(self):
@@ -307,8 +344,8 @@ class FoldedDecomposition(Decomposition):
     def _key(self, pool, dev, owner, module, phase):
         return self._spec(dev, owner or UNLABELLED)
 
-    def feed_raw(self, rows):
-        _feed_fold(self._fold, rows, self.relabel)
+    def feed_raw(self, rows, start=0, to_step=False):
+        return _feed_fold(self._fold, rows, self.relabel, start, to_step)
 
     def relabel(self, aid, owner, module=None):
         b = self._fold.block(aid) if isinstance(aid, int) else None
@@ -488,9 +525,11 @@ class ModuleTable:
     def result(self) -> dict:
         return {dev: t for dev, t in sorted(self.best.items())} if self.seen else {}
 
-    def feed_raw(self, rows):
-        """Raw session rows (online): MALLOC/FREE rows of the PTA pool, OWNER updates."""
-        for r in rows:
+    def feed_raw(self, rows, start=0, to_step=False):
+        """Raw session rows (online) from ``start``: MALLOC/FREE rows of the PTA pool, OWNER updates;
+        with ``to_step`` only up to the first STEP row: its index (len(rows): none)."""
+        for i in range(start, len(rows)):
+            r = rows[i]
             ev = r[EVENT]
             if ev == Event.MALLOC:
                 if r[EVENT_TYPE] != "PTA":
@@ -509,8 +548,13 @@ class ModuleTable:
                     self.free(a[A_ALLOC_ID], a[A_USED])
                 elif a:
                     self.free(a.get("allocation_id"), a.get("used"))
-            elif ev == Event.SYSTEM and r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
-                self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"), r[ATTR].get("module"))
+            elif ev == Event.SYSTEM:
+                if r[EVENT_TYPE] == System.STEP:
+                    if to_step:
+                        return i
+                elif r[EVENT_TYPE] == OWNER_ROW and r[ATTR]:
+                    self.relabel(r[ATTR].get("allocation_id"), r[ATTR].get("owner"), r[ATTR].get("module"))
+        return len(rows)
 
 
 class FoldedModuleTable(ModuleTable):
@@ -526,7 +570,7 @@ class FoldedModuleTable(ModuleTable):
         self._mark, self._minfo = {}, []    # (dev, prefix, forward?) <-> mark id
         self._kinfo = []                    # key id -> (dev, prefixes, column)
         self._by_state = {}                 # (dev, prefixes, column) -> key id
-        self._fold = mod.Fold(self._key, (OWNER_ROW,))
+        self._fold = mod.Fold(self._key, _FOLD_STOPS)
 
     @staticmethod
     def _id(table, info, k):
@@ -551,8 +595,8 @@ class FoldedModuleTable(ModuleTable):
             self.seen = True
         return self._spec(dev, self._prefixes(module), _column(owner), module, phase)
 
-    def feed_raw(self, rows):
-        _feed_fold(self._fold, rows, self.relabel)
+    def feed_raw(self, rows, start=0, to_step=False):
+        return _feed_fold(self._fold, rows, self.relabel, start, to_step)
 
     def relabel(self, aid, owner, module=None):
         b = self._fold.block(aid) if isinstance(aid, int) else None
@@ -720,13 +764,15 @@ class DecomposeSink:
         session.labeler = self.labeler
         self.labeler.install()
 
+    # step boundaries may share a flush (Session._may_wait): each step ends at its STEP row, as
+    # the offline decomposition of the dump ends it
+    batch_steps = True
+
     def consume(self, rows, first_id):
-        self.dec.feed_raw(rows)
-        self.mods.feed_raw(rows)
+        feed_steps(rows, self.dec, self.mods)
 
     def step_end(self, session, step):
-        self.dec.end_step(step)
-        self.mods.end_step(step)
+        pass  # ended at its STEP row, in consume
 
     def close(self, session):
         if session.labeler is not None:

@@ -186,6 +186,14 @@ class ModuleTracker:
         self.attributed = 0
         self.optimizers = weakref.WeakSet()
         self._tree, self._tree_roots = None, ()      # owned_blocks' walk of the roots' modules
+        # owned_blocks() at the step ends since the last flush, each block from the first step end
+        # after it was made (what that step's own flush would have found); the last allocation id
+        # such an answer covers
+        self.at_step, self._answered_upto = None, 0
+
+    # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
+    # owning modules as they are at that step's end for the rows the later flush attributes
+    batch_steps = True
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -499,6 +507,21 @@ class ModuleTracker:
                 out[aid] = m
         return out
 
+    def at_step_end(self, owned_known=False):
+        """A step ended and its flush waits: the blocks' owning modules now (a gradient the next
+        step frees is attributed as that step's flush would have). Nothing where the labeller
+        gives them (``owned_known``)."""
+        nat = self._native_blocks()
+        if owned_known or nat is None:
+            return
+        upto = nat.m.last_alloc_id()  # before the walk: a block made during it is the next one's
+        prev, self._answered_upto = self._answered_upto, upto
+        got = {k: v for k, v in self.owned_blocks().items() if k > prev}
+        if self.at_step is None:
+            self.at_step = got
+        else:
+            self.at_step.update(got)
+
     def attribute(self, buf, owned=None):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
@@ -511,11 +534,18 @@ class ModuleTracker:
                 base = dict(self.base)
         malloc = Event.MALLOC
         cats = {}
+        at_step, self.at_step = self.at_step, None
         if owned is None:  # no owner labels: the owning modules and their categories from here
+            # blocks answered at a step end keep that answer; the others are answered now
+            nat = self._native_blocks()
+            answered, self._answered_upto = self._answered_upto, nat.m.last_alloc_id() if nat is not None else 0
             try:
                 found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
             except Exception:
                 found = {}
+            if at_step is not None:  # step ends came since the last flush
+                found = {k: v for k, v in found.items() if k > answered}
+                found.update(at_step)
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
         mod = _native_module()

@@ -595,10 +595,15 @@ class NativeLabeler(Labeler):
     components open on a thread reach the C++ allocator as a tag (``set_owner_tag``), so the
     allocation need not call Python; the tagged blocks are read at each flush."""
 
+    # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
+    # owners as they are at that step's end for the rows the later flush writes
+    batch_steps = True
+
     def __init__(self, session):
         super().__init__(session)
         self.nat = session.native
         self.owner = {}        # alloc_id -> owner last written (or to be written) for a live block
+        self.at_step = {}      # alloc_id -> owner given at a step end to a block whose MALLOC row waits
         self.tags = {}         # (users, component) -> tag
         self.tag_info = [None]
         # owning modules (module attribution): None lets capture/modules.py find them by data
@@ -728,7 +733,8 @@ class NativeLabeler(Labeler):
         new = self.compose(_NB(aid, pool), None)
         if self.owner.get(aid) != new:
             self.owner[aid] = new
-            if aid <= self.flushed_upto and s.emit_alloc:
+            # its MALLOC row is written, or waits with the label a step end gave it
+            if (aid <= self.flushed_upto or aid in self.at_step) and s.emit_alloc:
                 self.updates += 1
                 s.system(OWNER_ROW, {"allocation_id": aid, "owner": new})
 
@@ -790,26 +796,26 @@ class NativeLabeler(Labeler):
             o = self._plain[key] = self.compose(_NB(aid, pool), resolved)
         return o
 
-    def before_flush(self):
-        s = self.s
-        nat = self.nat
-        # the last id before the drain: every block up to it has its MALLOC row in the buffer now
-        # (one made after the drain waits for the next flush, where it is labelled as new)
-        upto = nat.m.last_alloc_id()
-        s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
-        for aid, tag in nat.m.take_tagged():
+    def _take_facts(self):
+        """The tags (user labels, components) and the saved-for-backward marks the C++ side
+        gathered since the last call, into ``info``."""
+        for aid, tag in self.nat.m.take_tagged():
             users, comp = self.tag_info[tag]
             inf = self._info_aid(aid)
             inf.users, inf.comp = users, comp
         self._take_saved()
-        prev_upto, self.flushed_upto = self.flushed_upto, upto
+
+    def _label_live(self, prev_upto, at_step_end=False):
+        """The owner of every live block now, from the live objects. Returns (categories, live ids,
+        the blocks whose label changed after their MALLOC row got one: written at an earlier flush,
+        ids up to ``prev_upto``, or given at a step end since, ``at_step``)."""
         try:
             cats = self._collect_native()
         except Exception:
             cats = {}
-        pool = nat.pool
-        live = nat.live_alloc_ids()
-        owner = self.owner
+        pool = self.nat.pool
+        live = self.nat.live_alloc_ids()
+        owner, at_step = self.owner, self.at_step
         owner_of = self._owner_of
         get_cat = cats.get
         changed = []
@@ -817,8 +823,44 @@ class NativeLabeler(Labeler):
             new = owner_of(aid, pool, get_cat(aid))
             if owner.get(aid) != new:
                 owner[aid] = new
-                if aid <= prev_upto:
+                if aid <= prev_upto or aid in at_step:
                     changed.append(aid)
+                elif at_step_end:
+                    at_step[aid] = new  # the label its MALLOC row gets at the flush
+        return cats, live, changed
+
+    def _owner_rows(self, aids):
+        s = self.s
+        if s.emit_alloc:
+            for aid in aids:
+                self.updates += 1
+                s.system(OWNER_ROW, {"allocation_id": aid, "owner": self.owner[aid]})
+
+    def at_step_end(self):
+        """A step ended and its flush waits: label the live blocks as they are now, as that step's
+        flush would have (the rows keep these labels when the blocks are gone by the flush), with
+        an OWNER row now for a block whose label changed after its MALLOC row got one."""
+        self._take_facts()
+        _, _, changed = self._label_live(self.flushed_upto, at_step_end=True)
+        self._owner_rows(changed)
+
+    def before_flush(self):
+        s = self.s
+        nat = self.nat
+        # the last id before the drain: every block up to it has its MALLOC row in the buffer now
+        # (one made after the drain waits for the next flush, where it is labelled as new)
+        upto = nat.m.last_alloc_id()
+        s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
+        self._take_facts()
+        prev_upto, self.flushed_upto = self.flushed_upto, upto
+        cats, live, changed = self._label_live(prev_upto)
+        pool = nat.pool
+        owner_of = self._owner_of
+        get_cat = cats.get
+        # a block labelled at a step end since the last flush: its MALLOC row (in the buffer) gets
+        # that label; a later change is an OWNER row after it
+        at_step, self.at_step = self.at_step, {}
+        owner = {**self.owner, **at_step} if at_step else self.owner
         in_buf = set()
         buf = s.buf
         malloc = Event.MALLOC
@@ -849,13 +891,10 @@ class NativeLabeler(Labeler):
                     buf[i] = r[:ATTR] + (a[:A_OWNER] + (new,) + a[A_OWNER + 1:],) + r[ATTR + 1:]
             elif a.get("owner") != new:
                 buf[i] = r[:ATTR] + ({**a, "owner": new},) + r[ATTR + 1:]
-        if s.emit_alloc:
-            for aid in changed:
-                if aid not in in_buf:
-                    self.updates += 1
-                    s.system(OWNER_ROW, {"allocation_id": aid, "owner": owner[aid]})
+        now = self.owner
+        self._owner_rows([aid for aid in changed if aid not in in_buf or at_step.get(aid, now[aid]) != now[aid]])
         # forget what we knew about blocks that are gone
-        if len(owner) > len(live):
-            self.owner = {k: v for k, v in owner.items() if k in live}
+        if len(now) > len(live):
+            self.owner = {k: v for k, v in now.items() if k in live}
         if self.info:
             self.info = {k: v for k, v in self.info.items() if k in live or k > self.flushed_upto}

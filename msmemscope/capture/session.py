@@ -573,7 +573,7 @@ class Session:
             self.step_no += 1
             self._update_flags()
         now = time_ns()
-        if self._may_wait() and now - self._last_flush_ns < self._step_flush_ns:
+        if self._may_wait() and now - self._last_flush_ns < self._step_flush_ns and self._keep_step_facts():
             self._ended_unflushed = ended  # its rows and STEP row wait (buffer, native records), in order
             self._last_wait_ns = now
             if self._flusher is None:
@@ -584,15 +584,34 @@ class Session:
             self.flush(step_end=ended)
 
     def _may_wait(self) -> bool:
-        """Whether this step boundary's flush may wait for the next: the default events on the
-        native source, and only analyses whose step_end holds for every step ended before it
-        (``batch_steps``: the leak rule judges the STEP rows in its rows; the checkpoint saves
-        what is)."""
+        """Whether this step boundary's flush may wait for the next: events on the native source,
+        and only analyses whose step_end holds for every step ended before it (``batch_steps``:
+        the leak rule judges the STEP rows in its rows, the decomposition ends each step at its
+        STEP row, the checkpoint saves what is), with owner labels and module attribution that
+        keep what they know at each step end (``_keep_step_facts``)."""
         return (self._step_flush_ns > 0 and self.native_ops and self.device_source is None
-                and self.labeler is None and self.modules is None and self.op_observer is None
+                and getattr(self.labeler, "batch_steps", self.labeler is None)
+                and getattr(self.modules, "batch_steps", self.modules is None) and self.op_observer is None
                 and self._held_step is None and len(self.buf) < self.flush_rows
                 and "traceback" not in self.opts.events  # the Python trace would follow our thread too
                 and all(getattr(s, "batch_steps", False) for s in self.sinks))
+
+    def _keep_step_facts(self) -> bool:
+        """The owners and owning modules of the live blocks as they are at this step's end, kept for
+        the later flush (False: they could not be, so the step is flushed now). Under the flush
+        lock: the flusher thread's flush reads and clears them."""
+        if self.labeler is None and self.modules is None:
+            return True
+        try:
+            with self.flush_lock:
+                if self.labeler is not None:
+                    self.labeler.at_step_end()
+                if self.modules is not None:
+                    self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None)
+            return True
+        except Exception as e:
+            log.warning("owner labels at a step end: %s; flushed now", _why(e))
+            return False
 
     def _flush_waiting(self):
         """The flusher thread: a step boundary that waits is in the dump within STEP_FLUSH_S or
