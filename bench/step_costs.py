@@ -92,8 +92,11 @@ def parts(a):
     wrap(s.writer, "write", "writer.write")
     if s.labeler is not None:
         wrap(s.labeler, "before_flush", "labeler.before_flush")
+        if hasattr(s.labeler, "at_step_end"):
+            wrap(s.labeler, "at_step_end", "labeler.at_step_end")
     if s.modules is not None:
         wrap(s.modules, "attribute", "modules.attribute")
+        wrap(s.modules, "at_step_end", "modules.at_step_end")
     for sink in s.sinks:
         wrap(sink, "consume", type(sink).__name__ + ".consume")
         wrap(sink, "step_end", type(sink).__name__ + ".step_end")

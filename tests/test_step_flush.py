@@ -146,6 +146,13 @@ m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linea
 opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 kept, late = [], []
 steps = int(sys.argv[1])
+
+def flush_inside(grad):                        # a flush inside step 10's backward: this gradient's
+    if i == 10:                                # block is made, it is not yet the weight's .grad
+        capture.current().flush()
+    return grad
+
+m[2].weight.register_hook(flush_inside)
 for i in range(steps):
     opt.zero_grad()                            # the last step's gradients: live at its end, freed now
     loss = m(torch.randn(16, 32)).sum()
@@ -202,11 +209,16 @@ def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, anal
     assert res_shared == res_each
     # what the program did is in the dump: the label changes and the modules
     owner_rows = df_shared.filter(pl.col("event_type") == "OWNER")
-    assert sorted(owner_rows["owner"].to_list()) == ["PTA@ops@tagged", "PTA@weight"], owner_rows
+    assert sorted(owner_rows["owner"].to_list()) == ["PTA@gradient", "PTA@ops@tagged", "PTA@weight"], owner_rows
     m = df_shared.filter(pl.col("event") == "MALLOC")
     assert set(m.filter(pl.col("owner") == "PTA@gradient")["module"].drop_nulls()) == {"Sequential.0", "Sequential.2", "Sequential.head"}, m.filter(pl.col("owner") == "PTA@gradient")["module"].unique().to_list()
     assert m.filter((pl.col("owner") == "PTA@weight") & (pl.col("module") == "Sequential.head")).height == 2  # weight, bias
     assert len(res_shared["steps"]) == 24
+    # at each step end the gradients are the parameters' size, also after the flush inside step
+    # 10's backward (its gradient written as an op's block, an OWNER row before the STEP row)
+    grads = {st["step"]: st["bytes"].get("PTA@gradient") for st in res_shared["steps"]}
+    assert all(grads[k] == (32 * 64 + 64 + 64 * 8 + 8) * 4 for k in range(1, 15)), grads
+    assert grads[24] == (32 * 64 + 64 + 64 * 8 + 8 + 8 * 4 + 4) * 4
     assert res_shared["modules"]["cpu"]["modules"]
 
 

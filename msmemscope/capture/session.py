@@ -558,7 +558,12 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
+        kept = True
         if self.native_ops and self.device_source is None and self.op_device == "cpu" and not self.opts.steps:
+            # owners and owning modules as they are at this step's end, before its STEP row: a
+            # block whose label changed since its MALLOC row got one (a gradient not yet p.grad
+            # at a flush inside the step) has its OWNER row in this step
+            kept = self._keep_step_facts()
             # the STEP record goes among the native source's records, under their lock: a clean
             # cut between the rows of the two steps, on every thread, with nothing drained here;
             # no pause, as every step records alike (with --steps the flags change: the cut below)
@@ -573,7 +578,7 @@ class Session:
             self.step_no += 1
             self._update_flags()
         now = time_ns()
-        if self._may_wait() and now - self._last_flush_ns < self._step_flush_ns and self._keep_step_facts():
+        if kept and self._may_wait() and now - self._last_flush_ns < self._step_flush_ns:
             self._ended_unflushed = ended  # its rows and STEP row wait (buffer, native records), in order
             self._last_wait_ns = now
             if self._flusher is None:
@@ -598,8 +603,11 @@ class Session:
 
     def _keep_step_facts(self) -> bool:
         """The owners and owning modules of the live blocks as they are at this step's end, kept for
-        the later flush (False: they could not be, so the step is flushed now). Under the flush
-        lock: the flusher thread's flush reads and clears them."""
+        the flush that writes the step's rows, now or later (False: they could not be, so the step
+        is flushed now). Under the flush lock: the flusher thread's flush reads and clears them."""
+        if not (getattr(self.labeler, "batch_steps", self.labeler is None)
+                and getattr(self.modules, "batch_steps", self.modules is None)):
+            return False
         if self.labeler is None and self.modules is None:
             return True
         try:
