@@ -477,6 +477,9 @@ class Session:
         share one bytes-in-use counter and one allocation-id sequence."""
         if not self.native_ops:
             return
+        # the rows so far are written with what the native side knows of them (owner labels,
+        # owning modules: the blocks' own, kept at step ends for the boundaries that wait)
+        self.flush()
         with self.lock:
             self.sync_sources()
             self.dispatch.take_over(self.native, self.native.hand_over())
