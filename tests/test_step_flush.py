@@ -21,7 +21,8 @@ from msmemscope.io.reader import read_dump
 pytestmark = pytest.mark.skipif(native.load_module() is None,
                                 reason="the native module is not built (python -m msmemscope.capture.native build)")
 
-PROG = r"""
+# the model, optimizer and lists of both programs below
+SETUP = r"""
 import json, sys, time, torch, msmemscope
 from msmemscope import capture
 torch.manual_seed(0)
@@ -29,6 +30,9 @@ m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linea
 opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 kept, late = [], []
 steps = int(sys.argv[1])
+"""
+
+PROG = SETUP + r"""
 for i in range(steps):
     loss = m(torch.randn(16, 32)).sum()
     loss.backward(); opt.step(); opt.zero_grad()
@@ -137,15 +141,8 @@ def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_pat
     assert res["steps_ended"] == 12
 
 
-DECOMPOSE = r"""
-import json, sys, time, torch, msmemscope
+DECOMPOSE = SETUP + r"""
 import msmemscope.describe as describe
-from msmemscope import capture
-torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-kept, late = [], []
-steps = int(sys.argv[1])
 
 def flush_inside(grad):                        # a flush inside step 10's backward: this gradient's
     if i == 10:                                # block is made, it is not yet the weight's .grad
