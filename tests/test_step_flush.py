@@ -16,6 +16,7 @@ import pytest
 
 from conftest import check_invariants, dump_of, env_for_tests, read, run_folders
 from msmemscope.capture import native
+from msmemscope.analysis.decompose import EVENTS, MODULE_COLUMNS_READ, module_table, summarize
 from msmemscope.io.reader import read_dump
 
 pytestmark = pytest.mark.skipif(native.load_module() is None,
@@ -199,7 +200,13 @@ def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, anal
             assert json.load(f)["source"] == ("native, then dispatch" if watch else "native")
         with open(os.path.join(folder, "analysis", "decompose.json")) as f:
             res = json.load(f)
-        check_invariants(read(dump_of(folder)))
+        full = read(dump_of(folder))
+        check_invariants(full)
+        # the online decomposition is the offline one of the dump it wrote
+        off = json.loads(json.dumps(summarize(full)))
+        assert (off["devices"], off["steps"]) == (res["devices"], res["steps"])
+        mods = module_table(read_dump(dump_of(folder), columns=MODULE_COLUMNS_READ, events=EVENTS))
+        assert json.loads(json.dumps(mods)) == res["modules"]
         df = read_dump(dump_of(folder), columns=STABLE + ["module", "phase"])
         got[name] = (json.loads(r.stdout.strip().splitlines()[-1])["flushes"], df, res)
     (f_shared, df_shared, res_shared), (f_each, df_each, res_each) = got["shared"], got["each"]
