@@ -176,14 +176,17 @@ print(json.dumps({"flushes": capture.current()._flushes, "steps": steps}))
 """
 
 
-@pytest.mark.parametrize("analysis,watch", [("leaks,decompose", ""), ("decompose", ""), ("leaks,decompose", "watch")])
-def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, analysis, watch):
+@pytest.mark.parametrize("analysis,watch,steps", [("leaks,decompose", "", ""), ("decompose", "", ""),
+                                                  ("leaks,decompose", "watch", ""),
+                                                  ("leaks,decompose", "", "3,9,10,11,20")])
+def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, analysis, watch, steps):
     """--analysis=decompose on the native source: boundaries share flushes too, with the owners and
     owning modules kept at each step end (a gradient the next step frees, a block that becomes a
     buffer of the model two steps after it was made, a user label on a block of an earlier step, a
     module made between forwards; with ``watch``, a handover to the dispatch-mode source while
-    boundaries wait). The dump's labels, modules and OWNER rows and the decomposition (by owner,
-    per step, and by module) are those of a flush at every boundary."""
+    boundaries wait; with ``steps``, only those steps recorded). The dump's labels, modules and
+    OWNER rows and the decomposition (by owner, per step, and by module) are those of a flush at
+    every boundary, and those the offline analyses find in the dump."""
     prog = tmp_path / "dec.py"
     prog.write_text(DECOMPOSE)
     got = {}
@@ -192,7 +195,8 @@ def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, anal
         env["MSMEMSCOPE_STEP_FLUSH_S"] = str(flush_s)
         env["MSMEMSCOPE_SOURCE"] = "native"
         r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / name),
-                            f"--analysis={analysis}", sys.executable, str(prog), "24", watch or "-"],
+                            f"--analysis={analysis}"] + ([f"--steps={steps}"] if steps else []) +
+                           [sys.executable, str(prog), "24", watch or "-"],
                            env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         [folder] = run_folders(tmp_path / name)
@@ -214,11 +218,15 @@ def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, anal
     cols = STABLE + ["module", "phase"]
     assert df_shared.select(cols).equals(df_each.select(cols))
     assert res_shared == res_each
+    m = df_shared.filter(pl.col("event") == "MALLOC")
+    grad_modules = set(m.filter(pl.col("owner") == "PTA@gradient")["module"])
+    if steps:  # the steps recorded: their gradients made in them, each with its module
+        assert grad_modules == {"Sequential.0", "Sequential.2", "Sequential.head"}, grad_modules
+        return
     # what the program did is in the dump: the label changes and the modules
     owner_rows = df_shared.filter(pl.col("event_type") == "OWNER")
     assert sorted(owner_rows["owner"].to_list()) == ["PTA@gradient", "PTA@ops@tagged", "PTA@weight"], owner_rows
-    m = df_shared.filter(pl.col("event") == "MALLOC")
-    assert set(m.filter(pl.col("owner") == "PTA@gradient")["module"].drop_nulls()) == {"Sequential.0", "Sequential.2", "Sequential.head"}, m.filter(pl.col("owner") == "PTA@gradient")["module"].unique().to_list()
+    assert grad_modules == {"Sequential.0", "Sequential.2", "Sequential.head"}, grad_modules
     assert m.filter((pl.col("owner") == "PTA@weight") & (pl.col("module") == "Sequential.head")).height == 2  # weight, bias
     assert len(res_shared["steps"]) == 24
     # at each step end the gradients are the parameters' size, also after the flush inside step

@@ -561,12 +561,12 @@ class Session:
         if not self.active:
             return
         ended = self.step_no
-        kept = True
+        # owners and owning modules as they are at this step's end, before its STEP row, for the
+        # flush that writes its rows (now or shared with later boundaries: native source only): a
+        # block whose label changed since its MALLOC row got one (a gradient not yet p.grad at a
+        # flush inside the step) has its OWNER row in this step
+        kept = self.native_ops and self.device_source is None and self._keep_step_facts()
         if self.native_ops and self.device_source is None and self.op_device == "cpu" and not self.opts.steps:
-            # owners and owning modules as they are at this step's end, before its STEP row: a
-            # block whose label changed since its MALLOC row got one (a gradient not yet p.grad
-            # at a flush inside the step) has its OWNER row in this step
-            kept = self._keep_step_facts()
             # the STEP record goes among the native source's records, under their lock: a clean
             # cut between the rows of the two steps, on every thread, with nothing drained here;
             # no pause, as every step records alike (with --steps the flags change: the cut below)
