@@ -545,4 +545,8 @@ def test_two_threads_training_two_models_keep_their_own_modules(tmp_path, impl):
         want = "Left" if tid == left else "Right"
         assert root == want, (tid, owner, module, phase)
         seen.setdefault(want, set()).add(phase)
-    assert seen == {"Left": {"forward", "backward"}, "Right": {"forward", "backward"}}, seen
+    # forward and backward, and no phase for what the optimizer made (its state, attributed to
+    # the module that owns the parameter)
+    assert seen == {"Left": {"forward", "backward", None}, "Right": {"forward", "backward", None}}, seen
+    opt_state = cols.filter(cols["owner"] == "PTA@optimizer_state")
+    assert set(opt_state["module"]) == {"Left.a", "Left.b", "Right.c", "Right.d"}, opt_state

@@ -281,8 +281,9 @@ time.sleep(5)
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
-def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source):
+@pytest.mark.parametrize("source,analysis", [("native", "leaks"), ("python", "leaks"), ("native", "leaks,decompose"),
+                                             ("python", "leaks,decompose")])
+def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source, analysis):
     """Boundaries that wait, met with a side thread allocating across them, a stop/start gap and
     an exit from the program's SIGTERM handler: every step and the gap's untraced FREE are in a
     dump whose invariants hold. The dispatch-mode source keeps a flush per boundary."""
@@ -291,7 +292,7 @@ def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source):
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
     env["MSMEMSCOPE_STEP_FLUSH_S"] = "0.5"
-    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=leaks",
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), f"--analysis={analysis}",
                         sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stderr
     flushes = json.loads(r.stdout.strip().splitlines()[-1])["flushes"]
@@ -310,6 +311,16 @@ def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source):
     else:
         assert flushes >= 30
     assert leaks_of(folder)["steps_ended"] == 30
+    if "decompose" in analysis:  # every step, every block labelled; online is the dump's offline
+        with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+            res = json.load(f)
+        off = json.loads(json.dumps(summarize(df)))
+        assert (off["devices"], off["steps"]) == (res["devices"], res["steps"])
+        assert [st["step"] for st in res["steps"]][:30] == list(range(1, 31))
+        owners = df.filter(pl.col("event") == "MALLOC")["owner"]
+        assert owners.str.starts_with("PTA@").all(), owners.unique().to_list()
+        grads = df.filter((pl.col("event") == "MALLOC") & (pl.col("owner") == "PTA@gradient"))
+        assert grads.height >= 30  # the weight's and bias's, each step
 
 
 EVERY_ALLOC = r"""

@@ -186,6 +186,11 @@ class ModuleTracker:
         self.attributed = 0
         self.optimizers = weakref.WeakSet()
         self._tree, self._tree_roots = None, ()      # owned_blocks' walk of the roots' modules
+        # the thread each root module and optimizer was met on (the labeller's forward hook keeps
+        # the roots' up to date), and each thread's last owned_blocks: a walk reads only the calling
+        # thread's gradients (see NativeLabeler._mine)
+        self.thread_of = weakref.WeakKeyDictionary()
+        self._owned_by_thread = {}
         # owned_blocks() at the step ends since the last flush, each block from the first step end
         # after it was made (what that step's own flush would have found); the last allocation id
         # such an answer covers
@@ -255,6 +260,7 @@ class ModuleTracker:
             name = f"{cls}#{n}"
         name = name.translate(_BAD)
         self.roots[name] = weakref.ref(module)
+        self.thread_of.setdefault(module, _get_ident())
         try:
             for sub_name, sub in module.named_modules():
                 if sub not in self.paths:
@@ -349,6 +355,7 @@ class ModuleTracker:
     # ------------------------------------------------------------ hooks
     def _opt(self, opt, args, kwargs):
         self.optimizers.add(opt)
+        self.thread_of[opt] = _get_ident()
 
     def _pre(self, module, args):
         try:
@@ -455,9 +462,13 @@ class ModuleTracker:
             if root is None:
                 continue
             for sub_name, sub in root.named_modules():
-                tree.append((self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name), weakref.ref(sub)))
+                tree.append((self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name), weakref.ref(sub), ref))
         self._tree, self._tree_roots = tree, roots
         return tree
+
+    def _mine(self, obj):
+        me = _get_ident()
+        return obj is not None and self.thread_of.get(obj, me) == me
 
     def _tree_changed(self, *_):
         self._tree = None
@@ -468,15 +479,29 @@ class ModuleTracker:
         ``decompose``, e.g. the native source) knows of the blocks' owning modules. The walk is C++
         where it can be (``owning_modules``: the native source's blocks, plain tensors, no FSDP2);
         the loop below is its reference."""
+        tree = [(path, ref()) for path, ref, root in self._module_tree() if self._mine(root())]
+        opts = [o for o in list(self.optimizers) if self._mine(o)]
+        me = _get_ident()
+        if tree or opts:
+            self._owned_by_thread[me] = self._walk_owned(tree, opts)
+        walks = self._owned_by_thread
+        if len(walks) == 1:
+            return dict(next(iter(walks.values())))
+        out = {}
+        for tid, w in walks.items():  # the others' last walks first: this thread's own, fresh, wins
+            if tid != me:
+                out.update(w)
+        out.update(walks.get(me, {}))
+        return out
+
+    def _walk_owned(self, tree, opts):
         walk = _native_walk()
         if walk is not None and self._native_blocks() is not None:
-            got = walk.owning_modules([(path, ref()) for path, ref in self._module_tree()], list(self.optimizers),
-                                      ("weight", "gradient", "optimizer_state"))
+            got = walk.owning_modules(tree, opts, ("weight", "gradient", "optimizer_state"))
             if got is not None:
                 return got
         tensors, meta, by_param = [], [], {}
-        for path, ref in self._module_tree():
-            sub = ref()
+        for path, sub in tree:
             if sub is None:
                 continue
             # the module's own parameters and buffers (parameters(recurse=False), buffers(recurse=False))
@@ -493,7 +518,7 @@ class ModuleTracker:
                 if bf is not None:
                     tensors.append(bf)
                     meta.append((path, "weight"))
-        for opt in list(self.optimizers):
+        for opt in opts:
             for p, st in opt.state.items():
                 path = by_param.get(id(p))
                 if path is not None and isinstance(st, dict):

@@ -455,10 +455,12 @@ class Labeler:
         self.owned = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
         for b in pending:  # blocks freed since the last flush: their storage may still exist (resize_)
             st = b()
-            key = id(st) if st is not None else None
-            if key is not None and live.get(key) is b:
+            if st is None:
+                continue  # gone: the owner it had last (a gradient zero_grad freed after the optimizer's step)
+            key = id(st)
+            if live.get(key) is b:
                 continue
-            b.owner = self.compose(b, cats.get(key) if st is not None else None)
+            b.owner = self.compose(b, cats.get(key))
         by_aid = {b.alloc_id: b for b in pending}
         in_buf = set()
         buf = s.buf
@@ -618,12 +620,16 @@ class NativeLabeler(Labeler):
         # is C++: no Python per module call or saved tensor (None: this class's Python hooks)
         from . import modules
         self._cpp = modules.native_hooks() if modules.wanted(session.opts) else None
+        # the thread that last ran each root module and optimizer, and each thread's last walk:
+        # a walk reads only the calling thread's gradients (``_mine``)
+        self.thread_of = weakref.WeakKeyDictionary()
+        self._cats_by_thread = {}
 
     def install(self):
         global _on_labels_changed
         super().install()
         if self._cpp is not None:
-            self._cpp.mt_labeller(self.roots.add, self._pack)
+            self._cpp.mt_labeller(self._add_root, self._pack)
         _on_labels_changed = self._labels_changed
         self._labels_changed()
 
@@ -705,14 +711,35 @@ class NativeLabeler(Labeler):
             inf = self.info[aid] = Info()
         return inf
 
+    def _add_root(self, module):
+        """A module whose forward runs at depth 0, on this thread."""
+        self.roots.add(module)
+        self.thread_of[module] = me = threading.get_ident()
+        tracker = self.s.modules
+        if tracker is not None:
+            tracker.thread_of[module] = me
+
     def _fwd_pre(self, module, args):
         if self.depth == 0:
-            self.roots.add(module)
+            self._add_root(module)
             self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
         self.depth += 1
 
+    def _opt_pre(self, opt, args, kwargs):
+        self.optimizers.add(opt)
+        self.thread_of[opt] = threading.get_ident()
+
     def _opt_post(self, opt, args, kwargs):
-        self.optimizers.add(opt)  # resolved at the flush (the native source counted its state)
+        self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
+
+    def _mine(self, objs):
+        """Of these roots or optimizers, those this thread ran last (or that no thread is known
+        for). Another thread's gradients are not read: its backward sets them without the GIL,
+        and ``p.grad = None`` releases the GIL while the old gradient is destroyed, so a read from
+        here could meet a tensor being freed (two threads training two models crashed so)."""
+        me = threading.get_ident()
+        get = self.thread_of.get
+        return [o for o in objs if get(o, me) == me]
 
     def _pack(self, t):
         try:
@@ -765,9 +792,22 @@ class NativeLabeler(Labeler):
         """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
         tensors' blocks are looked up in one C++ call, and where it can the walk itself is C++
         (``live_categories``: plain tensors, no FSDP2; this walk is its reference)."""
+        roots, opts = self._mine(list(self.roots)), self._mine(list(self.optimizers))
+        if roots or opts:
+            self._cats_by_thread[threading.get_ident()] = self._walk_live(roots, opts)
+        walks = list(self._cats_by_thread.values())
+        if len(walks) == 1:
+            return walks[0]
+        out = {}
+        for w in walks:  # the others' last walks first: this thread's own, fresh, wins
+            if w is not self._cats_by_thread.get(threading.get_ident()):
+                out.update(w)
+        out.update(self._cats_by_thread.get(threading.get_ident(), {}))
+        return out
+
+    def _walk_live(self, roots, opts):
         if self._walk is not None:
-            got = self._walk.live_categories([list(m.modules()) for m in list(self.roots)], list(self.optimizers),
-                                             _CATEGORY_VALUES)
+            got = self._walk.live_categories([list(m.modules()) for m in roots], opts, _CATEGORY_VALUES)
             if got is not None:
                 return got
         tensors, meta = [], []
@@ -779,7 +819,7 @@ class NativeLabeler(Labeler):
                 tensors.append(p)
                 meta.append((cat, comp))
 
-        walk_live_objects(list(self.roots), list(self.optimizers), add)
+        walk_live_objects(roots, opts, add)
         out = {}
         for aid, cc in zip(self.nat.block_ids(tensors), meta):
             if aid >= 0 and aid not in out:  # the first category given stays

@@ -540,6 +540,10 @@ class Session:
         (or stop) puts it in the dump where it happened."""
         if source == "optimizer":
             if self.explicit_steps or not self.active:
+                if self.active and self.native_ops and self.device_source is None:
+                    # the gradients as the optimizer used them: a program that frees them
+                    # (zero_grad) before it ends the step itself leaves none for its step end
+                    self._keep_step_facts()
                 return
             if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
                 with self.flush_lock:  # the buffer's length and the flush count, taken together
