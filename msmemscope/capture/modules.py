@@ -194,7 +194,7 @@ class ModuleTracker:
         # owned_blocks() at the step ends since the last flush, each block from the first step end
         # after it was made (what that step's own flush would have found); the last allocation id
         # such an answer covers
-        self.at_step, self._answered_upto = None, 0
+        self.at_step, self._answered_upto = None, {}  # the last id answered, per thread (its roots)
 
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
     # owning modules as they are at that step's end for the rows the later flush attributes
@@ -479,11 +479,8 @@ class ModuleTracker:
         ``decompose``, e.g. the native source) knows of the blocks' owning modules. The walk is C++
         where it can be (``owning_modules``: the native source's blocks, plain tensors, no FSDP2);
         the loop below is its reference."""
-        tree = [(path, ref()) for path, ref, root in self._module_tree() if self._mine(root())]
-        opts = [o for o in list(self.optimizers) if self._mine(o)]
         me = _get_ident()
-        if tree or opts:
-            self._owned_by_thread[me] = self._walk_owned(tree, opts)
+        self._walk_mine()
         walks = self._owned_by_thread
         if len(walks) == 1:
             return dict(next(iter(walks.values())))
@@ -493,6 +490,25 @@ class ModuleTracker:
                 out.update(w)
         out.update(walks.get(me, {}))
         return out
+
+    def _walk_mine(self) -> dict:
+        """owned_blocks of this thread's roots and optimizers, walked now (kept for the others)."""
+        tree = [(path, ref()) for path, ref, root in self._module_tree() if self._mine(root())]
+        opts = [o for o in list(self.optimizers) if self._mine(o)]
+        if not (tree or opts):
+            return {}
+        got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)
+        return got
+
+    def _answer(self):
+        """(the last id this thread's previous answer covered, this thread's walk now): the blocks
+        of its roots made since are answered by this walk."""
+        nat = self._native_blocks()
+        me = _get_ident()
+        prev = self._answered_upto.get(me, 0)
+        if nat is not None:
+            self._answered_upto[me] = nat.m.last_alloc_id()  # before the walk: one made during it is the next's
+        return prev, self._walk_mine()
 
     def _walk_owned(self, tree, opts):
         walk = _native_walk()
@@ -536,16 +552,13 @@ class ModuleTracker:
         """A step ended and its flush waits: the blocks' owning modules now (a gradient the next
         step frees is attributed as that step's flush would have). Nothing where the labeller
         gives them (``owned_known``)."""
-        nat = self._native_blocks()
-        if owned_known or nat is None:
+        if owned_known or self._native_blocks() is None:
             return
-        upto = nat.m.last_alloc_id()  # before the walk: a block made during it is the next one's
-        prev, self._answered_upto = self._answered_upto, upto
-        got = {k: v for k, v in self.owned_blocks().items() if k > prev}
-        if self.at_step is None:
-            self.at_step = got
-        else:
-            self.at_step.update(got)
+        prev, mine = self._answer()
+        got = {k: v for k, v in mine.items() if k > prev}
+        if self.at_step is not None:
+            got.update(self.at_step)  # an earlier answer stays
+        self.at_step = got
 
     def attribute(self, buf, owned=None):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
@@ -562,15 +575,15 @@ class ModuleTracker:
         at_step, self.at_step = self.at_step, None
         if owned is None:  # no owner labels: the owning modules and their categories from here
             # blocks answered at a step end keep that answer; the others are answered now
-            nat = self._native_blocks()
-            answered, self._answered_upto = self._answered_upto, nat.m.last_alloc_id() if nat is not None else 0
             try:
-                found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
+                if at_step is not None:  # step ends came since the last flush: this thread's new blocks
+                    prev, mine = self._answer()
+                    found = {k: v for k, v in mine.items() if k > prev}
+                    found.update(at_step)
+                else:
+                    found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
             except Exception:
-                found = {}
-            if at_step is not None:  # step ends came since the last flush
-                found = {k: v for k, v in found.items() if k > answered}
-                found.update(at_step)
+                found = dict(at_step or {})
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
         mod = _native_module()

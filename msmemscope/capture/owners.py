@@ -186,6 +186,10 @@ class Labeler:
         self._patched = []
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
+        # the thread that last ran each root module and optimizer: a walk reads only the calling
+        # thread's gradients (``_mine``)
+        self.thread_of = weakref.WeakKeyDictionary()
+        self._walked_by: dict = {}           # alloc_id -> the thread whose walk gave its block a category
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -255,9 +259,26 @@ class Labeler:
             inf = self.info[b.alloc_id] = Info()
         return inf
 
+    def _add_root(self, module):
+        """A module whose forward runs at depth 0, on this thread."""
+        self.roots.add(module)
+        self.thread_of[module] = me = threading.get_ident()
+        tracker = getattr(self.s, "modules", None)
+        if tracker is not None:
+            tracker.thread_of[module] = me
+
+    def _mine(self, objs):
+        """Of these roots or optimizers, those this thread ran last (or that no thread is known
+        for). Another thread's gradients are not read: its backward sets them without the GIL,
+        and ``p.grad = None`` releases the GIL while the old gradient is destroyed, so a read from
+        here could meet a tensor being freed (two threads training two models crashed so)."""
+        me = threading.get_ident()
+        get = self.thread_of.get
+        return [o for o in objs if get(o, me) == me]
+
     def _fwd_pre(self, module, args):
         if self.depth == 0:
-            self.roots.add(module)
+            self._add_root(module)
             self.fwd_first_aid = self.s.dispatch.next_alloc + 1
         self.depth += 1
 
@@ -267,11 +288,12 @@ class Labeler:
 
     def _opt_pre(self, opt, args, kwargs):
         self.optimizers.add(opt)
+        self.thread_of[opt] = threading.get_ident()
 
     def _opt_post(self, opt, args, kwargs):
         # state made by this step (Adam's moments, step counters) is registered and labelled
         # before the session's own post-hook ends the step
-        self.optimizers.add(opt)
+        self._opt_pre(opt, args, kwargs)
         self.resolve(register=True)
 
     def _pack(self, t):
@@ -368,7 +390,7 @@ class Labeler:
                 if register and k not in s.live:
                     s.block_of(p, "optimizer.step")
 
-        walk_live_objects(list(self.roots), list(self.optimizers), add)
+        walk_live_objects(self._mine(list(self.roots)), self._mine(list(self.optimizers)), add)
         return out
 
     def _owning_modules(self, roots):
@@ -430,8 +452,14 @@ class Labeler:
         """Relabel every live block from the live objects; returns the blocks whose owner changed."""
         cats = self._collect(register)
         changed = []
+        me, walked = threading.get_ident(), self._walked_by
         for key, b in list(self.s.live.items()):
-            new = self.compose(b, cats.get(key))
+            c = cats.get(key)
+            if c is not None:
+                walked[b.alloc_id] = me
+            elif walked.get(b.alloc_id, me) != me:
+                continue  # another thread's walk gave it a category: its own next walk says
+            new = self.compose(b, c)
             if new != b.owner:
                 b.owner = new
                 changed.append(b)
@@ -449,7 +477,7 @@ class Labeler:
             cats, changed = {}, []
         live = s.live
         try:
-            mods = self._owning_modules(list(self.roots))
+            mods = self._owning_modules(self._mine(list(self.roots)))
         except Exception:
             mods = {}
         self.owned = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
@@ -490,9 +518,10 @@ class Labeler:
                         row["module"] = self.owned[b.alloc_id]
                     s.system(OWNER_ROW, row)
         # forget what we knew about blocks that are gone
-        if self.info:
+        if self.info or self._walked_by:
             alive = {b.alloc_id for b in live.values()}
             self.info = {k: v for k, v in self.info.items() if k in alive}
+            self._walked_by = {k: v for k, v in self._walked_by.items() if k in alive}
 
     # ------------------------------------------------------------ FSDP2
     def _patch_fsdp2(self, pg_mod):
@@ -620,10 +649,7 @@ class NativeLabeler(Labeler):
         # is C++: no Python per module call or saved tensor (None: this class's Python hooks)
         from . import modules
         self._cpp = modules.native_hooks() if modules.wanted(session.opts) else None
-        # the thread that last ran each root module and optimizer, and each thread's last walk:
-        # a walk reads only the calling thread's gradients (``_mine``)
-        self.thread_of = weakref.WeakKeyDictionary()
-        self._cats_by_thread = {}
+        self._cats_by_thread = {}  # each thread's last walk (``_mine``)
 
     def install(self):
         global _on_labels_changed
@@ -679,7 +705,7 @@ class NativeLabeler(Labeler):
             pass
         self.remove()
         lab = Labeler(self.s)
-        lab.roots, lab.optimizers, lab.info = self.roots, self.optimizers, self.info
+        lab.roots, lab.optimizers, lab.info, lab.thread_of = self.roots, self.optimizers, self.info, self.thread_of
         lab.depth, lab.fwd_first_aid = self._forward()
         lab.updates, lab.flushed_upto = self.updates, self.flushed_upto
         lab.install()
@@ -711,35 +737,14 @@ class NativeLabeler(Labeler):
             inf = self.info[aid] = Info()
         return inf
 
-    def _add_root(self, module):
-        """A module whose forward runs at depth 0, on this thread."""
-        self.roots.add(module)
-        self.thread_of[module] = me = threading.get_ident()
-        tracker = self.s.modules
-        if tracker is not None:
-            tracker.thread_of[module] = me
-
     def _fwd_pre(self, module, args):
         if self.depth == 0:
             self._add_root(module)
             self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
         self.depth += 1
 
-    def _opt_pre(self, opt, args, kwargs):
-        self.optimizers.add(opt)
-        self.thread_of[opt] = threading.get_ident()
-
     def _opt_post(self, opt, args, kwargs):
         self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
-
-    def _mine(self, objs):
-        """Of these roots or optimizers, those this thread ran last (or that no thread is known
-        for). Another thread's gradients are not read: its backward sets them without the GIL,
-        and ``p.grad = None`` releases the GIL while the old gradient is destroyed, so a read from
-        here could meet a tensor being freed (two threads training two models crashed so)."""
-        me = threading.get_ident()
-        get = self.thread_of.get
-        return [o for o in objs if get(o, me) == me]
 
     def _pack(self, t):
         try:
