@@ -493,7 +493,14 @@ class ModuleTracker:
 
     def _walk_mine(self) -> dict:
         """owned_blocks of this thread's roots and optimizers, walked now (kept for the others)."""
-        tree = [(path, ref()) for path, ref, root in self._module_tree() if self._mine(root())]
+        mine = {}  # root reference -> this thread's (one lookup per root, not per module)
+        tree = []
+        for path, ref, root in self._module_tree():
+            ok = mine.get(root)
+            if ok is None:
+                ok = mine[root] = self._mine(root())
+            if ok:
+                tree.append((path, ref()))
         opts = [o for o in list(self.optimizers) if self._mine(o)]
         if not (tree or opts):
             return {}
