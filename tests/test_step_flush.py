@@ -119,12 +119,13 @@ def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path,
     assert freed_later, "the blocks that outlive a step and are freed later are found in both"
 
 
-@pytest.mark.parametrize("end", ["kill", "exit"])
-def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_path, end):
+@pytest.mark.parametrize("end,analysis", [("kill", "leaks"), ("exit", "leaks"), ("kill", "leaks,decompose")])
+def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_path, end, analysis):
     """Killed (SIGKILL, no exit handler) 3 x STEP_FLUSH_S after its last step, the program's dump
-    has every step: the flusher thread wrote the boundaries that waited."""
+    has every step: the flusher thread wrote the boundaries that waited. With decompose, with the
+    owners the step ends kept (the flusher's own thread runs no model, so it walks nothing)."""
     flush_s = 0.2
-    r, folder = run(tmp_path, "out", 12, flush_s, end, quiet=3 * flush_s)
+    r, folder = run(tmp_path, "out", 12, flush_s, end, quiet=3 * flush_s, analysis=analysis)
     if end == "kill":
         assert r.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), r.stderr  # the launcher says 137
         from msmemscope.io import spool
@@ -140,6 +141,14 @@ def test_a_waiting_boundary_reaches_the_dump_when_the_program_goes_quiet(tmp_pat
     # the checkpointed findings were saved with the rows: the leak is on disk without an exit
     res = leaks_of(folder)
     assert res["steps_ended"] == 12
+    if "decompose" in analysis:  # every block labelled; each step's 4 gradients (zero_grad frees
+        # them before msmemscope.step(): labelled at the optimizer's step) with their modules
+        m = df.filter(pl.col("event") == "MALLOC")
+        assert m["owner"].str.starts_with("PTA@").all(), m["owner"].unique().to_list()
+        grads = read_dump(dump_of(folder), columns=("event", "owner", "module"), events=("MALLOC",)).filter(
+            pl.col("owner") == "PTA@gradient")
+        assert grads.height == 4 * 12, grads.height
+        assert set(grads["module"]) == {"Sequential.0", "Sequential.2"}, grads["module"].unique().to_list()
 
 
 DECOMPOSE = SETUP + r"""
