@@ -51,6 +51,31 @@ def wanted(opts) -> bool:
     return "decompose" in opts.analysis
 
 
+def ran_here(thread_of, objs) -> list:
+    """Of these root modules or optimizers, those this thread ran last (or that no thread is known
+    for in ``thread_of``): the only ones whose gradients a walk from this thread reads. Another
+    thread's backward sets them without the GIL, and ``p.grad = None`` releases the GIL while the
+    old gradient is destroyed, so a read from here could meet a tensor being freed (two threads
+    training two models crashed so)."""
+    me = _get_ident()
+    get = thread_of.get
+    return [o for o in objs if get(o, me) == me]
+
+
+def all_threads(by_thread: dict) -> dict:
+    """One answer from each thread's last walk (``by_thread``: thread id -> dict), this thread's
+    winning where two say something of the same block; the only walk itself where there is one."""
+    if len(by_thread) == 1:
+        return next(iter(by_thread.values()))
+    me = _get_ident()
+    out = {}
+    for tid, w in by_thread.items():
+        if tid != me:
+            out.update(w)
+    out.update(by_thread.get(me, {}))
+    return out
+
+
 def _grad_tensors(obj, out, depth=0):
     """Tensors that require grad in a module's inputs or outputs (tuples, lists, dicts, a few levels)."""
     if isinstance(obj, torch.Tensor):
@@ -466,10 +491,6 @@ class ModuleTracker:
         self._tree, self._tree_roots = tree, roots
         return tree
 
-    def _mine(self, obj):
-        me = _get_ident()
-        return obj is not None and self.thread_of.get(obj, me) == me
-
     def _tree_changed(self, *_):
         self._tree = None
 
@@ -479,29 +500,16 @@ class ModuleTracker:
         ``decompose``, e.g. the native source) knows of the blocks' owning modules. The walk is C++
         where it can be (``owning_modules``: the native source's blocks, plain tensors, no FSDP2);
         the loop below is its reference."""
-        me = _get_ident()
         self._walk_mine()
-        walks = self._owned_by_thread
-        if len(walks) == 1:
-            return dict(next(iter(walks.values())))
-        out = {}
-        for tid, w in walks.items():  # the others' last walks first: this thread's own, fresh, wins
-            if tid != me:
-                out.update(w)
-        out.update(walks.get(me, {}))
-        return out
+        return dict(all_threads(self._owned_by_thread))  # the callers add to it
 
     def _walk_mine(self) -> dict:
         """owned_blocks of this thread's roots and optimizers, walked now (kept for the others)."""
-        mine = {}  # root reference -> this thread's (one lookup per root, not per module)
-        tree = []
-        for path, ref, root in self._module_tree():
-            ok = mine.get(root)
-            if ok is None:
-                ok = mine[root] = self._mine(root())
-            if ok:
-                tree.append((path, ref()))
-        opts = [o for o in list(self.optimizers) if self._mine(o)]
+        tree = self._module_tree()
+        # one lookup per root, not per module
+        mine = {id(r) for r in ran_here(self.thread_of, [r for r in {root() for _, _, root in tree} if r is not None])}
+        tree = [(path, ref()) for path, ref, root in tree if id(root()) in mine]
+        opts = ran_here(self.thread_of, list(self.optimizers))
         if not (tree or opts):
             return {}
         got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)

@@ -268,13 +268,8 @@ class Labeler:
             tracker.thread_of[module] = me
 
     def _mine(self, objs):
-        """Of these roots or optimizers, those this thread ran last (or that no thread is known
-        for). Another thread's gradients are not read: its backward sets them without the GIL,
-        and ``p.grad = None`` releases the GIL while the old gradient is destroyed, so a read from
-        here could meet a tensor being freed (two threads training two models crashed so)."""
-        me = threading.get_ident()
-        get = self.thread_of.get
-        return [o for o in objs if get(o, me) == me]
+        from .modules import ran_here
+        return ran_here(self.thread_of, objs)
 
     def _fwd_pre(self, module, args):
         if self.depth == 0:
@@ -797,18 +792,11 @@ class NativeLabeler(Labeler):
         """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
         tensors' blocks are looked up in one C++ call, and where it can the walk itself is C++
         (``live_categories``: plain tensors, no FSDP2; this walk is its reference)."""
+        from .modules import all_threads
         roots, opts = self._mine(list(self.roots)), self._mine(list(self.optimizers))
         if roots or opts:
             self._cats_by_thread[threading.get_ident()] = self._walk_live(roots, opts)
-        walks = list(self._cats_by_thread.values())
-        if len(walks) == 1:
-            return walks[0]
-        out = {}
-        for w in walks:  # the others' last walks first: this thread's own, fresh, wins
-            if w is not self._cats_by_thread.get(threading.get_ident()):
-                out.update(w)
-        out.update(self._cats_by_thread.get(threading.get_ident(), {}))
-        return out
+        return all_threads(self._cats_by_thread)
 
     def _walk_live(self, roots, opts):
         if self._walk is not None:

@@ -602,18 +602,22 @@ class Session:
         STEP row, the checkpoint saves what is), with owner labels and module attribution that
         keep what they know at each step end (``_keep_step_facts``)."""
         return (self._step_flush_ns > 0 and self.native_ops and self.device_source is None
-                and getattr(self.labeler, "batch_steps", self.labeler is None)
-                and getattr(self.modules, "batch_steps", self.modules is None) and self.op_observer is None
+                and self._keeps_step_facts() and self.op_observer is None
                 and self._held_step is None and len(self.buf) < self.flush_rows
                 and "traceback" not in self.opts.events  # the Python trace would follow our thread too
                 and all(getattr(s, "batch_steps", False) for s in self.sinks))
+
+    def _keeps_step_facts(self) -> bool:
+        """Whether the owner labels and module attribution (where on) keep what they know at each
+        step end (``batch_steps``; the dispatch source's labeller does not)."""
+        return (getattr(self.labeler, "batch_steps", self.labeler is None)
+                and getattr(self.modules, "batch_steps", self.modules is None))
 
     def _keep_step_facts(self) -> bool:
         """The owners and owning modules of the live blocks as they are at this step's end, kept for
         the flush that writes the step's rows, now or later (False: they could not be, so the step
         is flushed now). Under the flush lock: the flusher thread's flush reads and clears them."""
-        if not (getattr(self.labeler, "batch_steps", self.labeler is None)
-                and getattr(self.modules, "batch_steps", self.modules is None)):
+        if not self._keeps_step_facts():
             return False
         if self.labeler is None and self.modules is None:
             return True
