@@ -469,3 +469,50 @@ def test_a_failed_drain_keeps_every_record_in_order(tmp_path):
     ids = [a["allocation_id"] for a in map(json.loads, mallocs["attr"].to_list())]
     assert ids == list(range(ids[0], ids[0] + len(ids))) and len(ids) >= 40, ids  # none lost, in order
     assert df.filter(df["event_type"] == "ATEN_START").height >= 40
+
+
+@needs_native
+def test_side_table_under_churn_and_a_null_raw_free(tmp_path):
+    """The wrapper's table of blocks (open addressing): 20,000 blocks live at once (past its first
+    size, so it grows while full of blocks), half of them freed in a shuffled order, then a free
+    of the rest interleaved with new ones; oneDNN's GELU, whose scratch tensor is freed through
+    ``raw_deallocate`` with a null pointer (a null key once matched an empty slot and called a
+    null deleter). The bytes in use the source counts equal the sizes of the tensors the program
+    holds, at each point, and the dump keeps every invariant."""
+    code = textwrap.dedent("""
+        import random, torch, msmemscope
+        from msmemscope import capture
+        torch.manual_seed(0)
+        rnd = random.Random(1)
+        msmemscope.config(output=%r, collect_mode="immediate", analysis="none")
+        s = capture.current()
+        x = torch.randn(64, 4096)
+        y = torch.nn.functional.gelu(x)
+        base = s.native.counters()[0]
+        keep = [torch.empty(rnd.randint(1, 300)) for _ in range(20000)]
+        held = lambda: sum(t.untyped_storage().nbytes() for t in keep if t is not None)
+        assert s.native.counters()[0] - base == held()
+        order = list(range(len(keep)))
+        rnd.shuffle(order)
+        for i in order[:10000]:
+            keep[i] = None
+        assert s.native.counters()[0] - base == held()
+        for i in order[10000:]:
+            keep[i] = torch.empty(rnd.randint(1, 300)) if rnd.random() < 0.5 else None
+        assert s.native.counters()[0] - base == held()
+        ids = s.native.block_ids([t for t in keep if t is not None])
+        assert len(set(ids)) == len(ids) and min(ids) > 0
+        del keep
+        assert s.native.counters()[0] == base
+        z = torch.nn.functional.gelu(y)
+        msmemscope.stop()
+        print("ok", float(z.sum()))
+    """ % str(tmp_path / "o"))
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], env=_env("native"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    (folder,) = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(df["event"] == "MALLOC").height >= 25000

@@ -38,6 +38,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <pthread.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -94,7 +95,89 @@ std::vector<Rec>& recs = *new std::vector<Rec>();
 // `recs` if the drain fails; both vectors keep their capacity, so neither grows again each step
 std::vector<Rec>& drained = *new std::vector<Rec>();
 uint64_t recs_epoch = 0;  // bumped where `recs` is cleared: a failed drain then puts nothing back
-std::unordered_map<void*, Block>& live = *new std::unordered_map<void*, Block>();
+// The blocks the wrapper handed out, by data pointer: open addressing (linear probing, deletion by
+// backward shift), its slots mapped from the system, not taken from the heap. A node-based map
+// allocated a node per block and freed it with the block, from inside the program's own
+// allocations: those small chunks between its tensors changed where glibc put the tensors, and
+// how often they landed on fresh pages (BENCHMARKS.md, twenty-first session). Under mu.
+class LiveTable {
+ public:
+  struct Slot {
+    void* key;  // nullptr: empty
+    Block b;
+  };
+  // (a null pointer is never a block: raw_deallocate(nullptr) reaches traced_delete)
+  Block* find(const void* k) {
+    if (slots_ == nullptr || k == nullptr) return nullptr;
+    for (size_t i = home(k);; i = (i + 1) & mask_) {
+      if (slots_[i].key == k) return &slots_[i].b;
+      if (slots_[i].key == nullptr) return nullptr;
+    }
+  }
+  void put(void* k, const Block& b) {  // k not null
+    if ((count_ + 1) * 2 > cap()) grow();
+    size_t i = home(k);
+    while (slots_[i].key != nullptr && slots_[i].key != k) i = (i + 1) & mask_;
+    if (slots_[i].key == nullptr) ++count_;
+    slots_[i].key = k;
+    slots_[i].b = b;
+  }
+  bool take(const void* k, Block* out) {
+    if (slots_ == nullptr || k == nullptr) return false;
+    size_t i = home(k);
+    for (;; i = (i + 1) & mask_) {
+      if (slots_[i].key == k) break;
+      if (slots_[i].key == nullptr) return false;
+    }
+    *out = slots_[i].b;
+    // backward shift: an entry after the hole moves into it unless its home lies in (hole, j]
+    for (size_t j = (i + 1) & mask_; slots_[j].key != nullptr; j = (j + 1) & mask_) {
+      size_t h = home(slots_[j].key);
+      if (((j - h) & mask_) >= ((j - i) & mask_)) {
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i].key = nullptr;
+    --count_;
+    return true;
+  }
+  size_t size() const { return count_; }
+  template <typename F>
+  void each(F f) {
+    for (size_t i = 0; slots_ != nullptr && i < cap(); ++i)
+      if (slots_[i].key != nullptr) f(slots_[i].key, slots_[i].b);
+  }
+
+ private:
+  size_t cap() const { return slots_ == nullptr ? 0 : mask_ + 1; }
+  size_t home(const void* k) const {
+    uint64_t x = (uint64_t)k;  // blocks are aligned: mix the high bits down
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 32;
+    return (size_t)x & mask_;
+  }
+  static Slot* map_slots(size_t n) {
+    void* p = mmap(nullptr, n * sizeof(Slot), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<Slot*>(p);  // zero-filled: every key empty
+  }
+  void grow() {
+    size_t old_cap = cap(), n = old_cap == 0 ? 4096 : old_cap * 2;
+    Slot* old = slots_;
+    slots_ = map_slots(n);
+    mask_ = n - 1;
+    count_ = 0;
+    for (size_t i = 0; i < old_cap; ++i)
+      if (old[i].key != nullptr) put(old[i].key, old[i].b);
+    if (old != nullptr) munmap(old, old_cap * sizeof(Slot));
+  }
+  Slot* slots_ = nullptr;
+  size_t mask_ = 0;
+  size_t count_ = 0;
+};
+LiveTable& live = *new LiveTable();
 // op names. A dispatcher op's name and overload strings live in its schema for the process's
 // life, so their pointers key a cache; the text map gives one index per name whatever the
 // pointers (an op registered again after a library reload).
@@ -125,7 +208,33 @@ bool with_io = false;      // the installed callback asks for inputs and outputs
 int py_depth = 0;          // Python frames per stack, 0: no stacks
 // top-level ops whose OP_START was recorded and whose OP_END is not yet: thread -> op. Closed (an
 // OP_END recorded now) when the source stops or hands over, so a dump never has an op left open.
-std::unordered_map<uint64_t, int32_t>& in_flight = *new std::unordered_map<uint64_t, int32_t>();
+// (a few threads: a small array, no allocation per op once it has room; under mu)
+struct InFlight {
+  std::vector<std::pair<uint64_t, int32_t>> v;
+  InFlight() { v.reserve(64); }
+  bool empty() const { return v.empty(); }
+  void set(uint64_t t, int32_t op) {
+    for (auto& e : v)
+      if (e.first == t) {
+        e.second = op;
+        return;
+      }
+    v.emplace_back(t, op);
+  }
+  // the op of thread t, taken out; false: none
+  bool take(uint64_t t, int32_t* op) {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i].first == t) {
+        *op = v[i].second;
+        v[i] = v.back();
+        v.pop_back();
+        return true;
+      }
+    return false;
+  }
+  void clear() { v.clear(); }
+};
+InFlight& in_flight = *new InFlight();
 bool draining = false;                // one drain() at a time (building tuples may run Python)
 // The session went over to the dispatch-mode source (watch, owner labels): this source only
 // records the frees of the blocks it counted, and keeps the one bytes-in-use counter.
@@ -387,9 +496,9 @@ Block* block_of_locked(const at::Tensor& t, int32_t op, int32_t stack) {
     return nullptr;
   const void* data = t.storage().data();
   if (data == nullptr) return nullptr;
-  auto it = live.find(const_cast<void*>(data));
-  if (it == live.end()) return nullptr;
-  Block& b = it->second;
+  Block* found = live.find(data);
+  if (found == nullptr) return nullptr;
+  Block& b = *found;
   if (!b.counted) {
     if (!count_new || b.size == 0) return nullptr;
     count_block_locked(b, data, MALLOC_BEFORE_OP, op, stack);
@@ -452,7 +561,7 @@ void record_start_locked(const at::RecordFunction& fn, int32_t op) {
   uint64_t t = tid();
   if (emit_launch) {
     recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_START, op, top_stack, 0});
-    in_flight[t] = op;
+    in_flight.set(t, op);
   }
   if (emit_access && with_io && !op_info[op].is_view) {
     top_access = true;
@@ -517,13 +626,8 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
     }
     // the OP_END of an op whose OP_START is recorded, whatever the flags are now (a step
     // boundary on another thread); none when stop()/handover() closed it already
-    if (!in_flight.empty()) {
-      auto it = in_flight.find(t);
-      if (it != in_flight.end()) {
-        recs.push_back({now_ns(), it->first, 0, 0, 0, 0, OP_END, op, -1, 0});
-        in_flight.erase(it);
-      }
-    }
+    int32_t open_op;
+    if (!in_flight.empty() && in_flight.take(t, &open_op)) recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_END, op, -1, 0});
     ask = recs.size() >= drain_at;
   }
   if (ask) maybe_ask_drain();
@@ -533,10 +637,7 @@ void traced_delete(void* data) {
   Block b;
   {
     std::lock_guard<std::mutex> g(mu);
-    auto it = live.find(data);
-    if (it == live.end()) return;  // not ours: nothing we may call
-    b = it->second;
-    live.erase(it);
+    if (!live.take(data, &b)) return;  // not ours: nothing we may call
     if (b.counted) {
       used_bytes -= b.size;
       if (emit_free)
@@ -576,7 +677,7 @@ struct TracingAllocator final : c10::Allocator {
     {
       std::lock_guard<std::mutex> g(mu);
       if (count_new) count_block_locked(b, data, MALLOC, top_op, stack);
-      live[data] = b;
+      live.put(data, b);
     }
     return c10::DataPtr(data, data, &traced_delete, dev);
   }
@@ -624,7 +725,7 @@ void after_fork_child() {
 // Under the lock: an OP_END now for every top-level op whose OP_START was recorded.
 void close_in_flight_locked() {
   int64_t t = now_ns();
-  for (auto& kv : in_flight) recs.push_back({t, kv.first, 0, 0, 0, 0, OP_END, kv.second, -1, 0});
+  for (auto& kv : in_flight.v) recs.push_back({t, kv.first, 0, 0, 0, 0, OP_END, kv.second, -1, 0});
   in_flight.clear();
 }
 
@@ -1179,7 +1280,7 @@ void reset() {
     shapes.clear();
     used_bytes = peak_bytes = 0;
     next_aid = 0;
-    for (auto& kv : live) kv.second.counted = false;
+    live.each([](void*, Block& b) { b.counted = false; });
   }
   detach();
 }
@@ -1204,9 +1305,9 @@ void step_end(int64_t step) {
 // (alloc_id, size) of the counted block starting at this address, or None
 py::object counted_block(uint64_t addr) {
   std::lock_guard<std::mutex> g(mu);
-  auto it = live.find((void*)addr);
-  if (it == live.end() || !it->second.counted) return py::none();
-  return py::make_tuple(it->second.aid, it->second.size);
+  const Block* b = live.find((void*)addr);
+  if (b == nullptr || !b->counted) return py::none();
+  return py::make_tuple(b->aid, b->size);
 }
 
 // the data pointer of a CPU tensor's storage, nullptr: none (no storage, another device, a
@@ -1225,8 +1326,8 @@ std::vector<int64_t> counted_ids(const std::vector<const void*>& ptrs) {
   std::lock_guard<std::mutex> g(mu);
   for (size_t i = 0; i < ptrs.size(); ++i) {
     if (ptrs[i] == nullptr) continue;
-    auto it = live.find(const_cast<void*>(ptrs[i]));
-    if (it != live.end() && it->second.counted) ids[i] = it->second.aid;
+    const Block* b = live.find(ptrs[i]);
+    if (b != nullptr && b->counted) ids[i] = b->aid;
   }
   return ids;
 }
@@ -1268,8 +1369,9 @@ py::set live_alloc_ids() {
   {
     std::lock_guard<std::mutex> g(mu);
     ids.reserve(live.size());
-    for (auto& kv : live)
-      if (kv.second.counted) ids.push_back(kv.second.aid);
+    live.each([&](void*, const Block& b) {
+      if (b.counted) ids.push_back(b.aid);
+    });
   }
   py::set s;
   for (int64_t i : ids) s.add(py::int_(i));
