@@ -102,80 +102,115 @@ uint64_t recs_epoch = 0;  // bumped where `recs` is cleared: a failed drain then
 // how often they landed on fresh pages (BENCHMARKS.md, twenty-first session). Under mu.
 class LiveTable {
  public:
-  struct Slot {
-    void* key;  // nullptr: empty
+  // the entries are dense (iteration reads only them: the owner labels ask for every live id at
+  // each step end); an index of open addressing finds them by pointer
+  struct Entry {
+    void* key;
     Block b;
   };
   // (a null pointer is never a block: raw_deallocate(nullptr) reaches traced_delete)
   Block* find(const void* k) {
-    if (slots_ == nullptr || k == nullptr) return nullptr;
-    for (size_t i = home(k);; i = (i + 1) & mask_) {
-      if (slots_[i].key == k) return &slots_[i].b;
-      if (slots_[i].key == nullptr) return nullptr;
-    }
+    size_t i;
+    return k == nullptr || !locate(k, &i) ? nullptr : &ents_[idx_[i] - 1].b;
   }
   void put(void* k, const Block& b) {  // k not null
-    if ((count_ + 1) * 2 > cap()) grow();
-    size_t i = home(k);
-    while (slots_[i].key != nullptr && slots_[i].key != k) i = (i + 1) & mask_;
-    if (slots_[i].key == nullptr) ++count_;
-    slots_[i].key = k;
-    slots_[i].b = b;
+    size_t i;
+    if (locate(k, &i)) {
+      ents_[idx_[i] - 1].b = b;
+      return;
+    }
+    if (count_ == ent_cap_) grow_entries();
+    if ((count_ + 1) * 2 > idx_cap_) grow_index();
+    ents_[count_] = {k, b};
+    ++count_;
+    index_put(k, (uint32_t)count_);
   }
   bool take(const void* k, Block* out) {
-    if (slots_ == nullptr || k == nullptr) return false;
-    size_t i = home(k);
-    for (;; i = (i + 1) & mask_) {
-      if (slots_[i].key == k) break;
-      if (slots_[i].key == nullptr) return false;
+    size_t i;
+    if (k == nullptr || !locate(k, &i)) return false;
+    size_t e = idx_[i] - 1;
+    *out = ents_[e].b;
+    index_remove(i);
+    size_t last = count_ - 1;
+    if (e != last) {  // the last entry fills the hole; its index slot follows it
+      ents_[e] = ents_[last];
+      size_t j;
+      locate(ents_[e].key, &j);
+      idx_[j] = (uint32_t)(e + 1);
     }
-    *out = slots_[i].b;
-    // backward shift: an entry after the hole moves into it unless its home lies in (hole, j]
-    for (size_t j = (i + 1) & mask_; slots_[j].key != nullptr; j = (j + 1) & mask_) {
-      size_t h = home(slots_[j].key);
-      if (((j - h) & mask_) >= ((j - i) & mask_)) {
-        slots_[i] = slots_[j];
-        i = j;
-      }
-    }
-    slots_[i].key = nullptr;
     --count_;
     return true;
   }
   size_t size() const { return count_; }
   template <typename F>
   void each(F f) {
-    for (size_t i = 0; slots_ != nullptr && i < cap(); ++i)
-      if (slots_[i].key != nullptr) f(slots_[i].key, slots_[i].b);
+    for (size_t e = 0; e < count_; ++e) f(ents_[e].key, ents_[e].b);
   }
 
  private:
-  size_t cap() const { return slots_ == nullptr ? 0 : mask_ + 1; }
   size_t home(const void* k) const {
     uint64_t x = (uint64_t)k;  // blocks are aligned: mix the high bits down
     x ^= x >> 29;
     x *= 0xbf58476d1ce4e5b9ULL;
     x ^= x >> 32;
-    return (size_t)x & mask_;
+    return (size_t)x & (idx_cap_ - 1);
   }
-  static Slot* map_slots(size_t n) {
-    void* p = mmap(nullptr, n * sizeof(Slot), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // the index slot of k; false: none
+  bool locate(const void* k, size_t* at) const {
+    if (count_ == 0) return false;
+    for (size_t i = home(k);; i = (i + 1) & (idx_cap_ - 1)) {
+      uint32_t v = idx_[i];
+      if (v == 0) return false;
+      if (ents_[v - 1].key == k) {
+        *at = i;
+        return true;
+      }
+    }
+  }
+  void index_put(const void* k, uint32_t v) {
+    size_t i = home(k);
+    while (idx_[i] != 0) i = (i + 1) & (idx_cap_ - 1);
+    idx_[i] = v;
+  }
+  // linear probing's deletion by backward shift: a slot after the hole moves into it unless its
+  // home lies in (hole, slot]
+  void index_remove(size_t i) {
+    size_t mask = idx_cap_ - 1;
+    for (size_t j = (i + 1) & mask; idx_[j] != 0; j = (j + 1) & mask) {
+      size_t h = home(ents_[idx_[j] - 1].key);
+      if (((j - h) & mask) >= ((j - i) & mask)) {
+        idx_[i] = idx_[j];
+        i = j;
+      }
+    }
+    idx_[i] = 0;
+  }
+  static void* map(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    return static_cast<Slot*>(p);  // zero-filled: every key empty
+    return p;  // zero-filled
   }
-  void grow() {
-    size_t old_cap = cap(), n = old_cap == 0 ? 4096 : old_cap * 2;
-    Slot* old = slots_;
-    slots_ = map_slots(n);
-    mask_ = n - 1;
-    count_ = 0;
-    for (size_t i = 0; i < old_cap; ++i)
-      if (old[i].key != nullptr) put(old[i].key, old[i].b);
-    if (old != nullptr) munmap(old, old_cap * sizeof(Slot));
+  void grow_entries() {
+    size_t n = ent_cap_ == 0 ? 2048 : ent_cap_ * 2;
+    Entry* e = static_cast<Entry*>(map(n * sizeof(Entry)));
+    if (ents_ != nullptr) {
+      std::memcpy(e, ents_, count_ * sizeof(Entry));
+      munmap(ents_, ent_cap_ * sizeof(Entry));
+    }
+    ents_ = e;
+    ent_cap_ = n;
   }
-  Slot* slots_ = nullptr;
-  size_t mask_ = 0;
-  size_t count_ = 0;
+  void grow_index() {
+    size_t old = idx_cap_, n = old == 0 ? 4096 : old * 2;
+    if (idx_ != nullptr) munmap(idx_, old * sizeof(uint32_t));
+    idx_ = static_cast<uint32_t*>(map(n * sizeof(uint32_t)));
+    idx_cap_ = n;
+    for (size_t e = 0; e < count_; ++e) index_put(ents_[e].key, (uint32_t)(e + 1));
+  }
+  Entry* ents_ = nullptr;
+  size_t ent_cap_ = 0, count_ = 0;
+  uint32_t* idx_ = nullptr;  // entry index + 1; 0: empty
+  size_t idx_cap_ = 0;
 };
 LiveTable& live = *new LiveTable();
 // op names. A dispatcher op's name and overload strings live in its schema for the process's
