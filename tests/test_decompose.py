@@ -275,3 +275,63 @@ def test_owner_rows_after_mid_step_flush(out_dir):
         assert (cats["weight"], cats["gradient"], cats["optimizer_state"]) == (p, p, 2 * p + 4 * n)
     from msmemscope.analysis.decompose import summarize
     assert json.loads(json.dumps(summarize(df)))["steps"] == res["steps"]
+
+
+DROP_AND_SWAP = r"""
+import gc, sys, weakref, torch, msmemscope
+from torch import nn
+msmemscope.config(output=sys.argv[1], collect_mode="immediate", analysis="leaks,decompose")
+torch.manual_seed(0)
+x = torch.randn(16, 32)
+
+def fit(m, steps):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+        opt.step()
+    return opt
+
+a = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+opt = fit(a, 4)
+wa, wo = weakref.ref(a), weakref.ref(opt)
+del a, opt
+gc.collect()
+print("FREED", wa() is None and wo() is None)
+b = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+opt = fit(b, 3)
+del opt
+b.append(nn.BatchNorm1d(8))            # a module registered mid-run: its buffers are weights now
+opt = fit(b, 3)
+msmemscope.stop()
+"""
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source):
+    """The owner labels' walks keep each model's module tree between step ends (weak references,
+    walked again when a module is registered anywhere). A model and optimizer the program drops
+    are freed while tracing goes on (the tracer holds neither). A module appended mid-run is
+    walked from the next step end: its buffers (reached only through the module tree, not the
+    optimizer) are weights. Each step end's weights, gradients and optimizer state are the
+    models' parameters and buffers, to the byte."""
+    import subprocess
+    prog = tmp_path / "prog.py"
+    prog.write_text(DROP_AND_SWAP)
+    env = dict(os.environ, MSMEMSCOPE_SOURCE=source)
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FREED True" in r.stdout, r.stdout
+    (folder,) = run_folders(tmp_path / "o")
+    check_invariants(read(dump_of(folder)))
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        ends = step_ends(json.load(f))
+    first_b = (32 * 16 + 16 + 16 * 8 + 8) * 4
+    bn = 2 * 8 * 4                      # BatchNorm1d(8): weight and bias; running mean and var the same
+    assert ends[4]["weight"] == (32 * 64 + 64 + 64 * 8 + 8) * 4
+    for k in (5, 6, 7):
+        assert (ends[k]["weight"], ends[k]["gradient"], ends[k]["optimizer_state"]) == (first_b,) * 3, (k, ends[k])
+    for k in (8, 9, 10):  # + num_batches_tracked, an int64
+        assert (ends[k]["weight"], ends[k]["gradient"], ends[k]["optimizer_state"]) == \
+            (first_b + 2 * bn + 8, first_b + bn, first_b + bn), (k, ends[k])

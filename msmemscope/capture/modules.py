@@ -211,6 +211,7 @@ class ModuleTracker:
         self.attributed = 0
         self.optimizers = weakref.WeakSet()
         self._tree, self._tree_roots = None, ()      # owned_blocks' walk of the roots' modules
+        self._tree_root_refs: list = []              # the roots of ``_tree``, each once
         # the thread each root module and optimizer was met on (the labeller's forward hook keeps
         # the roots' up to date), and each thread's last owned_blocks: a walk reads only the calling
         # thread's gradients (see NativeLabeler._mine)
@@ -489,6 +490,7 @@ class ModuleTracker:
             for sub_name, sub in root.named_modules():
                 tree.append((self.paths.get(sub) or (f"{name}.{sub_name}" if sub_name else name), weakref.ref(sub), ref))
         self._tree, self._tree_roots = tree, roots
+        self._tree_root_refs = list({id(ref): ref for _, _, ref in tree}.values())
         return tree
 
     def _tree_changed(self, *_):
@@ -507,8 +509,12 @@ class ModuleTracker:
         """owned_blocks of this thread's roots and optimizers, walked now (kept for the others)."""
         tree = self._module_tree()
         # one lookup per root, not per module
-        mine = {id(r) for r in ran_here(self.thread_of, [r for r in {root() for _, _, root in tree} if r is not None])}
-        tree = [(path, ref()) for path, ref, root in tree if id(root()) in mine]
+        roots = [r for r in (ref() for ref in self._tree_root_refs) if r is not None]
+        mine = {id(r) for r in ran_here(self.thread_of, roots)}
+        if len(mine) == len(roots) == len(self._tree_root_refs):  # one thread runs them all, none gone
+            tree = [(path, ref()) for path, ref, _ in tree]
+        else:
+            tree = [(path, ref()) for path, ref, root in tree if id(root()) in mine]
         opts = ran_here(self.thread_of, list(self.optimizers))
         if not (tree or opts):
             return {}

@@ -190,6 +190,11 @@ class Labeler:
         # thread's gradients (``_mine``)
         self.thread_of = weakref.WeakKeyDictionary()
         self._walked_by: dict = {}           # alloc_id -> the thread whose walk gave its block a category
+        # each root's modules (``modules()``) between walks, as weak references, until a module is
+        # registered anywhere: a walk at every step end read the tree again (named_modules makes a
+        # path string per module: ~1 us a module, each step, on a model of thousands)
+        self._subs: dict = {}                # id(root) -> (weak root, [weak module])
+        self._tree_handle = None
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -198,6 +203,7 @@ class Labeler:
         self._module_hooks()
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
+        self._watch_tree()
         try:
             self._push_pack_hooks()
             self._hooks_pushed = True
@@ -224,10 +230,39 @@ class Labeler:
             h.remove()
         self._mod_handles = []
         self.depth = 0
+        if self._tree_handle is not None:
+            self._tree_handle.remove()
+            self._tree_handle = None
 
     def resume(self):
         if not getattr(self, "_mod_handles", None):
             self._module_hooks()
+        self._watch_tree()
+
+    def _watch_tree(self):
+        from torch.nn.modules import module as nn_module
+        self._subs = {}  # modules registered while stopped were not seen by the hook
+        if self._tree_handle is None:
+            self._tree_handle = nn_module.register_module_module_registration_hook(self._tree_changed)
+
+    def _tree_changed(self, *_):
+        self._subs = {}  # (returns None: a registration hook's value would replace the module)
+
+    def _trees(self, roots) -> list:
+        """``[list(root.modules()) for root in roots]``, from what the last walk saw where nothing
+        was registered since (and none of those modules is gone)."""
+        out, subs = [], self._subs
+        for r in roots:
+            hit = subs.get(id(r))
+            if hit is not None and hit[0]() is r:
+                mods = [w() for w in hit[1]]
+                if None not in mods:
+                    out.append(mods)
+                    continue
+            mods = list(r.modules())
+            subs[id(r)] = (weakref.ref(r), [weakref.ref(m) for m in mods])
+            out.append(mods)
+        return out
 
     def remove(self):
         self.pause()
@@ -385,7 +420,8 @@ class Labeler:
                 if register and k not in s.live:
                     s.block_of(p, "optimizer.step")
 
-        walk_live_objects(self._mine(list(self.roots)), self._mine(list(self.optimizers)), add)
+        roots = self._mine(list(self.roots))
+        walk_live_objects(roots, self._mine(list(self.optimizers)), add, self._trees(roots))
         return out
 
     def _owning_modules(self, roots):
@@ -549,14 +585,15 @@ class Labeler:
         wrap("foreach_reduce", ("fsdp2", "reduce_scatter"), grads_arg=1)
 
 
-def walk_live_objects(roots, optimizers, add):
+def walk_live_objects(roots, optimizers, add, trees=None):
     """``add(tensor, category, components)`` for every tensor the live objects say what it is:
     FSDP2's sharded / unsharded parameter storages first, then the parameters, buffers and grads
     of the modules that ran a forward, the parameters, grads and state of the optimizers that
     stepped. The first category given to a storage stays (a tensor given twice keeps its first)."""
     # one walk of each root's tree (it runs at every flush: ``parameters()``, ``buffers()`` and a
     # second ``parameters()`` for the grads would each walk it again)
-    trees = [list(m.modules()) for m in roots]
+    if trees is None:  # (``Labeler._trees``: the same lists, kept between walks)
+        trees = [list(m.modules()) for m in roots]
     for mods in trees:  # FSDP2 first: its storages carry the sharded/unsharded component
         for sub in mods:
             get_state = getattr(sub, "_get_fsdp_state", None)
@@ -800,7 +837,7 @@ class NativeLabeler(Labeler):
 
     def _walk_live(self, roots, opts):
         if self._walk is not None:
-            got = self._walk.live_categories([list(m.modules()) for m in roots], opts, _CATEGORY_VALUES)
+            got = self._walk.live_categories(self._trees(roots), opts, _CATEGORY_VALUES)
             if got is not None:
                 return got
         tensors, meta = [], []
@@ -812,7 +849,7 @@ class NativeLabeler(Labeler):
                 tensors.append(p)
                 meta.append((cat, comp))
 
-        walk_live_objects(roots, opts, add)
+        walk_live_objects(roots, opts, add, self._trees(roots))
         out = {}
         for aid, cc in zip(self.nat.block_ids(tensors), meta):
             if aid >= 0 and aid not in out:  # the first category given stays
