@@ -42,9 +42,9 @@ namespace {
 std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction&) { return nullptr; }
 void leave(const at::RecordFunction&, at::ObserverContext*) {}
 }
-int64_t add_floor() {
+int64_t add_floor(bool io) {
   return (int64_t)at::addGlobalCallback(at::RecordFunctionCallback(enter, leave)
-      .needsInputs(false).needsOutputs(false).needsIds(false).scopes({at::RecordScope::FUNCTION}));
+      .needsInputs(io).needsOutputs(io).needsIds(false).scopes({at::RecordScope::FUNCTION}));
 }
 void remove_floor(int64_t h) { at::removeCallback((at::CallbackHandle)h); }
 '''
@@ -54,7 +54,7 @@ def floor_module():
     from torch.utils.cpp_extension import load_inline
     d = os.path.join(os.path.expanduser("~"), ".cache", "msmemscope", "bench_floor")
     os.makedirs(d, exist_ok=True)
-    return load_inline("msmemscope_bench_floor", cpp_sources=_FLOOR_SRC, functions=["add_floor", "remove_floor"],
+    return load_inline("msmemscope_bench_floor2", cpp_sources=_FLOOR_SRC, functions=["add_floor", "remove_floor"],
                        build_directory=d, verbose=False)
 
 
@@ -63,6 +63,8 @@ def main(argv=None):
     p.add_argument("--workload", default="mlp")
     p.add_argument("--analysis", default="leaks", help="the traced state's --analysis (default: leaks, the default)")
     p.add_argument("--blocks", type=int, default=40, help="blocks of each state")
+    p.add_argument("--floor-io", action="store_true",
+                   help="the floor's callback asks for the ops' inputs and outputs (as the access events' does)")
     p.add_argument("--profiler", action="store_true", help="a fourth state: torch.profiler collecting")
     p.add_argument("--steps", type=int, default=0, help="steps a block (default: ~0.4 s of plain steps)")
     a = p.parse_args(argv)
@@ -97,7 +99,7 @@ def main(argv=None):
     for _ in range(a.blocks):
         rng.shuffle(order)  # no state always follows the same other one
         for state in order:
-            h = floor.add_floor() if state == "floor" else None
+            h = floor.add_floor(a.floor_io) if state == "floor" else None
             prof = None
             if state == "traced":
                 msmemscope.start()
@@ -116,7 +118,7 @@ def main(argv=None):
             if h is not None:
                 floor.remove_floor(h)
     base = statistics.median(times["plain"])
-    print(f"{a.workload}, --analysis={a.analysis}: {a.blocks} blocks of {n} steps per state, interleaved")
+    print(f"{a.workload}, --analysis={a.analysis}{' --floor-io' if a.floor_io else ''}: {a.blocks} blocks of {n} steps per state, interleaved")
     print("| state | µs a step (median) | × plain |")
     print("|---|---|---|")
     for state, xs in times.items():
