@@ -246,3 +246,46 @@ def test_signals_during_flushes(tmp_path, source, mode, analysis):
         from msmemscope.io.reader import read_dump
         mods = read_dump(dump_of(folder), columns=("event", "module", "phase"), events=("MALLOC",))
         assert mods["module"].drop_nulls().len() > 10 and set(mods["phase"].drop_nulls()) == {"forward", "backward"}
+
+
+TERM_INSIDE_AN_OP = r"""
+import os, signal, sys, torch, msmemscope
+
+@torch.library.custom_op("msmemscope_test::term_inside", mutates_args=())
+def term_inside(x: torch.Tensor) -> torch.Tensor:
+    y = x * 3                             # a block made inside the op
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode: inside the op
+    for _ in range(10000):
+        pass
+    return y + 1
+
+msmemscope.config(output=sys.argv[1], collect_mode="immediate")
+msmemscope.start()
+a = torch.ones(256)
+b = a * 2
+print("before", flush=True)
+term_inside(b)
+print("after", flush=True)
+"""
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_sigterm_inside_an_op_leaves_no_op_open(tmp_path, source):
+    """SIGTERM delivered while an op runs (a Python custom op signals itself): the session's handler
+    writes the dump and the process ends with the signal, inside the op. The dump keeps every
+    invariant: the op's ATEN_START has its ATEN_END (written at the stop), and the op's own end,
+    which never comes, is not needed (the dispatch-mode source once left the op open)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(TERM_INSIDE_AN_OP)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(prog), str(out)], env=_env(source), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode in (-15, 143), (r.returncode, r.stderr[-2000:])
+    assert "before" in r.stdout and "after" not in r.stdout
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    ops = df.filter(pl.col("event") == "OP_LAUNCH")
+    assert ops.filter(pl.col("event_type") == "ATEN_START")["name"].str.contains("term_inside").any(), \
+        ops["name"].to_list()

@@ -76,6 +76,10 @@ class DispatchSource(Source):
         # its row (the garbage collector, a signal handler): that free waits for the row, else the
         # FREE would land before the MALLOC whose ``used`` already counts it.
         self._in_row = None               # the thread inside a row section
+        # the ops whose ATEN_START is written and whose ATEN_END is not yet: thread -> [names]. stop()
+        # writes their ATEN_END (a SIGTERM handler that ends the run inside an op, another thread's
+        # stop()), so a dump never has an op left open; the op's own end then writes none
+        self.in_flight: dict = {}
         self._waiting: list = []          # frees that came during it
         self._row_depth = 0
 
@@ -89,6 +93,29 @@ class DispatchSource(Source):
     def stop(self):
         self.recording = False
         self._pop_mode()
+        self.close_in_flight()
+
+    def op_started(self, tid, name):
+        self.in_flight.setdefault(tid, []).append(name)
+
+    def op_ended(self, tid) -> bool:
+        """The op's ATEN_END is to be written (False: stop() wrote it)."""
+        st = self.in_flight.get(tid)
+        if not st:
+            return False
+        st.pop()
+        return True
+
+    def close_in_flight(self):
+        s = self.s
+        if not self.in_flight or s.closed:
+            return
+        from .ops import ATEN_END, OP_LAUNCH
+        ts = time_ns()
+        for tid, st in list(self.in_flight.items()):
+            while st:
+                s.buf.append((OP_LAUNCH, ATEN_END, st.pop(), ts, tid, s.op_device, None, None, None, None))
+        self.in_flight.clear()
 
     def take_over(self, prev, last_alloc_id):
         """Follow ops and new blocks from now on, after ``prev`` (the native source) handed over."""

@@ -78,6 +78,7 @@ class OpTracer(TorchDispatchMode):
         tls.stack = stack  # the op's blocks share its stack: taken once per op
         if launch:
             buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None, stack, None))
+            self.src.op_started(tid, name)
         access = s.emit_access and not is_view
         src = self.src
         block_of = src.block_of
@@ -127,7 +128,7 @@ class OpTracer(TorchDispatchMode):
             out = func(*args, **kwargs)
         except BaseException as exc:
             s.op_failed(name, exc)
-            if launch:
+            if launch and self.src.op_ended(tid):
                 buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
             tls.op = prev
             tls.stack = None
@@ -172,7 +173,7 @@ class OpTracer(TorchDispatchMode):
             src.emit_accesses(name, tid, touched)
         if s.watch_active:
             s.op_observer.after(func, name, args, kwargs, out, touched)
-        if launch:
+        if launch and src.op_ended(tid):
             buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
         tls.op = prev
         tls.stack = None
