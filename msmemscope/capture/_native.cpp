@@ -95,8 +95,8 @@ std::vector<Rec>& recs = *new std::vector<Rec>();
 // `recs` if the drain fails; both vectors keep their capacity, so neither grows again each step
 std::vector<Rec>& drained = *new std::vector<Rec>();
 uint64_t recs_epoch = 0;  // bumped where `recs` is cleared: a failed drain then puts nothing back
-// The blocks the wrapper handed out, by data pointer: open addressing (linear probing, deletion by
-// backward shift), its slots mapped from the system, not taken from the heap. A node-based map
+// The blocks the wrapper handed out, by data pointer: dense entries and an index of open addressing
+// (linear probing, deletion by backward shift), both mapped from the system, not taken from the heap. A node-based map
 // allocated a node per block and freed it with the block, from inside the program's own
 // allocations: those small chunks between its tensors changed where glibc put the tensors, and
 // how often they landed on fresh pages (BENCHMARKS.md, twenty-first session). Under mu.
@@ -256,11 +256,10 @@ struct InFlight {
       }
     v.emplace_back(t, op);
   }
-  // the op of thread t, taken out; false: none
-  bool take(uint64_t t, int32_t* op) {
+  // thread t's op taken out; false: none
+  bool take(uint64_t t) {
     for (size_t i = 0; i < v.size(); ++i)
       if (v[i].first == t) {
-        *op = v[i].second;
         v[i] = v.back();
         v.pop_back();
         return true;
@@ -661,8 +660,7 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
     }
     // the OP_END of an op whose OP_START is recorded, whatever the flags are now (a step
     // boundary on another thread); none when stop()/handover() closed it already
-    int32_t open_op;
-    if (!in_flight.empty() && in_flight.take(t, &open_op)) recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_END, op, -1, 0});
+    if (!in_flight.empty() && in_flight.take(t)) recs.push_back({now_ns(), t, 0, 0, 0, 0, OP_END, op, -1, 0});
     ask = recs.size() >= drain_at;
   }
   if (ask) maybe_ask_drain();

@@ -521,15 +521,18 @@ class ModuleTracker:
         got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)
         return got
 
-    def _answer(self):
-        """(the last id this thread's previous answer covered, this thread's walk now): the blocks
-        of its roots made since are answered by this walk."""
+    def _answer_new(self, earlier):
+        """This thread's walk now, for the blocks made since its previous answer (the others were
+        answered then); ``earlier`` (answers of step ends since the last flush) wins over it."""
         nat = self._native_blocks()
         me = _get_ident()
         prev = self._answered_upto.get(me, 0)
         if nat is not None:
             self._answered_upto[me] = nat.m.last_alloc_id()  # before the walk: one made during it is the next's
-        return prev, self._walk_mine()
+        got = {k: v for k, v in self._walk_mine().items() if k > prev}
+        if earlier:
+            got.update(earlier)
+        return got
 
     def _walk_owned(self, tree, opts):
         walk = _native_walk()
@@ -575,11 +578,7 @@ class ModuleTracker:
         gives them (``owned_known``)."""
         if owned_known or self._native_blocks() is None:
             return
-        prev, mine = self._answer()
-        got = {k: v for k, v in mine.items() if k > prev}
-        if self.at_step is not None:
-            got.update(self.at_step)  # an earlier answer stays
-        self.at_step = got
+        self.at_step = self._answer_new(self.at_step)  # an earlier answer stays
 
     def attribute(self, buf, owned=None):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
@@ -598,9 +597,7 @@ class ModuleTracker:
             # blocks answered at a step end keep that answer; the others are answered now
             try:
                 if at_step is not None:  # step ends came since the last flush: this thread's new blocks
-                    prev, mine = self._answer()
-                    found = {k: v for k, v in mine.items() if k > prev}
-                    found.update(at_step)
+                    found = self._answer_new(at_step)
                 else:
                     found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
             except Exception:

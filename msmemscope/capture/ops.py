@@ -73,14 +73,14 @@ class OpTracer(TorchDispatchMode):
         tls.op = name
         tid = _get_ident()
         buf = s.buf
+        src = self.src
         launch = s.emit_launch
         stack = s.py_stack() if s.py_depth else None
         tls.stack = stack  # the op's blocks share its stack: taken once per op
         if launch:
             buf.append((OP_LAUNCH, ATEN_START, name, time_ns(), tid, s.op_device, None, None, stack, None))
-            self.src.op_started(tid, name)
+            src.op_started(tid, name)
         access = s.emit_access and not is_view
-        src = self.src
         block_of = src.block_of
         live = src.live
         touched = [] if access else None
@@ -128,7 +128,7 @@ class OpTracer(TorchDispatchMode):
             out = func(*args, **kwargs)
         except BaseException as exc:
             s.op_failed(name, exc)
-            if launch and self.src.op_ended(tid):
+            if launch and src.op_ended(tid):
                 buf.append((OP_LAUNCH, ATEN_END, name, time_ns(), tid, s.op_device, None, None, None, None))
             tls.op = prev
             tls.stack = None

@@ -793,14 +793,12 @@ class NativeLabeler(Labeler):
 
     def _relabel(self, aid, pool):
         """The block's owner now; an OWNER row when its MALLOC row is already written."""
-        s = self.s
         new = self.compose(_NB(aid, pool), None)
         if self.owner.get(aid) != new:
             self.owner[aid] = new
             # its MALLOC row is written, or waits with the label a step end gave it
-            if (aid <= self.flushed_upto or aid in self.at_step) and s.emit_alloc:
-                self.updates += 1
-                s.system(OWNER_ROW, {"allocation_id": aid, "owner": new})
+            if aid <= self.flushed_upto or aid in self.at_step:
+                self._owner_rows([aid])
 
     def mark(self, tensors, category, comp):
         self._take_saved()
