@@ -289,3 +289,48 @@ def test_sigterm_inside_an_op_leaves_no_op_open(tmp_path, source):
     ops = df.filter(pl.col("event") == "OP_LAUNCH")
     assert ops.filter(pl.col("event_type") == "ATEN_START")["name"].str.contains("term_inside").any(), \
         ops["name"].to_list()
+
+
+STOP_WHILE_ANOTHER_THREAD_IS_IN_AN_OP = r"""
+import sys, threading, time, torch, msmemscope
+torch.set_num_threads(1)
+msmemscope.config(output=sys.argv[1], collect_mode="immediate")
+msmemscope.start()
+a = torch.randn(1200, 1200)
+done = []
+
+def work():                            # started after start(): followed on both sources
+    t0, n = time.time(), 0
+    while time.time() - t0 < 1.5:
+        (a @ a).sum()                  # ~0.1 s an op: stop() lands inside one
+        n += 1
+    done.append(n)
+
+th = threading.Thread(target=work)
+th.start()
+time.sleep(0.45)
+msmemscope.stop()
+time.sleep(0.3)
+msmemscope.start()
+th.join()
+msmemscope.stop()
+print("ops", done[0])
+"""
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_stop_and_start_while_another_thread_is_in_an_op(tmp_path, source):
+    """stop() on the main thread while a worker thread is inside a long op, then start() again: the
+    op open at the stop gets its ATEN_END there (written by the stop), and its own end writes no
+    second one; the worker's ops after the start pair again. Every invariant holds."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(STOP_WHILE_ANOTHER_THREAD_IS_IN_AN_OP)
+    r = _python([str(prog), str(tmp_path / "out")], source)
+    assert "ops" in r.stdout
+    (folder,) = run_folders(tmp_path / "out")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    main_tid = df.filter(pl.col("event") == "SYSTEM")["tid"].mode()[0]
+    worker = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") != main_tid))
+    assert worker.height >= 4, worker  # ops of the worker on both sides of the gap

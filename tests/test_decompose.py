@@ -301,25 +301,36 @@ print("FREED", wa() is None and wo() is None)
 b = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
 opt = fit(b, 3)
 del opt
-b.append(nn.BatchNorm1d(8))            # a module registered mid-run: its buffers are weights now
+bn = nn.BatchNorm1d(8)
+if sys.argv[2] == "gap":
+    msmemscope.stop()                  # registered while stopped: no hook sees it, start() walks anew
+b.append(bn)                           # a module registered mid-run: its buffers are weights now
+if sys.argv[2] == "gap":
+    msmemscope.start()
 opt = fit(b, 3)
 msmemscope.stop()
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
-def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source):
+@pytest.mark.parametrize("source,gap", [
+    ("native", ""), ("python", ""), ("native", "gap"),
+    pytest.param("python", "gap", marks=pytest.mark.xfail(strict=True, reason=(
+        "known, not fixed: on the dispatch-mode source a module made before a stop/start gap keeps its "
+        "parameters and buffers as ops' blocks after it (weights 2,656 B of 2,792); the same without "
+        "the module trees kept between walks")))])
+def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, gap):
     """The owner labels' walks keep each model's module tree between step ends (weak references,
     walked again when a module is registered anywhere). A model and optimizer the program drops
     are freed while tracing goes on (the tracer holds neither). A module appended mid-run is
     walked from the next step end: its buffers (reached only through the module tree, not the
-    optimizer) are weights. Each step end's weights, gradients and optimizer state are the
-    models' parameters and buffers, to the byte."""
+    optimizer) are weights, also when it is registered while tracing is stopped (``gap``: no hook
+    then; ``start()`` walks the trees anew). Each step end's weights, gradients and optimizer state
+    are the models' parameters and buffers, to the byte."""
     import subprocess
     prog = tmp_path / "prog.py"
     prog.write_text(DROP_AND_SWAP)
     env = dict(os.environ, MSMEMSCOPE_SOURCE=source)
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o"), gap or "-"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FREED True" in r.stdout, r.stdout
