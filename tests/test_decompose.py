@@ -280,6 +280,9 @@ def test_owner_rows_after_mid_step_flush(out_dir):
 DROP_AND_SWAP = r"""
 import gc, sys, weakref, torch, msmemscope
 from torch import nn
+if sys.argv[2] == "flush":
+    from msmemscope.capture import session
+    session.FLUSH_ROWS = 25            # flushes inside every step: MALLOC rows written before the step ends
 msmemscope.config(output=sys.argv[1], collect_mode="immediate", analysis="leaks,decompose")
 torch.manual_seed(0)
 x = torch.randn(16, 32)
@@ -312,20 +315,18 @@ msmemscope.stop()
 """
 
 
-@pytest.mark.parametrize("source,gap", [
-    ("native", ""), ("python", ""), ("native", "gap"),
-    pytest.param("python", "gap", marks=pytest.mark.xfail(strict=True, reason=(
-        "known, not fixed: on the dispatch-mode source a module made before a stop/start gap keeps its "
-        "parameters and buffers as ops' blocks after it (weights 2,656 B of 2,792); the same without "
-        "the module trees kept between walks")))])
+@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("gap", ["", "gap", "flush"])
 def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, gap):
     """The owner labels' walks keep each model's module tree between step ends (weak references,
     walked again when a module is registered anywhere). A model and optimizer the program drops
     are freed while tracing goes on (the tracer holds neither). A module appended mid-run is
     walked from the next step end: its buffers (reached only through the module tree, not the
     optimizer) are weights, also when it is registered while tracing is stopped (``gap``: no hook
-    then; ``start()`` walks the trees anew). Each step end's weights, gradients and optimizer state
-    are the models' parameters and buffers, to the byte."""
+    then; ``start()`` walks the trees anew), and when flushes inside each step (``flush``) wrote the
+    MALLOC rows before the labels were known (OWNER rows then). Each step end's weights, gradients
+    and optimizer state are the models' parameters and buffers, to the byte, and so are the
+    appended module's in the per-module table, under its ``named_modules()`` name."""
     import subprocess
     prog = tmp_path / "prog.py"
     prog.write_text(DROP_AND_SWAP)
@@ -346,3 +347,15 @@ def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, ga
     for k in (8, 9, 10):  # + num_batches_tracked, an int64
         assert (ends[k]["weight"], ends[k]["gradient"], ends[k]["optimizer_state"]) == \
             (first_b + 2 * bn + 8, first_b + bn, first_b + bn), (k, ends[k])
+    # per module: the appended BatchNorm under the name named_modules() gives it, its parameters
+    # and buffers there (made before a gap: their OWNER rows carry the module), not outside modules
+    from msmemscope.analysis.decompose import EVENTS, MODULE_COLUMNS_READ, module_table
+    from msmemscope.io.reader import read_dump
+    for k in (8, 9, 10):
+        rows = {r["module"]: r for r in module_table(read_dump(dump_of(folder), columns=MODULE_COLUMNS_READ,
+                                                               events=EVENTS), k)["cpu"]["modules"]}
+        assert not any(name.endswith("BatchNorm1d") for name in rows), sorted(rows)
+        held = rows["Sequential.3"]["held"]
+        assert (held["parameters"], held["gradients"], held["optimizer_state"]) == (2 * bn + 8, bn, bn), (k, held)
+        assert rows["(outside modules)"]["held"]["parameters"] == 0, (k, rows["(outside modules)"])
+        assert sum(r["held"]["parameters"] for r in rows.values() if r["depth"] == 2) == first_b + 2 * bn + 8

@@ -217,6 +217,7 @@ class ModuleTracker:
         # thread's gradients (see NativeLabeler._mine)
         self.thread_of = weakref.WeakKeyDictionary()
         self._owned_by_thread = {}
+        self._walks = 0                            # walks of the owned blocks so far (_walk_mine)
         # owned_blocks() at the step ends since the last flush, each block from the first step end
         # after it was made (what that step's own flush would have found); the last allocation id
         # such an answer covers
@@ -277,6 +278,22 @@ class ModuleTracker:
     def _name(self, module, parent=None):
         cls = type(module).__name__
         if parent is not None:
+            # a module added to a named tree after it was walked (while tracing, or in a stop/start
+            # gap): its name in its root's named_modules(), as the modules walked at first sight
+            ref = self.roots.get(parent.split(".", 1)[0])
+            root = ref() if ref is not None else None
+            if root is not None:
+                rname = parent.split(".", 1)[0]
+                try:
+                    for sub_name, sub in root.named_modules():
+                        if sub not in self.paths:
+                            self.paths[sub] = f"{rname}.{sub_name}".translate(_BAD) if sub_name else rname
+                except Exception:
+                    pass
+                p = self.paths.get(module)
+                if p is not None:
+                    return p
+            # not in the tree (a module kept outside its parent's registered children)
             p = f"{parent}.{cls}".translate(_BAD)
             self.paths[module] = p
             return p
@@ -518,6 +535,7 @@ class ModuleTracker:
         opts = ran_here(self.thread_of, list(self.optimizers))
         if not (tree or opts):
             return {}
+        self._walks += 1
         got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)
         return got
 
@@ -580,10 +598,11 @@ class ModuleTracker:
             return
         self.at_step = self._answer_new(self.at_step)  # an earlier answer stays
 
-    def attribute(self, buf, owned=None):
+    def attribute(self, buf, owned=None, owner_rows=()):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
-        optimizer state: capture/owners.py), which wins over the running module."""
+        optimizer state: capture/owners.py), which wins over the running module. ``owner_rows``:
+        the attrs of the OWNER rows made since the last flush, given the module owning their block."""
         if self.nat is not None:
             marks, base = self.nat.mt_marks()
         else:
@@ -593,6 +612,7 @@ class ModuleTracker:
         malloc = Event.MALLOC
         cats = {}
         at_step, self.at_step = self.at_step, None
+        given, walks = owned is not None, self._walks
         if owned is None:  # no owner labels: the owning modules and their categories from here
             # blocks answered at a step end keep that answer; the others are answered now
             try:
@@ -604,6 +624,10 @@ class ModuleTracker:
                 found = dict(at_step or {})
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
+        if owner_rows:
+            # the owner labeller's ``owned`` answers every live block; the native source's answers only
+            # the blocks made since the last flush, walked now unless a walk ran for it
+            self._attribute_owner_rows(owner_rows, owned, walked=given or walks != self._walks)
         mod = _native_module()
         if mod is not None:
             n = mod.attribute(buf, marks, base, owned, cats)
@@ -612,6 +636,27 @@ class ModuleTracker:
         self.attributed += n
         self._prune()
         return n
+
+    def _attribute_owner_rows(self, rows, owned, walked):
+        """An OWNER row (a block relabelled after its MALLOC row was written: made before a stop/start
+        gap, or before the module that owns it was in a tree) carries the module owning the block, so
+        that ``decompose --by=module`` moves it there. ``owned`` answers the blocks made since the last
+        flush (native source) or all (owner labeller); the others from the threads' last walks, this
+        thread's walked now unless ``walked``."""
+        if not walked and any(r["allocation_id"] not in owned for r in rows):
+            try:
+                self._walk_mine()
+            except Exception:
+                pass
+        every = all_threads(self._owned_by_thread)
+        for r in rows:
+            aid = r["allocation_id"]
+            path = owned.get(aid)
+            if path is None:
+                hit = every.get(aid)
+                path = hit[0] if hit is not None else None
+            if path is not None and "module" not in r:
+                r["module"] = path
 
     def _prune(self):
         """Keep the marks since the previous flush (rows of a source drained one flush late still

@@ -186,6 +186,7 @@ class Labeler:
         self._patched = []
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
+        self.unattributed: list = []         # attrs of the OWNER rows made since the last flush
         # the thread that last ran each root module and optimizer: a walk reads only the calling
         # thread's gradients (``_mine``)
         self.thread_of = weakref.WeakKeyDictionary()
@@ -324,7 +325,31 @@ class Labeler:
         # state made by this step (Adam's moments, step counters) is registered and labelled
         # before the session's own post-hook ends the step
         self._opt_pre(opt, args, kwargs)
-        self.resolve(register=True)
+        _, changed = self.resolve(register=True)
+        # a block whose MALLOC row is written already (before a stop/start gap, or by a flush inside
+        # the step) gets its OWNER row now, before the step's STEP row; the flush's own walk would
+        # find no change left to report
+        s = self.s
+        if s.emit_alloc:
+            for b in changed:
+                if b.alloc_id <= self.flushed_upto and b.owner:
+                    self._owner_row(b)
+
+    def _owner_row(self, b):
+        self._emit_owner(b.alloc_id, b.owner)
+
+    def _emit_owner(self, aid, owner):
+        """An OWNER row for a block whose MALLOC row is written. Module attribution (where on) gives
+        it the module owning the block at the flush that writes it (``ModuleTracker.attribute``)."""
+        self.updates += 1
+        row = {"allocation_id": aid, "owner": owner}
+        self.s.system(OWNER_ROW, row)
+        self.unattributed.append(row)
+
+    def take_owner_rows(self) -> list:
+        """The OWNER rows' attrs made since the last call (the flush attributes them)."""
+        rows, self.unattributed = self.unattributed, []
+        return rows
 
     def _pack(self, t):
         try:
@@ -361,8 +386,7 @@ class Labeler:
                     old, b.owner = b.owner, self.compose(b, None)
                     if b.owner != old and b.alloc_id <= self.flushed_upto and s.emit_alloc:
                         # its MALLOC row is already written: record the new owner
-                        self.updates += 1
-                        s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+                        self._owner_row(b)
 
     def add_user_label(self, t, owner):
         s = self.s
@@ -378,8 +402,7 @@ class Labeler:
             b.owner = self.compose(b, None)
             if b.alloc_id <= self.flushed_upto and s.emit_alloc:
                 # its MALLOC row is written: record the new owner now, before any later FREE
-                self.updates += 1
-                s.system(OWNER_ROW, {"allocation_id": b.alloc_id, "owner": b.owner})
+                self._owner_row(b)
             # else the MALLOC row is still buffered and gets the owner at the flush
         return found
 
@@ -543,11 +566,7 @@ class Labeler:
         if s.emit_alloc:
             for b in changed:
                 if b.alloc_id not in in_buf and b.owner:
-                    self.updates += 1
-                    row = {"allocation_id": b.alloc_id, "owner": b.owner}
-                    if b.alloc_id in self.owned:
-                        row["module"] = self.owned[b.alloc_id]
-                    s.system(OWNER_ROW, row)
+                    self._owner_row(b)
         # forget what we knew about blocks that are gone
         if self.info or self._walked_by:
             alive = {b.alloc_id for b in live.values()}
@@ -901,8 +920,7 @@ class NativeLabeler(Labeler):
         s = self.s
         if s.emit_alloc:
             for aid in aids:
-                self.updates += 1
-                s.system(OWNER_ROW, {"allocation_id": aid, "owner": self.owner[aid]})
+                self._emit_owner(aid, self.owner[aid])
 
     def at_step_end(self):
         """A step ended and its flush waits: label the live blocks as they are now, as that step's

@@ -735,7 +735,9 @@ class Session:
             self.device_source.drain_into(self.buf, flushing=True)
         if self.modules is not None:
             try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                self.modules.attribute(self.buf, self.labeler.owned if self.labeler is not None else None)
+                lab = self.labeler
+                self.modules.attribute(self.buf, lab.owned if lab is not None else None,
+                                       lab.take_owner_rows() if lab is not None else ())
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
         n = len(self.buf)
