@@ -427,3 +427,82 @@ def test_while_boundaries_come_the_program_thread_flushes_and_the_flusher_only_w
     check_invariants(df)
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     assert steps["attr"].str.extract(r"(\d+)").cast(pl.Int64).to_list() == list(range(1, 301))
+
+
+BIG_STEPS = r"""
+import json, sys, torch, msmemscope
+from msmemscope import capture
+per_step = int(sys.argv[1])
+kept = []
+for i in range(12):
+    xs = [torch.ones(4) for _ in range(per_step)]  # per_step blocks made and freed in the step
+    kept.append(torch.ones(8 * (i + 1)))
+    del xs
+    msmemscope.step()
+s = capture.current()
+print(json.dumps({"flushes": s._flushes, "room": s.writer.room_rows(), "per_step": s._rows_per_step}))
+"""
+
+
+@pytest.mark.parametrize("per_step", [20, 3000])
+def test_a_step_flush_waits_only_while_its_frame_fits_the_pipe(tmp_path, per_step):
+    """Boundaries share a flush only while the frame after the next step still fits in half the pipe
+    to the writer process (``SpoolWriter.room_rows``): a frame larger than the pipe made the program
+    wait for the writer process to read it. A program of ~6,000 rows a step (~400 KB) flushes at
+    every boundary or so, one of ~40 rows a step shares one flush for all, with STEP_FLUSH_S
+    far longer than the run; both dumps whole, every step's rows before its STEP row."""
+    prog = tmp_path / "big.py"
+    prog.write_text(BIG_STEPS)
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "30"
+    env["MSMEMSCOPE_SOURCE"] = "native"
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=leaks",
+                        sys.executable, str(prog), str(per_step)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    steps = df.filter(pl.col("event_type") == "STEP")
+    assert steps.height == 12
+    mallocs = df.filter((pl.col("event") == "MALLOC") & (pl.col("size") == 16)).height
+    assert mallocs == 12 * per_step
+    if per_step > 1000:
+        assert got["room"] is not None and got["per_step"] * 2 > got["room"], got  # two steps do not fit
+        assert got["flushes"] >= 11, got
+    else:
+        assert got["room"] is not None and got["per_step"] * 12 < got["room"], got
+        assert got["flushes"] <= 3, got
+
+
+def test_the_writer_process_doorbell():
+    """The writer process's nap ends when the doorbell rings (a frame larger than the pipe's room is
+    coming), and a doorbell whose other end closed is let go of, not waited on again (it would be
+    ready forever: a busy loop)."""
+    from msmemscope.io import spool
+    data_r, data_w = os.pipe()
+    bell_r, bell_w = os.pipe()
+    os.set_blocking(data_r, False)
+    saved = spool._bell
+    try:
+        spool._bell = bell_r
+        os.write(bell_w, b"!")
+        assert spool._nap(30.0, data_r, False) is True       # rang: returns at once, not after 30 s
+        assert spool._nap(0.01, data_r, False) is False       # nothing rang
+        os.write(data_w, b"x" * 10)
+        assert spool._read_exact(data_r, 10) == b"x" * 10
+        os.write(data_w, b"abc")
+        os.close(data_w)
+        assert spool._read_exact(data_r, 3) == b"abc"
+        assert spool._read_exact(data_r, 1) is None           # the stream ended
+        os.close(bell_w)
+        assert spool._nap(0.01, data_r, False) is False
+        assert spool._bell is None                            # let go of, naps alone from here
+    finally:
+        spool._bell = saved
+        for fd in (data_r, bell_r, bell_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -590,13 +590,17 @@ class ModuleTracker:
                 out[aid] = m
         return out
 
-    def at_step_end(self, owned_known=False):
+    def at_step_end(self, owned_known=False, labeler=None):
         """A step ended and its flush waits: the blocks' owning modules now (a gradient the next
-        step frees is attributed as that step's flush would have). Nothing where the labeller
-        gives them (``owned_known``)."""
+        step frees is attributed as that step's flush would have), and the labeller's OWNER rows
+        since the last step end theirs, from the same walk. Nothing where the labeller gives them
+        (``owned_known``)."""
         if owned_known or self._native_blocks() is None:
             return
         self.at_step = self._answer_new(self.at_step)  # an earlier answer stays
+        rows = labeler.take_owner_rows() if labeler is not None else ()
+        if rows:
+            self._attribute_owner_rows(rows, {}, walked=True)
 
     def attribute(self, buf, owned=None, owner_rows=()):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;

@@ -133,6 +133,12 @@ def pop_component(prev):
 
 
 # ---------------------------------------------------------------- tensors -> storages
+def _category_of(owner) -> str | None:
+    """The category of an owner label ("PTA@weight@vllm" -> "weight")."""
+    parts = owner.split("@", 2) if owner else ()
+    return parts[1] if len(parts) > 1 else None
+
+
 def plain_tensors(t):
     """The plain tensors behind ``t`` (DTensor and other wrapper subclasses unwrapped)."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
@@ -187,6 +193,9 @@ class Labeler:
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
         self.unattributed: list = []         # attrs of the OWNER rows made since the last flush
+        # after a handover from the native source: the label each of its blocks has in the dump
+        # (alloc_id -> owner), which the block keeps when the dispatch-mode source first meets it
+        self.handed_owner: dict = {}
         # the thread that last ran each root module and optimizer: a walk reads only the calling
         # thread's gradients (``_mine``)
         self.thread_of = weakref.WeakKeyDictionary()
@@ -287,7 +296,8 @@ class Labeler:
             inf.users = users
             inf.comp = comp or ()
         self.pending.append(b)
-        b.owner = self.compose(b, None)
+        known = self.handed_owner.get(b.alloc_id) if self.handed_owner else None
+        b.owner = known if known is not None else self.compose(b, None)
 
     def _info(self, b):
         inf = self.info.get(b.alloc_id)
@@ -369,7 +379,10 @@ class Labeler:
                         inf = self._info(b)
                         if not inf.saved:
                             inf.saved = True
-                            b.owner = self.compose(b, None)
+                            # an op's block becomes an activation; a block the walks gave a category
+                            # (a weight saved through its transpose view) keeps it
+                            if _category_of(b.owner) == OPS:
+                                b.owner = self.compose(b, None)
         except Exception:
             pass
         return t
@@ -759,6 +772,7 @@ class NativeLabeler(Labeler):
         lab.roots, lab.optimizers, lab.info, lab.thread_of = self.roots, self.optimizers, self.info, self.thread_of
         lab.depth, lab.fwd_first_aid = self._forward()
         lab.updates, lab.flushed_upto = self.updates, self.flushed_upto
+        lab.handed_owner = dict(self.owner)
         lab.install()
         return lab
 

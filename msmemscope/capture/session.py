@@ -158,6 +158,8 @@ class Session:
         self._last_flush_ns = 0
         self._last_wait_ns = 0               # when the last boundary whose flush waits ended its step
         self._ended_unflushed = None         # the last step ended whose flush waits (STEP_FLUSH_S)
+        self._steps_waiting = 0              # step boundaries whose flush waits now
+        self._rows_per_step = 0.0            # rows a step, from the flushes that ended steps
         self._flusher = None                 # the thread that flushes it once the program goes quiet
         self._exit_installed = False
         self.active = False
@@ -588,6 +590,7 @@ class Session:
         if kept and self._may_wait() and now - self._last_flush_ns < self._step_flush_ns:
             self._ended_unflushed = ended  # its rows and STEP row wait (buffer, native records), in order
             self._last_wait_ns = now
+            self._steps_waiting += 1
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_waiting, name="msmemscope-step-flush",
                                                  daemon=True)
@@ -604,8 +607,18 @@ class Session:
         return (self._step_flush_ns > 0 and self.native_ops and self.device_source is None
                 and self._keeps_step_facts() and self.op_observer is None
                 and self._held_step is None and len(self.buf) < self.flush_rows
+                and self._frame_fits()
                 and "traceback" not in self.opts.events  # the Python trace would follow our thread too
                 and all(getattr(s, "batch_steps", False) for s in self.sinks))
+
+    def _frame_fits(self) -> bool:
+        """Whether the flush after the next step still fits in what the writer takes without making
+        the program wait (``room_rows``: half the pipe to the writer process). A frame the pipe
+        cannot hold waits for the writer process to read it, and that one may be busy writing the
+        frame before (tiny GPT-2 with decompose: 4-5 steps a frame, ~1 MB, 0.3-1 ms a step waiting)."""
+        room = getattr(self.writer, "room_rows", None)
+        rows = room() if room is not None else None
+        return rows is None or (self._steps_waiting + 2) * self._rows_per_step <= rows
 
     def _keeps_step_facts(self) -> bool:
         """Whether the owner labels and module attribution (where on) keep what they know at each
@@ -626,7 +639,8 @@ class Session:
                 if self.labeler is not None:
                     self.labeler.at_step_end()
                 if self.modules is not None:
-                    self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None)
+                    self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None,
+                                             labeler=self.labeler)
             return True
         except Exception as e:
             log.warning("owner labels at a step end: %s; flushed now", _why(e))
@@ -719,6 +733,7 @@ class Session:
         # a step boundary whose flush waited is flushed now: the analyses' step_end holds for it
         # and every one before (batch_steps), so the last boundary is the one they are told of
         waited, self._ended_unflushed = self._ended_unflushed, None
+        steps, self._steps_waiting = self._steps_waiting + (step_end is not None), 0
         if step_end is None:
             step_end = waited
         if self.closed or self.failure is not None:
@@ -747,6 +762,9 @@ class Session:
         del self.buf[:n]
         pieces = self._pieces_of(rows)
         self._flushes += 1
+        if steps and n:
+            # the frame's rows a step (the last flush's most: a step's rows vary little in a loop)
+            self._rows_per_step = n / steps
         first = self.next_id + 1
         self.next_id += n
         if rows:

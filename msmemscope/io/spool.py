@@ -84,6 +84,9 @@ class SpoolWriter:
         self._bounded = None          # the BoundedWriter of rows written in this process
         self._proc = None
         self._fd = None
+        self._bell = None             # the doorbell pipe's write end (_send rings it for a frame the pipe cannot hold)
+        self._room = 1 << 16          # the data pipe's size (F_GETPIPE_SZ once set)
+        self._row_bytes = 0.0         # bytes a row in the last frame
         self._sent = 0                # ID of the last row handed over
         self._whole = False           # the last frame went into the pipe whole
         self.rows_lost_after = None   # the writer process died: rows after this ID may be missing
@@ -114,27 +117,38 @@ class SpoolWriter:
         lock = os.open(self.path, os.O_RDONLY)
         fcntl.flock(lock, fcntl.LOCK_EX)
         r, w = os.pipe()
+        bell_r, bell_w = os.pipe()
+        os.set_blocking(bell_w, False)
+        extra["bell"] = bell_r
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _BOOT, _PKG_ROOT, self.suffix[1:], target, str(lock),
                  json.dumps(extra)],
-                stdin=r, stdout=subprocess.PIPE, pass_fds=pass_fds + (lock,), start_new_session=True,
+                stdin=r, stdout=subprocess.PIPE, pass_fds=pass_fds + (lock, bell_r), start_new_session=True,
                 close_fds=True)
         except OSError as e:
             os.close(lock)
             os.close(r)
             os.close(w)
+            os.close(bell_r)
+            os.close(bell_w)
             log.warning("dump writer process did not start (%s): writing in this process", e)
             if self.suffix == ".db":
                 inner.reattach()
             return False
         os.close(r)
+        os.close(bell_r)
         os.close(lock)  # the writer process's copy keeps it
         try:
             fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: a step's rows fit without blocking
         except OSError:
             pass
+        try:
+            self._room = fcntl.fcntl(w, 1032)  # F_GETPIPE_SZ
+        except OSError:
+            pass
         self._fd = w
+        self._bell = bell_w
         if self.suffix != ".db":
             inner.detach()  # the writer process has its own copy of the descriptor
         return True
@@ -156,6 +170,8 @@ class SpoolWriter:
                 data = marshal.dumps((first, pid, rows, c_syms or None))
         except ValueError:  # a C traceback object or an exotic attribute value
             data = marshal.dumps((first, pid, _plain_rows(rows), c_syms or None))
+        if rows:
+            self._row_bytes = len(data) / len(rows)
         try:
             self._send(len(data).to_bytes(_LEN, "little"), data)
         except BrokenPipeError:
@@ -168,6 +184,13 @@ class SpoolWriter:
             if self._whole:  # in the pipe, whatever interrupted us after: never sent twice
                 self._sent = first + len(rows) - 1
         self._sent = first + len(rows) - 1
+
+    def room_rows(self) -> int | None:
+        """Rows (of the last frame's size) that half the pipe holds: a frame that large goes in while
+        the writer process still reads the one before. None: no pipe, or no frame yet."""
+        if self._inline or self._fd is None or not self._row_bytes:
+            return None
+        return int(self._room / 2 / self._row_bytes)
 
     def _here(self):
         """What writes in this process: the dump's writer, or the bounded dump around it."""
@@ -185,6 +208,14 @@ class SpoolWriter:
         self._whole = False
         fault_point()
         total = len(head) + len(data)
+        if self._bell is not None and total > self._room - _queued(self._fd):
+            # the pipe cannot take the frame whole: this write would wait for the writer process's
+            # next wake-up (it naps up to NAP_MAX while the pipe is empty; 0.5-1.3 ms a step on the
+            # tiny GPT-2 with decompose, whose frames pass the pipe's 1 MB). The doorbell wakes it now
+            try:
+                os.write(self._bell, b"!")
+            except OSError:
+                pass  # full (it rings already) or gone (the writer ended: the write below says so)
         view = memoryview(data)
 
         def rest(done):
@@ -205,14 +236,29 @@ class SpoolWriter:
                     break
             self._whole = done == total
 
-    def _drop_pipe(self, inner):
-        """Write inline from now on, into ``inner``, without the pipe."""
+    def _close_pipe(self, end: bool = False):
+        """Close the data pipe (after the zero length that ends the stream, with ``end``) and the doorbell."""
+        if self._bell is not None:
+            try:
+                os.close(self._bell)
+            except OSError:
+                pass
+            self._bell = None
         if self._fd is not None:
+            try:
+                if end:
+                    os.write(self._fd, bytes(_LEN))
+            except OSError:
+                pass
             try:
                 os.close(self._fd)
             except OSError:
                 pass
             self._fd = None
+
+    def _drop_pipe(self, inner):
+        """Write inline from now on, into ``inner``, without the pipe."""
+        self._close_pipe()
         self._inline = True
         self.inner = inner
 
@@ -229,12 +275,7 @@ class SpoolWriter:
         return text or None
 
     def _take_over(self):
-        if self._fd is not None:  # closed first: a writer process still reading sees the end
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        self._close_pipe()  # closed first: a writer process still reading sees the end
         rc = self._proc.wait() if self._proc is not None else None
         why = self._failure()
         if why:
@@ -256,13 +297,7 @@ class SpoolWriter:
             return
         if self._fd is None and self._proc.returncode is not None:
             return  # closed already
-        if self._fd is not None:
-            try:
-                os.write(self._fd, bytes(_LEN))
-            except OSError:
-                pass
-            os.close(self._fd)
-            self._fd = None
+        self._close_pipe(end=True)
         rc = self._proc.wait()
         if rc == 0 and self._proc.stdout is not None:
             self._proc.stdout.close()  # its failure channel: nothing to say
@@ -305,9 +340,7 @@ class SpoolWriter:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._close_pipe()
         if self._proc is None:
             self.inner.close()
 
@@ -328,19 +361,61 @@ class _Nowhere:
 NAP, NAP_MAX = 0.0005, 0.004
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
+def _queued(fd: int) -> int:
+    """Bytes in the pipe not yet read (FIONREAD; 0 where it cannot be asked)."""
+    import array
+    import termios
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf, True)
+    except OSError:
+        return 0
+    return buf[0]
+
+
+_bell: int | None = None  # the writer process's end of the doorbell pipe (None: naps alone)
+
+
+def _nap(seconds: float, fd: int, watch_data: bool) -> bool:
+    """Wait ``seconds`` for data; True when the doorbell rang (a frame larger than the pipe's room
+    is being written: the traced process waits on it). ``watch_data``: wake on the data itself too
+    (inside a frame, or after the doorbell: the traced process is writing then)."""
+    global _bell
+    if _bell is None:
+        time.sleep(seconds)
+        return False
+    import select
+    try:
+        ready, _, _ = select.select([_bell, fd] if watch_data else [_bell], [], [], seconds)
+        if _bell not in ready:
+            return False
+        if not os.read(_bell, 4096):
+            os.close(_bell)  # the traced process closed its end: naps alone from here
+            _bell = None
+            return False
+        return True
+    except (OSError, ValueError):
+        _bell = None
+        time.sleep(seconds)
+        return False
+
+
+def _read_exact(fd: int, n: int, in_frame: bool = False) -> bytes | None:
     """``n`` bytes of the pipe (None: it ended). The read end is non-blocking and an empty pipe is
     waited on by napping, not in read(): a process asleep in read() is woken by every write, and
     on a virtual machine that wake-up cost the traced process 20-70 us a frame (3% of a 2 ms
     step). A frame written while the writer naps lies in the pipe (whole, as before) until the
-    nap ends: at most NAP_MAX later, and never blocks the program unless the pipe is full."""
+    nap ends, at most NAP_MAX later. A frame the pipe cannot hold whole would make the traced
+    process wait for that: it rings the doorbell first, which ends the nap, and the rest of that
+    frame is waited for on the data itself."""
     chunks, got, nap = [], 0, NAP
+    rang = False
     while got < n:
         try:
             b = os.read(fd, min(n - got, 1 << 20))
         except BlockingIOError:
-            time.sleep(nap)
-            nap = min(nap * 2, NAP_MAX)
+            rang = _nap(nap, fd, rang or in_frame or got > 0) or rang
+            nap = NAP if rang else min(nap * 2, NAP_MAX)
             continue
         if not b:
             return None
@@ -367,6 +442,10 @@ def serve(argv) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     kind, target, _lock = argv[:3]  # the lock descriptor stays open until this process exits
     extra = json.loads(argv[3]) if len(argv) > 3 else {}
+    global _bell
+    _bell = extra.get("bell")
+    if _bell is not None:
+        os.set_blocking(_bell, False)
     sys.path.extend(extra.get("path") or ())  # zstandard's folder (the rest of site-packages unused)
     writer = None
     try:
@@ -391,7 +470,7 @@ def serve(argv) -> None:
             n = int.from_bytes(head, "little")
             if n == 0:
                 break
-            data = _read_exact(0, n)
+            data = _read_exact(0, n, in_frame=True)
             if data is None:
                 break
             frame = marshal.loads(data)
