@@ -359,3 +359,30 @@ def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, ga
         assert (held["parameters"], held["gradients"], held["optimizer_state"]) == (2 * bn + 8, bn, bn), (k, held)
         assert rows["(outside modules)"]["held"]["parameters"] == 0, (k, rows["(outside modules)"])
         assert sum(r["held"]["parameters"] for r in rows.values() if r["depth"] == 2) == first_b + 2 * bn + 8
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_owner_rows_kept_for_module_attribution_do_not_pile_up_without_it(tmp_path, source):
+    """The labeller keeps each OWNER row's attr until module attribution gives it a module; with
+    module attribution off (MSMEMSCOPE_MODULES=0) the flushes still let go of them: a run whose
+    every step writes OWNER rows (flushes inside each step) holds at most a step's worth."""
+    import subprocess
+    prog = tmp_path / "prog.py"
+    prog.write_text(DROP_AND_SWAP.replace("msmemscope.stop()\n", "") + r"""
+from msmemscope import capture
+s = capture.current()
+for _ in range(20):
+    fit(b, 1)
+print("HELD", len(s.labeler.unattributed), "UPDATES", s.labeler.updates, "MODULES", s.modules is not None)
+msmemscope.stop()
+""")
+    env = dict(os.environ, MSMEMSCOPE_SOURCE=source, MSMEMSCOPE_MODULES="0")
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o"), "flush"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    held, updates, modules = r.stdout.split("HELD", 1)[1].split()[0::2]
+    assert modules == "False"
+    assert int(updates) > 40, r.stdout  # OWNER rows every step
+    assert int(held) <= 10, r.stdout
+    (folder,) = run_folders(tmp_path / "o")
+    check_invariants(read(dump_of(folder)))

@@ -280,10 +280,10 @@ class ModuleTracker:
         if parent is not None:
             # a module added to a named tree after it was walked (while tracing, or in a stop/start
             # gap): its name in its root's named_modules(), as the modules walked at first sight
-            ref = self.roots.get(parent.split(".", 1)[0])
+            rname = parent.split(".", 1)[0]
+            ref = self.roots.get(rname)
             root = ref() if ref is not None else None
             if root is not None:
-                rname = parent.split(".", 1)[0]
                 try:
                     for sub_name, sub in root.named_modules():
                         if sub not in self.paths:

@@ -195,6 +195,7 @@ class Labeler:
         self.unattributed: list = []         # attrs of the OWNER rows made since the last flush
         # after a handover from the native source: the label each of its blocks has in the dump
         # (alloc_id -> owner), which the block keeps when the dispatch-mode source first meets it
+        # (at most the blocks live at the handover; not pruned: the dispatch source meets them late)
         self.handed_owner: dict = {}
         # the thread that last ran each root module and optimizer: a walk reads only the calling
         # thread's gradients (``_mine``)

@@ -748,11 +748,11 @@ class Session:
             self.labeler.before_flush()
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
+        lab = self.labeler
+        owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
         if self.modules is not None:
             try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                lab = self.labeler
-                self.modules.attribute(self.buf, lab.owned if lab is not None else None,
-                                       lab.take_owner_rows() if lab is not None else ())
+                self.modules.attribute(self.buf, lab.owned if lab is not None else None, owner_rows)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
         n = len(self.buf)
