@@ -304,11 +304,13 @@ print("FREED", wa() is None and wo() is None)
 b = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
 opt = fit(b, 3)
 del opt
+if sys.argv[2] == "made-in-gap":
+    msmemscope.stop()                  # its blocks made while stopped: counted when first met after start()
 bn = nn.BatchNorm1d(8)
 if sys.argv[2] == "gap":
     msmemscope.stop()                  # registered while stopped: no hook sees it, start() walks anew
 b.append(bn)                           # a module registered mid-run: its buffers are weights now
-if sys.argv[2] == "gap":
+if sys.argv[2] in ("gap", "made-in-gap"):
     msmemscope.start()
 opt = fit(b, 3)
 msmemscope.stop()
@@ -316,14 +318,17 @@ msmemscope.stop()
 
 
 @pytest.mark.parametrize("source", ["native", "python"])
-@pytest.mark.parametrize("gap", ["", "gap", "flush"])
+@pytest.mark.parametrize("gap", ["", "gap", "made-in-gap", "flush"])
 def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, gap):
     """The owner labels' walks keep each model's module tree between step ends (weak references,
     walked again when a module is registered anywhere). A model and optimizer the program drops
     are freed while tracing goes on (the tracer holds neither). A module appended mid-run is
     walked from the next step end: its buffers (reached only through the module tree, not the
     optimizer) are weights, also when it is registered while tracing is stopped (``gap``: no hook
-    then; ``start()`` walks the trees anew), and when flushes inside each step (``flush``) wrote the
+    then; ``start()`` walks the trees anew), also when it was made then (``made-in-gap``: the native
+    source's allocator wrapper stays through the gap, so its blocks are counted when a traced op
+    first reads them, as the dispatch-mode source does), and when flushes inside each step
+    (``flush``) wrote the
     MALLOC rows before the labels were known (OWNER rows then). Each step end's weights, gradients
     and optimizer state are the models' parameters and buffers, to the byte, and so are the
     appended module's in the per-module table, under its ``named_modules()`` name."""

@@ -773,7 +773,10 @@ void stop_recording_locked() {
   close_in_flight_locked();
 }
 
-void detach() {
+// keep_allocator: the op callback goes, the allocator wrapper stays (a stop/start gap: the blocks
+// made in it enter the side table uncounted, so that a traced op or the owner labeller's walk can
+// count them after start(), as the dispatch-mode source does by their storages)
+void detach(bool keep_allocator = false) {
   // blocks allocated through the wrapper keep its deleter: the wrapper and the side table stay
   Py_XDECREF(on_full);  // called with the GIL (from Python)
   on_full = nullptr;
@@ -781,7 +784,7 @@ void detach() {
     at::removeCallback(handle);
     handle = 0;
   }
-  if (c10::GetCPUAllocator() == &tracing_allocator)
+  if (!keep_allocator && c10::GetCPUAllocator() == &tracing_allocator)
     c10::SetCPUAllocator(tracing_allocator.inner, ++alloc_priority);
 }
 
@@ -834,12 +837,12 @@ void set_flags(bool rec, bool count, bool alloc, bool free_, bool free_later, bo
 }
 
 // stop(): one critical section ends recording (closing the ops in flight), then the hooks go.
-void uninstall() {
+void uninstall(bool keep_allocator) {
   {
     std::lock_guard<std::mutex> g(mu);
     stop_recording_locked();
   }
-  detach();
+  detach(keep_allocator);
 }
 
 PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less "torch."
@@ -2946,7 +2949,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_tagged", &take_tagged);
   m.def("last_alloc_id", &last_alloc_id);
   m.def("install", &install);
-  m.def("uninstall", &uninstall);
+  m.def("uninstall", &uninstall, py::arg("keep_allocator") = false);
   m.def("set_flags", &set_flags);
   m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);

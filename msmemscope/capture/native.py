@@ -290,9 +290,12 @@ class NativeSource(Source):
         self.installed = True
         self.installed_as = (self.access, self.py_depth)
 
-    def stop(self):
+    def stop(self, gap: bool = False):
+        """``gap``: tracing may start again (``Session.stop``): the allocator wrapper stays, recording
+        nothing, so that the blocks made meanwhile can be counted when a traced op or the owner
+        labeller meets them after ``start()``."""
         if self.installed:
-            self.m.uninstall()  # ops in flight get their OP_END now
+            self.m.uninstall(gap)  # ops in flight get their OP_END now
             self.installed = False
 
     def set_flags(self, f):

@@ -935,7 +935,7 @@ class Session:
         self.active = False
         self._update_flags()
         if self.native is not None:
-            self.native.stop()  # ops in flight get their OP_END now
+            self.native.stop(gap=not self._closing)  # ops in flight get their OP_END now
         self.system(System.STOP_TRACE)
         self.flush()
         if sync and not self.closed and self.failure is None:
