@@ -774,8 +774,8 @@ void stop_recording_locked() {
 }
 
 // keep_allocator: the op callback goes, the allocator wrapper stays (a stop/start gap: the blocks
-// made in it enter the side table uncounted, so that a traced op or the owner labeller's walk can
-// count them after start(), as the dispatch-mode source does by their storages)
+// made in it enter the side table uncounted, so that a traced op's first read counts them after
+// start(), as the dispatch-mode source does by their storages)
 void detach(bool keep_allocator = false) {
   // blocks allocated through the wrapper keep its deleter: the wrapper and the side table stay
   Py_XDECREF(on_full);  // called with the GIL (from Python)

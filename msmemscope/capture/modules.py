@@ -217,7 +217,6 @@ class ModuleTracker:
         # thread's gradients (see NativeLabeler._mine)
         self.thread_of = weakref.WeakKeyDictionary()
         self._owned_by_thread = {}
-        self._walks = 0                            # walks of the owned blocks so far (_walk_mine)
         # owned_blocks() at the step ends since the last flush, each block from the first step end
         # after it was made (what that step's own flush would have found); the last allocation id
         # such an answer covers
@@ -283,13 +282,7 @@ class ModuleTracker:
             rname = parent.split(".", 1)[0]
             ref = self.roots.get(rname)
             root = ref() if ref is not None else None
-            if root is not None:
-                try:
-                    for sub_name, sub in root.named_modules():
-                        if sub not in self.paths:
-                            self.paths[sub] = f"{rname}.{sub_name}".translate(_BAD) if sub_name else rname
-                except Exception:
-                    pass
+            if root is not None and self._name_tree(root, rname):
                 p = self.paths.get(module)
                 if p is not None:
                     return p
@@ -304,13 +297,20 @@ class ModuleTracker:
         name = name.translate(_BAD)
         self.roots[name] = weakref.ref(module)
         self.thread_of.setdefault(module, _get_ident())
+        if not self._name_tree(module, name):
+            self.paths[module] = name
+        return self.paths.get(module, name)
+
+    def _name_tree(self, root, name) -> bool:
+        """Each module of ``root``'s tree not named yet gets its ``named_modules()`` path under
+        ``name``; False where the tree cannot be walked."""
         try:
-            for sub_name, sub in module.named_modules():
+            for sub_name, sub in root.named_modules():
                 if sub not in self.paths:
                     self.paths[sub] = f"{name}.{sub_name}".translate(_BAD) if sub_name else name
         except Exception:
-            self.paths[module] = name
-        return self.paths.get(module, name)
+            return False
+        return True
 
     # ------------------------------------------------------------ the C++ hooks' calls into Python
     def _namer(self, module, parent):
@@ -535,7 +535,6 @@ class ModuleTracker:
         opts = ran_here(self.thread_of, list(self.optimizers))
         if not (tree or opts):
             return {}
-        self._walks += 1
         got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)
         return got
 
@@ -600,7 +599,7 @@ class ModuleTracker:
         self.at_step = self._answer_new(self.at_step)  # an earlier answer stays
         rows = labeler.take_owner_rows() if labeler is not None else ()
         if rows:
-            self._attribute_owner_rows(rows, {}, walked=True)
+            self._attribute_owner_rows(rows, {})  # the walk just made answers them
 
     def attribute(self, buf, owned=None, owner_rows=()):
         """Give each MALLOC row of ``buf`` not yet attributed its thread's module at its time;
@@ -616,22 +615,21 @@ class ModuleTracker:
         malloc = Event.MALLOC
         cats = {}
         at_step, self.at_step = self.at_step, None
-        given, walks = owned is not None, self._walks
         if owned is None:  # no owner labels: the owning modules and their categories from here
             # blocks answered at a step end keep that answer; the others are answered now
             try:
                 if at_step is not None:  # step ends came since the last flush: this thread's new blocks
                     found = self._answer_new(at_step)
+                elif owner_rows or any(r[EVENT] == malloc for r in buf):
+                    found = self.owned_blocks()
                 else:
-                    found = self.owned_blocks() if any(r[EVENT] == malloc for r in buf) else {}
+                    found = {}
             except Exception:
                 found = dict(at_step or {})
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
         if owner_rows:
-            # the owner labeller's ``owned`` answers every live block; the native source's answers only
-            # the blocks made since the last flush, walked now unless a walk ran for it
-            self._attribute_owner_rows(owner_rows, owned, walked=given or walks != self._walks)
+            self._attribute_owner_rows(owner_rows, owned)
         mod = _native_module()
         if mod is not None:
             n = mod.attribute(buf, marks, base, owned, cats)
@@ -641,17 +639,12 @@ class ModuleTracker:
         self._prune()
         return n
 
-    def _attribute_owner_rows(self, rows, owned, walked):
+    def _attribute_owner_rows(self, rows, owned):
         """An OWNER row (a block relabelled after its MALLOC row was written: made before a stop/start
         gap, or before the module that owns it was in a tree) carries the module owning the block, so
         that ``decompose --by=module`` moves it there. ``owned`` answers the blocks made since the last
-        flush (native source) or all (owner labeller); the others from the threads' last walks, this
-        thread's walked now unless ``walked``."""
-        if not walked and any(r["allocation_id"] not in owned for r in rows):
-            try:
-                self._walk_mine()
-            except Exception:
-                pass
+        flush (native source) or all (owner labeller); the others from the threads' last walks (the
+        caller's thread walked just before)."""
         every = all_threads(self._owned_by_thread)
         for r in rows:
             aid = r["allocation_id"]

@@ -292,8 +292,8 @@ class NativeSource(Source):
 
     def stop(self, gap: bool = False):
         """``gap``: tracing may start again (``Session.stop``): the allocator wrapper stays, recording
-        nothing, so that the blocks made meanwhile can be counted when a traced op or the owner
-        labeller meets them after ``start()``."""
+        nothing, so that the blocks made meanwhile are counted when a traced op first reads them
+        after ``start()``."""
         if self.installed:
             self.m.uninstall(gap)  # ops in flight get their OP_END now
             self.installed = False

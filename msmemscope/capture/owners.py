@@ -209,7 +209,6 @@ class Labeler:
 
     # ------------------------------------------------------------ install / remove
     def install(self):
-        from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
         self._module_hooks()
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
@@ -340,18 +339,19 @@ class Labeler:
         # a block whose MALLOC row is written already (before a stop/start gap, or by a flush inside
         # the step) gets its OWNER row now, before the step's STEP row; the flush's own walk would
         # find no change left to report
-        s = self.s
-        if s.emit_alloc:
-            for b in changed:
-                if b.alloc_id <= self.flushed_upto and b.owner:
-                    self._owner_row(b)
+        for b in changed:
+            if b.alloc_id <= self.flushed_upto and b.owner:
+                self._owner_row(b)
 
     def _owner_row(self, b):
         self._emit_owner(b.alloc_id, b.owner)
 
     def _emit_owner(self, aid, owner):
-        """An OWNER row for a block whose MALLOC row is written. Module attribution (where on) gives
-        it the module owning the block at the flush that writes it (``ModuleTracker.attribute``)."""
+        """An OWNER row for a block whose MALLOC row is written (none where MALLOC rows are not).
+        Module attribution (where on) gives it the module owning the block at the step end or flush
+        that writes it (``ModuleTracker``)."""
+        if not self.s.emit_alloc:
+            return
         self.updates += 1
         row = {"allocation_id": aid, "owner": owner}
         self.s.system(OWNER_ROW, row)
@@ -398,7 +398,7 @@ class Labeler:
                 if b is not None:
                     self._info(b).forced = (category, comp)
                     old, b.owner = b.owner, self.compose(b, None)
-                    if b.owner != old and b.alloc_id <= self.flushed_upto and s.emit_alloc:
+                    if b.owner != old and b.alloc_id <= self.flushed_upto:
                         # its MALLOC row is already written: record the new owner
                         self._owner_row(b)
 
@@ -414,7 +414,7 @@ class Labeler:
             if owner not in inf.users:
                 inf.users = inf.users + (owner,)
             b.owner = self.compose(b, None)
-            if b.alloc_id <= self.flushed_upto and s.emit_alloc:
+            if b.alloc_id <= self.flushed_upto:
                 # its MALLOC row is written: record the new owner now, before any later FREE
                 self._owner_row(b)
             # else the MALLOC row is still buffered and gets the owner at the flush
@@ -577,10 +577,9 @@ class Labeler:
                     in_buf.add(b.alloc_id)
                     if a.get("owner") != b.owner:
                         buf[i] = r[:ATTR] + ({**a, "owner": b.owner},) + r[ATTR + 1:]
-        if s.emit_alloc:
-            for b in changed:
-                if b.alloc_id not in in_buf and b.owner:
-                    self._owner_row(b)
+        for b in changed:
+            if b.alloc_id not in in_buf and b.owner:
+                self._owner_row(b)
         # forget what we knew about blocks that are gone
         if self.info or self._walked_by:
             alive = {b.alloc_id for b in live.values()}
@@ -932,10 +931,8 @@ class NativeLabeler(Labeler):
         return cats, live, changed
 
     def _owner_rows(self, aids):
-        s = self.s
-        if s.emit_alloc:
-            for aid in aids:
-                self._emit_owner(aid, self.owner[aid])
+        for aid in aids:
+            self._emit_owner(aid, self.owner[aid])
 
     def at_step_end(self):
         """A step ended and its flush waits: label the live blocks as they are now, as that step's

@@ -17,14 +17,17 @@ fallback when the writer process cannot start).
 """
 from __future__ import annotations
 
+import array
 import fcntl
 import json
 import logging
 import marshal
 import os
 import signal
+import select
 import subprocess
 import sys
+import termios
 import time
 
 log = logging.getLogger("msmemscope")
@@ -363,8 +366,6 @@ NAP, NAP_MAX = 0.0005, 0.004
 
 def _queued(fd: int) -> int:
     """Bytes in the pipe not yet read (FIONREAD; 0 where it cannot be asked)."""
-    import array
-    import termios
     buf = array.array("i", [0])
     try:
         fcntl.ioctl(fd, termios.FIONREAD, buf, True)
@@ -384,7 +385,6 @@ def _nap(seconds: float, fd: int, watch_data: bool) -> bool:
     if _bell is None:
         time.sleep(seconds)
         return False
-    import select
     try:
         ready, _, _ = select.select([_bell, fd] if watch_data else [_bell], [], [], seconds)
         if _bell not in ready:
