@@ -334,3 +334,58 @@ def test_stop_and_start_while_another_thread_is_in_an_op(tmp_path, source):
     main_tid = df.filter(pl.col("event") == "SYSTEM")["tid"].mode()[0]
     worker = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") != main_tid))
     assert worker.height >= 4, worker  # ops of the worker on both sides of the gap
+
+
+FORK_IN_GAP = r"""
+import os, sys, torch, msmemscope
+from torch import nn
+msmemscope.config(output=sys.argv[1], collect_mode="immediate", analysis="leaks,decompose")
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+def fit(n):
+    for _ in range(n):
+        m(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+fit(3)
+msmemscope.stop()
+extra = nn.Linear(4, 4)                  # made in the gap: the native source's wrapper stays
+made = [torch.ones(1000) for _ in range(5)]
+pid = os.fork()                          # a child forked in the gap allocates and exits
+if pid == 0:
+    xs = [torch.randn(256) for _ in range(50)]
+    os._exit(0 if sum(x.numel() for x in xs) == 12800 else 3)
+_, status = os.waitpid(pid, 0)
+del made[:3]                             # gap blocks freed in the gap: never in the dump
+m.append(extra)
+opt.add_param_group({"params": extra.parameters()})
+msmemscope.start()
+fit(3)
+del made                                 # gap blocks freed while tracing: uncounted, no FREE row
+msmemscope.stop()
+print("CHILD", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_fork_and_frees_inside_a_stop_start_gap(tmp_path, source):
+    """Tracing stopped: the native source keeps its allocator wrapper (recording nothing) through the
+    gap. A child forked then allocates and exits normally; blocks made and freed in the gap never
+    reach the dump, those made in it and freed after start() write no FREE row; the module built in
+    the gap is weights after start() on both sources; every invariant holds."""
+    import polars as pl
+    prog = tmp_path / "gap.py"
+    prog.write_text(FORK_IN_GAP)
+    r = _python([str(prog), str(tmp_path / "o")], source)
+    assert "CHILD 0" in r.stdout, r.stdout + r.stderr[-2000:]
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert _rows(df, "MALLOC", size=4000).height == 0 and _rows(df, "FREE", size=4000).height == 0
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        ends = [s for s in json.load(f)["steps"] if s["step"] is not None]
+    weight = lambda s: sum(n for o, n in s["bytes"].items() if o.split("@")[1] == "weight")  # noqa: E731
+    base = (16 * 32 + 32 + 32 * 4 + 4) * 4
+    assert [weight(s) for s in ends[:3]] == [base] * 3
+    assert [weight(s) for s in ends[3:6]] == [base + (4 * 4 + 4) * 4] * 3, ends
