@@ -133,6 +133,63 @@ def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_
     assert kept.height >= fired and set(kept["step"].to_list()) == {2}, kept.select("id", "step", "tid")
 
 
+# 64 rows, the flush bound of these runs, and one op's rows (Adam's first step: 37); rows kept in the
+# buffer past a flush not counted against the native source's drain: 132-139 at a flush
+BOUND = 64 + 44
+
+
+def _held_run(tmp_path, source, numbering, rows, extra):
+    """held_first_step.py's dump: (rows of each step but OWNER rows, as a multiset; step ends of the
+    decomposition; what the program printed)."""
+    import collections
+    out = tmp_path / f"{numbering}-{rows}-{extra}"
+    r = run_cli(["--analysis=leaks,decompose", "--output", str(out), sys.executable,
+                 os.path.join(PROGS, "held_first_step.py"), numbering, str(rows), str(extra)], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    printed = json.loads(r.stdout.strip().splitlines()[-1])
+    df = read(dump_of(printed["folder"]))
+    check_invariants(df)
+    per = collections.defaultdict(collections.Counter)
+    for e, t, size, step in df.select("event", "event_type", "size", "step").iter_rows():
+        if t != "OWNER":  # a flush inside a step writes MALLOC rows before their owner is known
+            per[step][(e, t, size)] += 1
+    with open(os.path.join(printed["folder"], "analysis", "decompose.json")) as f:
+        ends = {s["step"]: s["bytes"] for s in json.load(f)["steps"] if s["step"] is not None}
+    return per, ends, printed
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("numbering", ["optimizer", "api"])
+def test_flushes_while_the_first_step_is_held_keep_each_row_in_its_step(tmp_path, source, numbering):
+    """Step 1's boundary is held from the first optimizer step until the program shows how it
+    numbers its steps. Flushes in that time (FLUSH_ROWS = 64: several a step) write only the rows
+    before it: every step then has the rows and the step end it has with the default bound, where
+    step 1 took all of step 2's rows (985 rows of 517, and step 2 one row). The buffer and each
+    write stay within the bound plus one op's rows: the rows kept past a flush count against the
+    native source's next drain."""
+    per0, ends0, _ = _held_run(tmp_path, source, numbering, 0, 3)
+    per, ends, printed = _held_run(tmp_path, source, numbering, 64, 3)
+    assert len(printed["writes"]) > 3 * 6  # flushes inside every step
+    assert max(printed["writes"]) <= BOUND and printed["full"] <= BOUND, printed
+    assert sorted(per) == sorted(per0) == [1, 2, 3, 4, 5, 6]  # five steps ended, then the rows after them
+    for step in per0:
+        assert per[step] == per0[step], (step, sum(per[step].values()), sum(per0[step].values()))
+    assert ends == ends0 and sorted(ends)[:5] == [1, 2, 3, 4, 5]
+
+
+def test_a_held_first_step_is_settled_when_the_buffer_fills_before_the_program_numbers_a_step(tmp_path):
+    """A program that calls msmemscope.step() more than FLUSH_ROWS rows after its first optimizer
+    step: the buffer stays bounded, so the hold ends when it fills (Session._flush_around_held) and
+    step 1 ends at the first optimizer step, exactly as a program numbered by its optimizer steps;
+    its own steps are numbered from 2 (docs)."""
+    per_opt, _, _ = _held_run(tmp_path, "native", "optimizer", 64, 100)
+    per, _, printed = _held_run(tmp_path, "native", "api", 64, 100)
+    assert max(printed["writes"]) <= BOUND and printed["full"] <= BOUND, printed
+    assert per[1] == per_opt[1] and sum(per[1].values()) > 100
+    steps = sorted(s for s in per if s is not None)
+    assert steps == list(range(1, 8))  # step 1, then the program's five msmemscope.step() calls, then the rest
+
+
 def _torchrun():
     t = os.path.join(os.path.dirname(sys.executable), "torchrun")
     return t if os.path.exists(t) else shutil.which("torchrun")

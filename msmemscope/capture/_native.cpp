@@ -790,6 +790,13 @@ void detach(bool keep_allocator = false) {
 
 }  // namespace
 
+// Records before the op exit asks for a drain, less the rows the session still holds: after a
+// flush that wrote only part of its buffer (a held step 1), so that the buffer stays bounded.
+void set_drain_at(int64_t rows) {
+  std::lock_guard<std::mutex> g(mu);
+  drain_at = (size_t)std::max<int64_t>(1, rows);
+}
+
 // access: the callback asks for each op's inputs and outputs (access events; boxing them costs
 // every op, so only then); depth: Python frames per stack (0: none); skip_prefix / skip_suffix:
 // frames of files under the tracer's folder, or ending so, are left out of stacks.
@@ -2949,6 +2956,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_tagged", &take_tagged);
   m.def("last_alloc_id", &last_alloc_id);
   m.def("install", &install);
+  m.def("set_drain_at", &set_drain_at);
   m.def("uninstall", &uninstall, py::arg("keep_allocator") = false);
   m.def("set_flags", &set_flags);
   m.def("step_end", &step_end);

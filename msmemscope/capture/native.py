@@ -270,13 +270,13 @@ class NativeSource(Source):
 
     def __init__(self, mod, flush_rows, on_full, access=False, py_depth=0):
         self.m = mod
-        self.flush_rows = flush_rows
-        self.on_full = on_full     # called from the op exit (with the GIL) when the records pass flush_rows
+        self.on_full = on_full     # called from the op exit (with the GIL) when the records reach drain_at
         self.access = access       # ops' inputs and outputs are looked at (access events)
         self.py_depth = py_depth   # Python frames per stack, 0: none
         self.installed = False
         self.installed_as = None   # (access, py_depth) of the installed hooks
         self.handed_over = False
+        self.drain_at = flush_rows  # records at which the op exit asks for a flush (set_drain_at)
         mod.reset()  # the recorder is the process's: a new session starts it clean
 
     def configure(self, access, py_depth):
@@ -286,7 +286,7 @@ class NativeSource(Source):
             self.start()
 
     def start(self):
-        self.m.install(self.flush_rows, self.on_full, self.access, self.py_depth, stacks._SKIP[0], stacks._SKIP[1])
+        self.m.install(self.drain_at, self.on_full, self.access, self.py_depth, stacks._SKIP[0], stacks._SKIP[1])
         self.installed = True
         self.installed_as = (self.access, self.py_depth)
 
@@ -297,6 +297,14 @@ class NativeSource(Source):
         if self.installed:
             self.m.uninstall(gap)  # ops in flight get their OP_END now
             self.installed = False
+
+    def set_drain_at(self, rows: int):
+        """The op exit asks for a flush once this many records wait (fewer than the session's bound
+        while it keeps rows in its buffer past a flush: a held step 1's)."""
+        rows = max(1, int(rows))
+        if rows != self.drain_at:
+            self.drain_at = rows
+            self.m.set_drain_at(rows)
 
     def set_flags(self, f):
         self.m.set_flags(f.recording, f.count, f.alloc, f.free, f.free_untraced, f.launch, f.access)

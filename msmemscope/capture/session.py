@@ -552,7 +552,9 @@ class Session:
                     self.sync_sources()
                     if self.labeler is not None:
                         self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
-                    self._held_step = (len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                    # where it is in the buffer, the flush count then, its time and thread, and
+                    # its rows once a flush put them in the buffer (_flush_around_held)
+                    self._held_step = [len(self.buf), self._flushes, time_ns(), threading.get_ident(), None]
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
@@ -561,7 +563,13 @@ class Session:
         else:
             self.explicit_steps = True
             if self._held_step is not None:  # the program numbers its steps: still step 1
-                self._held_step = None
+                with self.flush_lock:
+                    held, self._held_step = self._held_step, None
+                    if held is not None and held[4] is not None:  # its rows wait in the buffer: gone
+                        cut = {id(r) for r in held[4]}
+                        self.buf[:] = [r for r in self.buf if id(r) not in cut]
+                        self.pieces.clear()
+                        self._bound_drain()
                 self.step_no = 1
                 self._update_flags()
         if not self.active:
@@ -684,11 +692,15 @@ class Session:
             if held is None:
                 return
             self._optimizer_steps = True
-            idx, flushes, ts, tid = held
+            idx, flushes, ts, tid, cut = held
             self.sync_sources()
-            cut = []
-            self._device_step_end(1, into=cut)
-            cut.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None))
+            if cut is not None and any(r is cut[-1] for r in self.buf):
+                # a flush since the hold wrote the rows before the boundary and left its rows in
+                # the buffer where it happened (_flush_around_held)
+                self.flush(step_end=1, drain=False, through=cut[-1])
+                self._update_flags()
+                return
+            cut = self._held_cut(ts, tid)
             if flushes == self._flushes and idx <= len(self.buf):
                 # step 1's rows and its boundary are flushed alone, so that the analyses see the end
                 # of step 1 where it was; the rows since then stay in the buffer, and so do the rows
@@ -704,6 +716,50 @@ class Session:
                 self.buf.extend(cut)
                 self.flush(step_end=1)
         self._update_flags()
+
+    def _held_cut(self, ts, tid):
+        """The rows that end a held step 1: the device's figures, then its STEP row."""
+        cut = []
+        self._device_step_end(1, into=cut)
+        cut.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None))
+        return cut
+
+    def _flush_around_held(self, drain):
+        """A flush while step 1's boundary is held (the buffer passed FLUSH_ROWS: a first step of
+        more rows than that, or an analysis's flush: OOM). The boundary's rows go into the buffer
+        where it happened and only the rows before them are written: whether it stays (optimizer
+        steps) or goes (the program numbers its steps) is still open. When no row is left before
+        it and the buffer is full (FLUSH_ROWS rows of the program since its first optimizer step
+        and no ``msmemscope.step()``), its steps are taken to be its optimizer steps, so that the
+        buffer stays bounded (a ``msmemscope.step()`` later then ends step 2)."""
+        held = self._held_step
+        idx, flushes, ts, tid, cut = held
+        if cut is None:
+            if flushes != self._flushes or idx > len(self.buf):  # not where it was: written now
+                self._flush(None, drain)
+                return
+            if drain:
+                self.sync_sources()
+            held[4] = cut = self._held_cut(ts, tid)
+            self.buf[idx:idx] = cut
+            self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
+        if self.buf and self.buf[0] is cut[0]:
+            if len(self.buf) < self.flush_rows // 2:  # nothing to write before it, and room left
+                return
+            log.warning("step 1 ends at the first optimizer step: %d rows went by after it and no "
+                        "msmemscope.step() came", len(self.buf) - len(cut))
+            self._held_step = None
+            self._optimizer_steps = True
+            self._flush(step_end=1, drain=drain, through=cut[-1])
+            self._flush(None, drain=False)
+            self._update_flags()
+        else:
+            self._flush(None, drain, before=cut[0])
+
+    def _bound_drain(self):
+        """Rows kept in the buffer past a flush count against the native source's next drain."""
+        if self.native is not None:
+            self.native.set_drain_at(self.flush_rows - len(self.buf))
 
     def op_failed(self, name, exc):
         from .snapshot import is_allocation_failure, take_snapshot
@@ -722,14 +778,18 @@ class Session:
                 return
             self._flushing = threading.get_ident()
             try:
-                self._flush(step_end, drain, through)
+                if through is None and self._held_step is not None:
+                    self._flush_around_held(drain)
+                else:
+                    self._flush(step_end, drain, through)
+                self._bound_drain()
             finally:
                 self._flushing = None
             if self._pending_signal is not None:
                 signum, self._pending_signal = self._pending_signal, None
                 self._on_sigterm(signum, None)
 
-    def _flush(self, step_end=None, drain=True, through=None):
+    def _flush(self, step_end=None, drain=True, through=None, before=None):
         # a step boundary whose flush waited is flushed now: the analyses' step_end holds for it
         # and every one before (batch_steps), so the last boundary is the one they are told of
         waited, self._ended_unflushed = self._ended_unflushed, None
@@ -758,6 +818,8 @@ class Session:
         n = len(self.buf)
         if through is not None:
             n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
+        elif before is not None:
+            n = next((i for i, r in enumerate(self.buf) if r is before), n)
         rows = self.buf[:n]
         del self.buf[:n]
         pieces = self._pieces_of(rows)

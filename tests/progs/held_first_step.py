@@ -1,0 +1,51 @@
+"""A training loop whose steps are its optimizer steps, or numbered by msmemscope.step() a few ops
+after each optimizer step, run under ``python -m msmemscope --analysis=leaks,decompose`` with a
+given flush bound (0: the default): with a small one, flushes come while step 1's boundary is held
+(Session._flush_around_held). Prints the size of every write and the most rows the buffer held at
+a flush (the native source's records drained into it) and after it."""
+import json
+import sys
+
+import torch
+from torch import nn
+
+import msmemscope
+from msmemscope import capture
+
+numbering, rows, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = capture.current()  # the launcher's session
+if rows:
+    s.flush_rows = rows
+    if s.native is not None:
+        s.native.set_drain_at(rows)  # the native source's records count against it too
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(16, 32)
+writes, full, kept = [], [], []
+real_write, real_flush = s.writer.write, s.flush
+
+
+def write(rows, first, pid, c_syms=None, pieces=None):
+    writes.append(len(rows))
+    return real_write(rows, first, pid, c_syms, pieces)
+
+
+def flush(*a, **k):
+    s.sync_sources()  # what the flush drains first
+    full.append(len(s.buf))
+    real_flush(*a, **k)
+    kept.append(len(s.buf))
+
+
+s.writer.write, s.flush = write, flush
+keep = []
+for step in range(5):
+    opt.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    opt.step()
+    for i in range(extra):  # ops after the optimizer step: evaluation, logging
+        keep.append(torch.full((8 + step,), float(i)) * 2)
+    if numbering == "api":
+        msmemscope.step()
+print(json.dumps({"writes": writes, "full": max(full or [0]), "kept": max(kept or [0]), "folder": s.folder}))
