@@ -734,12 +734,12 @@ class Session:
         buffer stays bounded (a ``msmemscope.step()`` later then ends step 2)."""
         held = self._held_step
         idx, flushes, ts, tid, cut = held
+        if drain:  # the source's records in the buffer: its length below is the rows waiting
+            self.sync_sources()
         if cut is None:
             if flushes != self._flushes or idx > len(self.buf):  # not where it was: written now
                 self._flush(None, drain)
                 return
-            if drain:
-                self.sync_sources()
             held[4] = cut = self._held_cut(ts, tid)
             self.buf[idx:idx] = cut
             self.pieces.clear()  # their positions moved: these rows are marshalled at the flush

@@ -2,7 +2,7 @@
 after each optimizer step, run under ``python -m msmemscope --analysis=leaks,decompose`` with a
 given flush bound (0: the default): with a small one, flushes come while step 1's boundary is held
 (Session._flush_around_held). Prints the size of every write and the most rows the buffer held at
-a flush (the native source's records drained into it) and after it."""
+a flush and after it. ``early``: the program flushes right after its first optimizer step."""
 import json
 import sys
 
@@ -13,6 +13,7 @@ import msmemscope
 from msmemscope import capture
 
 numbering, rows, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+early = sys.argv[4:] == ["early"]  # a flush right after the first optimizer step (an analysis's)
 s = capture.current()  # the launcher's session
 if rows:
     s.flush_rows = rows
@@ -32,8 +33,7 @@ def write(rows, first, pid, c_syms=None, pieces=None):
 
 
 def flush(*a, **k):
-    s.sync_sources()  # what the flush drains first
-    full.append(len(s.buf))
+    full.append(len(s.buf))  # the native source's records wait in C++ until the flush drains them
     real_flush(*a, **k)
     kept.append(len(s.buf))
 
@@ -44,6 +44,8 @@ for step in range(5):
     opt.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
     opt.step()
+    if early and step == 0:
+        s.flush()
     for i in range(extra):  # ops after the optimizer step: evaluation, logging
         keep.append(torch.full((8 + step,), float(i)) * 2)
     if numbering == "api":
