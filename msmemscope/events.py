@@ -157,3 +157,9 @@ def attr_dict(event: str, attr) -> dict:
             del d["phase"]
         return d
     return dict(attr)
+
+
+def category_of(owner) -> str | None:
+    """The category of an owner label ("PTA@weight@vllm" -> "weight"; None: it has none)."""
+    parts = owner.split("@", 2) if owner else ()
+    return parts[1] if len(parts) > 1 else None

@@ -24,7 +24,7 @@ import os
 import sys
 
 from ..events import (A_ALLOC_ID, A_MODULE, A_OWNER, A_PHASE, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,
-                      Event, System)
+                      Event, System, category_of)
 
 OWNER_ROW = "OWNER"
 UNLABELLED = "unlabelled"
@@ -36,8 +36,9 @@ _COLUMN_OF = {"weight": "parameters", "gradient": "gradients", "optimizer_state"
 
 
 def category(owner: str) -> str:
-    parts = (owner or "").split("@")
-    return parts[1] if len(parts) > 1 else (owner or UNLABELLED)
+    """``category_of``, naming a label without a category by itself (or "unlabelled")."""
+    c = category_of(owner)
+    return c if c is not None else (owner or UNLABELLED)
 
 
 def _category_expr(owner):

@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from ..after_import import after_import
-from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event
+from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event, category_of
 from . import native
 
 #: the module whose all-gather and reduce-scatter the labeller wraps (FSDP2, torch >= 2.4)
@@ -133,12 +133,6 @@ def pop_component(prev):
 
 
 # ---------------------------------------------------------------- tensors -> storages
-def _category_of(owner) -> str | None:
-    """The category of an owner label ("PTA@weight@vllm" -> "weight")."""
-    parts = owner.split("@", 2) if owner else ()
-    return parts[1] if len(parts) > 1 else None
-
-
 def plain_tensors(t):
     """The plain tensors behind ``t`` (DTensor and other wrapper subclasses unwrapped)."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
@@ -382,7 +376,7 @@ class Labeler:
                             inf.saved = True
                             # an op's block becomes an activation; a block the walks gave a category
                             # (a weight saved through its transpose view) keeps it
-                            if _category_of(b.owner) == OPS:
+                            if category_of(b.owner) == OPS:
                                 b.owner = self.compose(b, None)
         except Exception:
             pass

@@ -90,6 +90,16 @@ def _why(exc) -> str:
     return str(exc) or type(exc).__name__
 
 
+class _HeldStep:
+    """The first optimizer step's boundary while it is held (``Session.step``): its place in the
+    buffer and the flush count then, its time and thread, and its rows once a flush put them into
+    the buffer (``Session._flush_around_held``)."""
+    __slots__ = ("idx", "flushes", "ts", "tid", "cut")
+
+    def __init__(self, idx, flushes, ts, tid):
+        self.idx, self.flushes, self.ts, self.tid, self.cut = idx, flushes, ts, tid, None
+
+
 def _timestamp() -> str:
     return time.strftime("%Y%m%d%H%M%S")
 
@@ -552,9 +562,7 @@ class Session:
                     self.sync_sources()
                     if self.labeler is not None:
                         self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
-                    # where it is in the buffer, the flush count then, its time and thread, and
-                    # its rows once a flush put them in the buffer (_flush_around_held)
-                    self._held_step = [len(self.buf), self._flushes, time_ns(), threading.get_ident(), None]
+                    self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
@@ -565,8 +573,8 @@ class Session:
             if self._held_step is not None:  # the program numbers its steps: still step 1
                 with self.flush_lock:
                     held, self._held_step = self._held_step, None
-                    if held is not None and held[4] is not None:  # its rows wait in the buffer: gone
-                        cut = {id(r) for r in held[4]}
+                    if held is not None and held.cut is not None:  # its rows wait in the buffer: gone
+                        cut = {id(r) for r in held.cut}
                         self.buf[:] = [r for r in self.buf if id(r) not in cut]
                         self.pieces.clear()
                         self._bound_drain()
@@ -692,36 +700,38 @@ class Session:
             if held is None:
                 return
             self._optimizer_steps = True
-            idx, flushes, ts, tid, cut = held
             self.sync_sources()
+            cut = self._place_held_cut(held)
             if cut is not None and any(r is cut[-1] for r in self.buf):
-                # a flush since the hold wrote the rows before the boundary and left its rows in
-                # the buffer where it happened (_flush_around_held)
-                self.flush(step_end=1, drain=False, through=cut[-1])
-                self._update_flags()
-                return
-            cut = self._held_cut(ts, tid)
-            if flushes == self._flushes and idx <= len(self.buf):
                 # step 1's rows and its boundary are flushed alone, so that the analyses see the end
                 # of step 1 where it was; the rows since then stay in the buffer, and so do the rows
                 # a drain inside this flush adds after them (the owner labeller's). (With --steps=1
                 # those rows stay in the dump, labelled step 2: dropping them could leave a later
-                # FREE without its MALLOC.)
-                self.buf[idx:idx] = cut
-                self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
-                # up to the STEP row itself, not a count: a drain that merges by time (a device
-                # source, the native source after a handover) may put rows before it
+                # FREE without its MALLOC.) Up to the STEP row itself, not a count: a drain that
+                # merges by time (a device source, the native source after a handover) may put
+                # rows before it
                 self.flush(step_end=1, drain=False, through=cut[-1])
-            else:  # a flush came between: the boundary is written now
-                self.buf.extend(cut)
+            else:  # a flush wrote past its place: the boundary is written now
+                self.buf.extend(self._held_cut(held))
                 self.flush(step_end=1)
         self._update_flags()
 
-    def _held_cut(self, ts, tid):
+    def _place_held_cut(self, held):
+        """The rows that end a held step 1, in the buffer where the boundary happened (put there
+        once); None where a flush since the hold wrote past that place."""
+        if held.cut is None:
+            if held.flushes != self._flushes or held.idx > len(self.buf):
+                return None
+            held.cut = self._held_cut(held)
+            self.buf[held.idx:held.idx] = held.cut
+            self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
+        return held.cut
+
+    def _held_cut(self, held):
         """The rows that end a held step 1: the device's figures, then its STEP row."""
         cut = []
         self._device_step_end(1, into=cut)
-        cut.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": 1}, None, None))
+        cut.append((Event.SYSTEM, System.STEP, NA, held.ts, held.tid, self.op_device, None, {"step": 1}, None, None))
         return cut
 
     def _flush_around_held(self, drain):
@@ -733,16 +743,12 @@ class Session:
         and no ``msmemscope.step()``), its steps are taken to be its optimizer steps, so that the
         buffer stays bounded (a ``msmemscope.step()`` later then ends step 2)."""
         held = self._held_step
-        idx, flushes, ts, tid, cut = held
         if drain:  # the source's records in the buffer: its length below is the rows waiting
             self.sync_sources()
-        if cut is None:
-            if flushes != self._flushes or idx > len(self.buf):  # not where it was: written now
-                self._flush(None, drain)
-                return
-            held[4] = cut = self._held_cut(ts, tid)
-            self.buf[idx:idx] = cut
-            self.pieces.clear()  # their positions moved: these rows are marshalled at the flush
+        cut = self._place_held_cut(held)
+        if cut is None:  # a flush wrote past its place: the release writes it at the end
+            self._flush(None, drain)
+            return
         if self.buf and self.buf[0] is cut[0]:
             if len(self.buf) < self.flush_rows // 2:  # nothing to write before it, and room left
                 return

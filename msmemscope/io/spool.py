@@ -147,7 +147,7 @@ class SpoolWriter:
         except OSError:
             pass
         try:
-            self._room = fcntl.fcntl(w, 1032)  # F_GETPIPE_SZ
+            self._room = fcntl.fcntl(w, getattr(fcntl, "F_GETPIPE_SZ", 1032))
         except OSError:
             pass
         self._fd = w
