@@ -2,7 +2,8 @@
 after each optimizer step, run under ``python -m msmemscope --analysis=leaks,decompose`` with a
 given flush bound (0: the default): with a small one, flushes come while step 1's boundary is held
 (Session._flush_around_held). Prints the size of every write and the most rows the buffer held at
-a flush and after it. ``early``: the program flushes right after its first optimizer step."""
+a flush and after it. ``early``: the program flushes right after its first optimizer step;
+``gap``: it stops and starts tracing after the ops that follow it."""
 import json
 import sys
 
@@ -14,6 +15,7 @@ from msmemscope import capture
 
 numbering, rows, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 early = sys.argv[4:] == ["early"]  # a flush right after the first optimizer step (an analysis's)
+gap = sys.argv[4:] == ["gap"]  # tracing stopped and started again in step 1, after its optimizer step
 s = capture.current()  # the launcher's session
 if rows:
     s.flush_rows = rows
@@ -48,6 +50,10 @@ for step in range(5):
         s.flush()
     for i in range(extra):  # ops after the optimizer step: evaluation, logging
         keep.append(torch.full((8 + step,), float(i)) * 2)
+    if gap and step == 0:
+        msmemscope.stop()
+        keep.append(torch.ones(16))  # made in the gap: never in the dump
+        msmemscope.start()
     if numbering == "api":
         msmemscope.step()
 print(json.dumps({"writes": writes, "full": max(full or [0]), "kept": max(kept or [0]), "folder": s.folder}))
