@@ -138,9 +138,10 @@ def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_
 BOUND = 64 + 44
 
 
-def _held_run(tmp_path, source, numbering, rows, extra, options=("--analysis=leaks,decompose",), early=None):
-    """held_first_step.py's dump: (rows of each step but OWNER rows, as a multiset; step ends of the
-    decomposition, where it ran; what the program printed)."""
+def _held_run(tmp_path, source, numbering, rows, extra, options=("--analysis=leaks,decompose",), early=None,
+              main_only=False):
+    """held_first_step.py's dump: (rows of each step but OWNER rows, as a multiset, only the main
+    thread's with ``main_only``; step ends of the decomposition, where it ran; what the program printed)."""
     import collections
     out = tmp_path / f"{numbering}-{rows}-{extra}-{early}"
     r = run_cli([*options, "--output", str(out), sys.executable, os.path.join(PROGS, "held_first_step.py"),
@@ -150,7 +151,9 @@ def _held_run(tmp_path, source, numbering, rows, extra, options=("--analysis=lea
     df = read(dump_of(printed["folder"]))
     check_invariants(df)
     per = collections.defaultdict(collections.Counter)
-    for e, t, size, step in df.select("event", "event_type", "size", "step").iter_rows():
+    for e, t, size, step, tid in df.select("event", "event_type", "size", "step", "tid").iter_rows():
+        if main_only and e != "SYSTEM" and str(tid) != str(printed["main"]):
+            continue
         if t != "OWNER":  # a flush inside a step writes MALLOC rows before their owner is known
             per[step][(e, t, size)] += 1
     ends = None
@@ -204,6 +207,27 @@ def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, sourc
     for step in per0:
         assert per[step] == per0[step], (step, sum(per[step].values()), sum(per0[step].values()))
     assert ends == ends0
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("numbering", ["optimizer", "api"])
+def test_flushes_while_the_first_step_is_held_with_a_thread_allocating(tmp_path, source, numbering):
+    """The held first step's flushes (FLUSH_ROWS = 128) while another thread allocates and frees all
+    along: its rows land anywhere among the main thread's, before and after the held boundary and
+    between the flushes' drains. The main thread's rows of every step are those of the run at the
+    default bound; every thread's times never go backwards; the buffer stays bounded (the other
+    thread adds a few rows between an op's exit and the flush it asks for); invariants hold."""
+    import polars as pl
+    per0, ends0, _ = _held_run(tmp_path, source, numbering, 0, 3, early="thread", main_only=True)
+    per, _, printed = _held_run(tmp_path, source, numbering, 128, 3, early="thread", main_only=True)
+    assert len(printed["writes"]) > 2 * 6 and printed["full"] <= 128 + 44 + 64, printed
+    assert sorted(k for k in per if k is not None) == sorted(k for k in per0 if k is not None) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert per[step] == per0[step], (step, sum(per[step].values()), sum(per0[step].values()))
+    df = read(dump_of(printed["folder"]))
+    assert df.filter(pl.col("ts").diff().over("tid") < 0).height == 0
+    other = df.filter((pl.col("event") == "MALLOC") & (pl.col("tid").cast(pl.String) != str(printed["main"])))
+    assert other["step"].n_unique() >= 4, other["step"].unique().to_list()  # a thread in every part of the run
 
 
 def test_a_held_first_step_is_settled_when_the_buffer_fills_before_the_program_numbers_a_step(tmp_path):
@@ -289,14 +313,15 @@ ALL_ONLINE = "leaks,decompose,inefficient"
 
 
 @pytest.mark.parametrize("mode,source,analysis", full(
-    [("", "native", None), ("term", "python", None), ("", "native", ALL_ONLINE)],
-    [(m, s, None) for m in ("", "term") for s in SOURCES] + [(m, "native", ALL_ONLINE) for m in ("", "term")]))
+    [("", "native", None), ("term", "python", None), ("", "native", ALL_ONLINE), ("opt", "native", ALL_ONLINE)],
+    [(m, s, None) for m in ("", "term", "opt") for s in SOURCES] + [(m, "native", ALL_ONLINE) for m in ("", "term", "opt")]))
 def test_signals_during_flushes(tmp_path, source, mode, analysis):
     """A SIGUSR1 every millisecond while the buffer flushes every 64 rows, the handler allocating
     (it runs inside flushes); with ``term``, a SIGTERM mid-run. The losses are the plain run's, the
     dump keeps the invariants, the handler's blocks it still holds are live, and its growth is found.
     With every online analysis (owner labels, module hooks, the inefficient sink), the same, and
-    their results are written."""
+    their results are written. With ``opt``, the optimizer's steps: step 1's boundary is held until
+    the second optimizer step, through the flushes and the handler's rows."""
     prog = os.path.join(PROGS, "combo_signals.py")
     plain = _python([prog, "-"], source)
     want = [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")]
@@ -307,6 +332,9 @@ def test_signals_during_flushes(tmp_path, source, mode, analysis):
     (folder,) = run_folders(out)
     df = read(dump_of(folder))
     live = check_invariants(df)
+    import polars as pl
+    ends = [json.loads(a)["step"] for a in df.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
+    assert ends == list(range(1, len(ends) + 1)) and len(ends) >= 3, ends  # each step once, in order
     if mode == "term":
         assert r.returncode in (-15, 143), (r.returncode, r.stderr[-2000:])
         assert "TERM" in r.stdout and losses == want[:len(losses)] and len(losses) >= 4

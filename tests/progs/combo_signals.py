@@ -1,7 +1,9 @@
 """Signals arriving while the session flushes: a thread sends SIGUSR1 every millisecond to a
 program whose buffer is flushed every 64 rows; the handler allocates and keeps tensors (it runs
-between bytecodes, often inside a flush). With ``term`` as argv[2], a SIGTERM comes mid-run;
-argv[3], the analyses (default: leaks).
+between bytecodes, often inside a flush; the native source drains every 64 records too). With
+``term`` as argv[2], a SIGTERM comes mid-run; with ``opt``, the steps are the optimizer's (no
+msmemscope.step(): step 1's boundary is held until the second, through many flushes); argv[3],
+the analyses (default: leaks).
 
 Prints the losses, how many signals the handler took and the bytes it still holds."""
 import json
@@ -37,7 +39,10 @@ def main():
         # ops with owner labels and access events (a deferred start takes the dispatch-mode one)
         msmemscope.config(output=out, **({"analysis": analysis, "collect_mode": "immediate"} if analysis else {}))
         msmemscope.start()
-        capture.current().flush_rows = 64
+        s = capture.current()
+        s.flush_rows = 64
+        if s.native is not None:
+            s.native.set_drain_at(64)  # the native source's records count against it too
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     opt = torch.optim.Adam(model.parameters())
@@ -56,7 +61,7 @@ def main():
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
-        if traced:
+        if traced and mode != "opt":
             msmemscope.step()
         print(f"loss {step} {loss.item():.6f}", flush=True)
         if mode == "term" and step == 3:

@@ -3,9 +3,12 @@ after each optimizer step, run under ``python -m msmemscope --analysis=leaks,dec
 given flush bound (0: the default): with a small one, flushes come while step 1's boundary is held
 (Session._flush_around_held). Prints the size of every write and the most rows the buffer held at
 a flush and after it. ``early``: the program flushes right after its first optimizer step;
-``gap``: it stops and starts tracing after the ops that follow it."""
+``gap``: it stops and starts tracing after the ops that follow it; ``thread``: another thread
+allocates and frees all along (its rows fall in the buffer wherever the flushes and the held
+boundary are); the main thread's id is printed as ``main``."""
 import json
 import sys
+import threading
 
 import torch
 from torch import nn
@@ -16,6 +19,7 @@ from msmemscope import capture
 numbering, rows, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 early = sys.argv[4:] == ["early"]  # a flush right after the first optimizer step (an analysis's)
 gap = sys.argv[4:] == ["gap"]  # tracing stopped and started again in step 1, after its optimizer step
+thread = sys.argv[4:] == ["thread"]  # another thread allocating and freeing all along
 s = capture.current()  # the launcher's session
 if rows:
     s.flush_rows = rows
@@ -42,18 +46,47 @@ def flush(*a, **k):
 
 s.writer.write, s.flush = write, flush
 keep = []
+done, tick = threading.Event(), threading.Semaphore(0)
+
+
+def other_thread():
+    # a cycle (2 ops, 3 allocations, a free) each time the main thread ticks: concurrent with it,
+    # but never so many rows between an optimizer step and msmemscope.step() that the held step
+    # is settled for a full buffer (FLUSH_ROWS / 2 rows there)
+    own, k = [], 0
+    while True:
+        tick.acquire()
+        if done.is_set():
+            return
+        own.append(torch.ones(300 + k % 7) * 2)
+        if len(own) > 3:
+            own.pop(0)
+        k += 1
+
+
+worker = threading.Thread(target=other_thread)
+if thread:
+    worker.start()
 for step in range(5):
     opt.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
+    if thread:
+        tick.release()
     opt.step()
     if early and step == 0:
         s.flush()
     for i in range(extra):  # ops after the optimizer step: evaluation, logging
         keep.append(torch.full((8 + step,), float(i)) * 2)
+        if thread:
+            tick.release()
     if gap and step == 0:
         msmemscope.stop()
         keep.append(torch.ones(16))  # made in the gap: never in the dump
         msmemscope.start()
     if numbering == "api":
         msmemscope.step()
-print(json.dumps({"writes": writes, "full": max(full or [0]), "kept": max(kept or [0]), "folder": s.folder}))
+done.set()
+if thread:
+    tick.release()
+    worker.join()
+print(json.dumps({"main": threading.get_ident(), "writes": writes, "full": max(full or [0]), "kept": max(kept or [0]), "folder": s.folder}))
