@@ -344,7 +344,6 @@ def test_signals_during_flushes(tmp_path, source, mode, analysis):
     sig = json.loads(r.stdout.split("SIGNALS ", 1)[1])
     assert sig["hits"] > 0 and sig["kept"], sig
     sizes = sorted(live.values())
-    import polars as pl
     made = {n for n in _rows(df, "MALLOC")["size"].to_list() if 3001 <= n < 5000 and n % 2}
     assert config_of(folder)["source"].startswith("native" if source == "native" else "dispatch")
     if source == "native":  # every block the handler made and still holds is live in the dump
@@ -488,7 +487,6 @@ def test_a_fork_and_frees_inside_a_stop_start_gap(tmp_path, source):
     gap. A child forked then allocates and exits normally; blocks made and freed in the gap never
     reach the dump, those made in it and freed after start() write no FREE row; the module built in
     the gap is weights after start() on both sources; every invariant holds."""
-    import polars as pl
     prog = tmp_path / "gap.py"
     prog.write_text(FORK_IN_GAP)
     r = _python([str(prog), str(tmp_path / "o")], source)
