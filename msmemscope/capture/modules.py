@@ -93,6 +93,72 @@ def _grad_tensors(obj, out, depth=0):
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
+
+
+def eager_only(hook):
+    """A global module hook that does nothing where Dynamo traces it (``torch.compile``: the
+    calls of submodules inside a compiled forward). Dynamo cannot trace our C++ hooks or the
+    native source's calls: each module call there was a graph break, so the program under the
+    tool was no longer the compiled one (a 3-block MLP: 7 breaks, 2 of its 9 calls captured),
+    and neither was its memory. ``torch.compiler.is_compiling()`` is a constant to Dynamo, so
+    this hook leaves nothing in the graph; a compiled region is attributed as a whole to the
+    innermost module whose hooks ran outside it."""
+    is_compiling = torch.compiler.is_compiling
+
+    def eager_hook(*args):
+        if is_compiling():
+            return None
+        return hook(*args)
+    return eager_hook
+
+
+# torch.compile(module) warns at each call of the compiled module while any global module hook is
+# on: ours, which fire for it and its ``_orig_mod`` and name both as the model itself. That warning
+# is not the program's to see when it registered no global hook of its own.
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+_hiding = set()  # the holders of our global module hooks that hide it now
+
+
+def hide_compile_warning(holder, hide: bool) -> None:
+    """Hide torch.compile's warning of global module hooks while ``holder``'s are on (``hide``),
+    unless the program had global module hooks of its own when the first of ours came."""
+    import warnings
+    if hide:
+        if not _hiding:
+            from torch.nn.modules import module as nn_module
+            if getattr(nn_module, "_has_any_global_hook", lambda: False)():
+                return  # the program's own: the warning is for it
+            warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
+        _hiding.add(holder)
+    elif holder in _hiding:
+        _hiding.discard(holder)
+        if not _hiding:
+            warnings.filters[:] = [f for f in warnings.filters
+                                   if not (f[0] == "ignore" and getattr(f[1], "pattern", None) == _COMPILE_WARNING)]
+            warnings._filters_mutated()
+
+
+def compiled_original(module):
+    """The module ``torch.compile(module)`` wrapped (its ``OptimizedModule``), else None."""
+    if type(module).__name__ == "OptimizedModule":
+        orig = getattr(module, "_orig_mod", None)
+        if isinstance(orig, torch.nn.Module):
+            return orig
+    return None
+
+
+def _is_compiled_graph(module) -> bool:
+    """An ``torch.fx.GraphModule`` (what a compile backend may run as a module)."""
+    fx = getattr(getattr(torch, "fx", None), "GraphModule", None)
+    return fx is not None and isinstance(module, fx)
+
+
+def _without_wrappers(name: str) -> str:
+    """A ``named_modules()`` path less the ``_orig_mod`` steps of compiled submodules: the path the
+    program's own model gives (``blocks.0._orig_mod.fc1`` is ``blocks.0.fc1``)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
 _grad_enabled = torch.is_grad_enabled
 _will_run = torch._C._will_engine_execute_node
 
@@ -221,6 +287,7 @@ class ModuleTracker:
         # after it was made (what that step's own flush would have found); the last allocation id
         # such an answer covers
         self.at_step, self._answered_upto = None, {}  # the last id answered, per thread (its roots)
+        self._roots_found_for = weakref.WeakSet()     # optimizers whose models were looked for
 
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
     # owning modules as they are at that step's end for the rows the later flush attributes
@@ -236,6 +303,8 @@ class ModuleTracker:
         self._tree = None  # modules registered while stopped are not seen by the hook
         self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
         pre, post = (self.nat.mt_pre, self.nat.mt_post) if self.nat is not None else (self._pre, self._post)
+        pre, post = eager_only(pre), eager_only(post)
+        hide_compile_warning(self, True)
         self._handles.append(nn_module.register_module_forward_pre_hook(pre))
         try:
             self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
@@ -254,6 +323,7 @@ class ModuleTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        hide_compile_warning(self, False)
         _remove_fired_leaf_hooks()
         if self.nat is not None:
             self.nat.mt_set_on(False)
@@ -286,8 +356,20 @@ class ModuleTracker:
                 p = self.paths.get(module)
                 if p is not None:
                     return p
+            if _is_compiled_graph(module):
+                # the graph a torch.compile backend runs as a module (aot_eager's GraphModule):
+                # not the program's, its allocations are the compiled forward's, the parent's
+                self.paths[module] = parent
+                return parent
             # not in the tree (a module kept outside its parent's registered children)
             p = f"{parent}.{cls}".translate(_BAD)
+            self.paths[module] = p
+            return p
+        orig = compiled_original(module)
+        if orig is not None:  # torch.compile(model): named as the model itself, and its tree too
+            p = self.paths.get(orig)
+            if p is None:
+                p = self._name(orig)
             self.paths[module] = p
             return p
         name, n = cls, 1
@@ -307,6 +389,7 @@ class ModuleTracker:
         try:
             for sub_name, sub in root.named_modules():
                 if sub not in self.paths:
+                    sub_name = _without_wrappers(sub_name)
                     self.paths[sub] = f"{name}.{sub_name}".translate(_BAD) if sub_name else name
         except Exception:
             return False
@@ -399,6 +482,36 @@ class ModuleTracker:
     def _opt(self, opt, args, kwargs):
         self.optimizers.add(opt)
         self.thread_of[opt] = _get_ident()
+        if opt not in self._roots_found_for:
+            self._roots_found_for.add(opt)
+            try:
+                self._find_roots(opt)
+            except Exception as e:
+                import logging
+                logging.getLogger("msmemscope").warning("looking for the models of an optimizer: %r", e)
+
+    def _find_roots(self, opt):
+        """The models of an optimizer's parameters that no forward hook showed us (``model.compile()``
+        and compiled functions call them inside the compiled code, where the hooks do nothing:
+        ``eager_only``): found once, among the live modules, so that their parameters, gradients
+        and optimizer state still go to the layers that own them."""
+        params = {id(p) for g in opt.param_groups for p in g.get("params", ()) if isinstance(p, torch.Tensor)}
+        for _, ref, _ in self._module_tree():
+            m = ref()
+            if m is not None:
+                params.difference_update(id(p) for p in m.parameters(recurse=False))
+        if not params:
+            return
+        import gc
+        module = torch.nn.Module  # by type: isinstance would read __class__, which some objects warn on
+        mods = [o for o in gc.get_objects() if issubclass(type(o), module)]
+        inner = {id(c) for m in mods for c in m.children()}
+        for m in mods:
+            if id(m) in inner or compiled_original(m) is not None or self.paths.get(m) is not None:
+                continue
+            if any(id(p) in params for p in m.parameters()):
+                self._name(m)
+                self._tree = None
 
     def _pre(self, module, args):
         try:

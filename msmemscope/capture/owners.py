@@ -222,17 +222,23 @@ class Labeler:
 
     def _module_hooks(self):
         from torch.nn.modules import module as nn_module
-        self._mod_handles = [nn_module.register_module_forward_pre_hook(self._fwd_pre)]
+
+        from .modules import eager_only, hide_compile_warning
+        hide_compile_warning(self, True)
+        self._mod_handles = [nn_module.register_module_forward_pre_hook(eager_only(self._fwd_pre))]
+        post = eager_only(self._fwd_post)
         try:
-            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post, always_call=True))
+            self._mod_handles.append(nn_module.register_module_forward_hook(post, always_call=True))
         except TypeError:
-            self._mod_handles.append(nn_module.register_module_forward_hook(self._fwd_post))
+            self._mod_handles.append(nn_module.register_module_forward_hook(post))
 
     def pause(self):
         """Tracing stopped: the global module hooks go (every module call of the program pays them)."""
         for h in getattr(self, "_mod_handles", ()):
             h.remove()
         self._mod_handles = []
+        from .modules import hide_compile_warning
+        hide_compile_warning(self, False)
         self.depth = 0
         if self._tree_handle is not None:
             self._tree_handle.remove()

@@ -562,6 +562,15 @@ class Session:
                     self.sync_sources()
                     if self.labeler is not None:
                         self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
+                    if self.modules is not None:
+                        # and the owning modules: by the release, zero_grad has freed step 1's
+                        # gradients, which then kept only the module running when they were made
+                        # (under torch.compile the compiled module as a whole, not their layer)
+                        try:
+                            self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None,
+                                                     labeler=self.labeler)
+                        except Exception as e:
+                            log.warning("owning modules at step 1's end: %s", _why(e))
                     self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()

@@ -1,0 +1,57 @@
+"""A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
+(``inplace``) or a compiled loss function calling the model (``function``), with backend argv[1].
+Prints each loss exactly, what Dynamo made of it (graphs, calls captured, graph breaks) and the
+bytes and the number of parameters of each block by the path msmemscope names it with (root class + named_modules()),
+so that a traced run can be checked against a plain one."""
+import json
+import sys
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+backend, how = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+x, y = torch.randn(32, 64), torch.randn(32, 8)
+if how == "module":
+    run = torch.compile(model, backend=backend)
+elif how == "inplace":
+    model.compile(backend=backend)
+    run = model
+else:
+    run = torch.compile(lambda x: model(x), backend=backend)
+for step in range(4):
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(run(x), y)
+    loss.backward()
+    opt.step()
+    print(f"loss {loss.item().hex()}", flush=True)
+from torch._dynamo.utils import counters  # noqa: E402
+layers = {f"Net.{name}": [sum(p.numel() * p.element_size() for p in m.parameters()), len(list(m.parameters()))]
+          for name, m in model.named_modules() if name.count(".") == 1 and name.startswith("blocks")}
+print("DYNAMO " + json.dumps({"graphs": counters["stats"].get("unique_graphs", 0),
+                              "captured": counters["stats"].get("calls_captured", 0),
+                              "breaks": sum(counters["graph_break"].values()), "layers": layers}), flush=True)
