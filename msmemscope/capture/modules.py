@@ -288,6 +288,7 @@ class ModuleTracker:
         # such an answer covers
         self.at_step, self._answered_upto = None, {}  # the last id answered, per thread (its roots)
         self._roots_found_for = weakref.WeakSet()     # optimizers whose models were looked for
+        self._root_looks = 0                          # how many (a program making an optimizer a step)
 
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
     # owning modules as they are at that step's end for the rows the later flush attributes
@@ -482,8 +483,9 @@ class ModuleTracker:
     def _opt(self, opt, args, kwargs):
         self.optimizers.add(opt)
         self.thread_of[opt] = _get_ident()
-        if opt not in self._roots_found_for:
+        if opt not in self._roots_found_for and self._root_looks < 8:  # a few walks of gc at most
             self._roots_found_for.add(opt)
+            self._root_looks += 1
             try:
                 self._find_roots(opt)
             except Exception as e:
