@@ -981,7 +981,8 @@ class Session:
             self.labeler.resume()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        self._hooks.append(register_optimizer_step_post_hook(lambda *a, **k: self.step("optimizer")))
+        from .modules import eager_or_skipped
+        self._hooks.append(register_optimizer_step_post_hook(eager_or_skipped(lambda *a: self.step("optimizer"))))
         if "traceback" in self.opts.events:  # the original's Python trace (capture/pytrace.py)
             from . import pytrace
             pytrace.tracer_for(os.path.dirname(self.dump_path)).start()

@@ -1,5 +1,6 @@
 """A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
-(``inplace``) or a compiled loss function calling the model (``function``), with backend argv[1].
+(``inplace``), a compiled loss function calling the model (``function``), or an eager model whose
+optimizer step is compiled (``optimizer``), with backend argv[1].
 Prints each loss exactly, what Dynamo made of it (graphs, calls captured, graph breaks) and the
 bytes and the number of parameters of each block by the path msmemscope names it with (root class + named_modules()),
 so that a traced run can be checked against a plain one."""
@@ -41,17 +42,24 @@ if how == "module":
 elif how == "inplace":
     model.compile(backend=backend)
     run = model
-else:
+elif how == "function":
     run = torch.compile(lambda x: model(x), backend=backend)
+else:
+    run = model
+opt_step = torch.compile(opt.step, backend=backend) if how == "optimizer" else opt.step
 for step in range(4):
     opt.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(run(x), y)
     loss.backward()
-    opt.step()
+    opt_step()
     print(f"loss {loss.item().hex()}", flush=True)
 from torch._dynamo.utils import counters  # noqa: E402
 layers = {f"Net.{name}": [sum(p.numel() * p.element_size() for p in m.parameters()), len(list(m.parameters()))]
           for name, m in model.named_modules() if name.count(".") == 1 and name.startswith("blocks")}
 print("DYNAMO " + json.dumps({"graphs": counters["stats"].get("unique_graphs", 0),
                               "captured": counters["stats"].get("calls_captured", 0),
-                              "breaks": sum(counters["graph_break"].values()), "layers": layers}), flush=True)
+                              "breaks": sum(counters["graph_break"].values()),
+                              "reasons": sorted({k.strip().splitlines()[0] if "Explanation" not in k
+                                                 else k.split("Explanation:", 1)[1].strip().splitlines()[0]
+                                                 for k in counters["graph_break"]}),
+                              "layers": layers}), flush=True)
