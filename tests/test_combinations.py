@@ -209,8 +209,8 @@ def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, sourc
     assert ends == ends0
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("numbering", ["optimizer", "api"])
+@pytest.mark.parametrize("source,numbering", full([("native", "optimizer"), ("python", "api")],
+                                                 [(s, n) for s in SOURCES for n in ("optimizer", "api")]))
 def test_flushes_while_the_first_step_is_held_with_a_thread_allocating(tmp_path, source, numbering):
     """The held first step's flushes (FLUSH_ROWS = 128) while another thread allocates and frees all
     along: its rows land anywhere among the main thread's, before and after the held boundary and

@@ -564,8 +564,9 @@ def _compiled_run(args, env, cli=None):
     return r, losses, json.loads(r.stdout.split("DYNAMO ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("how", ["module", "inplace", "function", "optimizer"])
-@pytest.mark.parametrize("backend", FULL and ["aot_eager", "inductor"] or ["aot_eager"])
+@pytest.mark.parametrize("how,backend", [(h, b) for h in ("module", "inplace", "function", "optimizer")
+                                         for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
+                                         if FULL or h in ("inplace", "optimizer")])
 def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend):
     """torch.compile with --analysis=decompose (native source). Our global module hooks run inside
     the compiled code only as no-ops (eager_only): Dynamo made a graph break of each module call
@@ -580,8 +581,6 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
     modules): they run through torch._dynamo.disable (a silent skip), so the step's graph is the
     plain run's and no "cannot trace" warning or break of ours comes (3 before, and the walks
     compiled frame by frame)."""
-    if how == "module" and backend == "inductor" and not FULL:
-        pytest.skip("inductor: the full run")
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = "native"
     _, plain_losses, plain = _compiled_run([backend, how], env)
