@@ -209,7 +209,7 @@ def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, sourc
     assert ends == ends0
 
 
-@pytest.mark.parametrize("source,numbering", full([("native", "optimizer"), ("python", "api")],
+@pytest.mark.parametrize("source,numbering", full([("native", "optimizer")],
                                                  [(s, n) for s in SOURCES for n in ("optimizer", "api")]))
 def test_flushes_while_the_first_step_is_held_with_a_thread_allocating(tmp_path, source, numbering):
     """The held first step's flushes (FLUSH_ROWS = 128) while another thread allocates and frees all
@@ -313,7 +313,7 @@ ALL_ONLINE = "leaks,decompose,inefficient"
 
 
 @pytest.mark.parametrize("mode,source,analysis", full(
-    [("", "native", None), ("term", "python", None), ("", "native", ALL_ONLINE), ("opt", "native", ALL_ONLINE)],
+    [("", "native", None), ("term", "python", None), ("opt", "native", ALL_ONLINE)],
     [(m, s, None) for m in ("", "term", "opt") for s in SOURCES] + [(m, "native", ALL_ONLINE) for m in ("", "term", "opt")]))
 def test_signals_during_flushes(tmp_path, source, mode, analysis):
     """A SIGUSR1 every millisecond while the buffer flushes every 64 rows, the handler allocating
