@@ -606,3 +606,33 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
         at = by[path]["at_peak"]
         assert (at["parameters"], at["gradients"], at["optimizer_state"]) == (nbytes, nbytes, 2 * nbytes + 4 * count), \
             (path, at)
+
+
+def test_the_compile_warning_is_hidden_only_while_our_hooks_are_on_and_the_program_has_none():
+    """torch.compile(module) warns at each call while any global module hook is on. Ours hide it
+    from the first holder's hooks to the last one's removal; a program that had global module
+    hooks of its own when ours came keeps the warning (it is about its hooks too)."""
+    import warnings
+
+    from torch.nn.modules import module as nn_module
+
+    from msmemscope.capture import modules as M
+
+    def ours():
+        return [f for f in warnings.filters if getattr(f[1], "pattern", None) == M._COMPILE_WARNING]
+    before = list(warnings.filters)
+    M.hide_compile_warning("tracker", True)
+    M.hide_compile_warning("labeller", True)
+    assert len(ours()) == 1
+    M.hide_compile_warning("tracker", False)
+    assert len(ours()) == 1  # the labeller's hooks are still on
+    M.hide_compile_warning("labeller", False)
+    assert ours() == [] and warnings.filters == before
+    h = nn_module.register_module_forward_pre_hook(lambda *a: None)
+    try:
+        M.hide_compile_warning("tracker", True)
+        assert ours() == []
+    finally:
+        h.remove()
+        M.hide_compile_warning("tracker", False)
+    assert warnings.filters == before

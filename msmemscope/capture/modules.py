@@ -94,6 +94,8 @@ def _grad_tensors(obj, out, depth=0):
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
+_grad_enabled = torch.is_grad_enabled
+_will_run = torch._C._will_engine_execute_node
 
 
 def eager_only(hook):
@@ -180,7 +182,7 @@ def hide_compile_warning(holder, hide: bool) -> None:
         if not _hiding:
             warnings.filters[:] = [f for f in warnings.filters
                                    if not (f[0] == "ignore" and getattr(f[1], "pattern", None) == _COMPILE_WARNING)]
-            warnings._filters_mutated()
+            getattr(warnings, "_filters_mutated", lambda: None)()  # the caches of the old filters
 
 
 def compiled_original(module):
@@ -204,8 +206,6 @@ def _without_wrappers(name: str) -> str:
     if "_orig_mod" not in name:
         return name
     return ".".join(p for p in name.split(".") if p != "_orig_mod")
-_grad_enabled = torch.is_grad_enabled
-_will_run = torch._C._will_engine_execute_node
 
 
 def _nodes_of(tensors):
