@@ -640,3 +640,35 @@ def test_the_compile_warning_is_hidden_only_while_our_hooks_are_on_and_the_progr
         h.remove()
         M.hide_compile_warning("tracker", False)
     assert warnings.filters == before
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_a_compiled_model_over_a_stop_start_gap_on_either_source(tmp_path, source):
+    """torch.compile(model) with --analysis=decompose and tracing stopped after step 1 and started
+    again before step 3 (our global hooks removed and registered again), on both capture sources:
+    the losses are the plain run's, no warning of ours, the dump keeps its invariants and each
+    block owns its parameters, gradients and optimizer state. Native source: no graph break, and
+    one graph more than the plain run at most (Dynamo guards on the global hooks, which the gap
+    takes away). The dispatch-mode source runs the compiled code eagerly while it traces (README)."""
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    _, plain_losses, plain = _compiled_run(["aot_eager", "module"], env)
+    out = tmp_path / "out"
+    r, losses, traced = _compiled_run(["aot_eager", "module", "gap"], env, cli=["--analysis=decompose", "--output", str(out)])
+    assert losses == plain_losses and len(losses) == 4
+    assert "global hooks on modules" not in r.stderr and "does not know how to trace" not in r.stderr, r.stderr[-2000:]
+    if source == "native":
+        assert traced["breaks"] == 0 and plain["graphs"] <= traced["graphs"] <= plain["graphs"] + 1, (traced, plain)
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    assert df.filter(pl.col("event_type").is_in(["STOP_TRACE", "START_TRACE"])).height >= 3  # the gap is in the dump
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        mods = json.load(f)["modules"]["cpu"]
+    by = {m["module"]: m for m in mods["modules"]}
+    assert not any("_orig_mod" in p or "OptimizedModule" in p for p in by), sorted(by)
+    for path, (nbytes, count) in plain["layers"].items():
+        at = by[path]["at_peak"]
+        assert (at["parameters"], at["gradients"], at["optimizer_state"]) == (nbytes, nbytes, 2 * nbytes + 4 * count), \
+            (path, at)

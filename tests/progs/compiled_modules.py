@@ -33,6 +33,7 @@ class Net(nn.Module):
 
 
 backend, how = sys.argv[1], sys.argv[2]
+gap = sys.argv[3:] == ["gap"]  # tracing stopped after step 1 and started again before step 3
 torch.manual_seed(0)
 model = Net()
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -48,6 +49,9 @@ else:
     run = model
 opt_step = torch.compile(opt.step, backend=backend) if how == "optimizer" else opt.step
 for step in range(4):
+    if gap and step in (1, 2):
+        import msmemscope
+        (msmemscope.stop if step == 1 else msmemscope.start)()
     opt.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(run(x), y)
     loss.backward()
