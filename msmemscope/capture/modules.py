@@ -185,6 +185,29 @@ def hide_compile_warning(holder, hide: bool) -> None:
             getattr(warnings, "_filters_mutated", lambda: None)()  # the caches of the old filters
 
 
+def add_global_module_hooks(holder, pre, post) -> list:
+    """Our global forward pre- and post-hooks (the post-hook also where the forward raises, where
+    torch has ``always_call``), as no-ops where Dynamo traces them (``eager_only``), torch's warning
+    of global hooks hidden while they are on; the handles, for ``remove_global_module_hooks``."""
+    from torch.nn.modules import module as nn_module
+    hide_compile_warning(holder, True)
+    pre, post = eager_only(pre), eager_only(post)
+    handles = [nn_module.register_module_forward_pre_hook(pre)]
+    try:
+        handles.append(nn_module.register_module_forward_hook(post, always_call=True))
+    except TypeError:
+        handles.append(nn_module.register_module_forward_hook(post))
+    return handles
+
+
+def remove_global_module_hooks(holder, handles: list) -> None:
+    """Remove ``handles`` (emptied) and ``holder``'s hiding of torch's warning of global hooks."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+    hide_compile_warning(holder, False)
+
+
 def compiled_original(module):
     """The module ``torch.compile(module)`` wrapped (its ``OptimizedModule``), else None."""
     if type(module).__name__ == "OptimizedModule":
@@ -349,13 +372,7 @@ class ModuleTracker:
         self._tree = None  # modules registered while stopped are not seen by the hook
         self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
         pre, post = (self.nat.mt_pre, self.nat.mt_post) if self.nat is not None else (self._pre, self._post)
-        pre, post = eager_only(pre), eager_only(post)
-        hide_compile_warning(self, True)
-        self._handles.append(nn_module.register_module_forward_pre_hook(pre))
-        try:
-            self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
-        except TypeError:
-            self._handles.append(nn_module.register_module_forward_hook(post))
+        self._handles.extend(add_global_module_hooks(self, pre, post))
         if self.nat is not None:
             self.nat.mt_set_on(bool(getattr(self.s, "active", True)))
         return self
@@ -366,10 +383,7 @@ class ModuleTracker:
             self.nat.mt_set_on(bool(on))
 
     def remove(self):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        hide_compile_warning(self, False)
+        remove_global_module_hooks(self, self._handles)
         _remove_fired_leaf_hooks()
         if self.nat is not None:
             self.nat.mt_set_on(False)

@@ -222,24 +222,14 @@ class Labeler:
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
 
     def _module_hooks(self):
-        from torch.nn.modules import module as nn_module
-
-        from .modules import eager_only, hide_compile_warning
-        hide_compile_warning(self, True)
-        self._mod_handles = [nn_module.register_module_forward_pre_hook(eager_only(self._fwd_pre))]
-        post = eager_only(self._fwd_post)
-        try:
-            self._mod_handles.append(nn_module.register_module_forward_hook(post, always_call=True))
-        except TypeError:
-            self._mod_handles.append(nn_module.register_module_forward_hook(post))
+        from .modules import add_global_module_hooks
+        self._mod_handles = add_global_module_hooks(self, self._fwd_pre, self._fwd_post)
 
     def pause(self):
         """Tracing stopped: the global module hooks go (every module call of the program pays them)."""
-        for h in getattr(self, "_mod_handles", ()):
-            h.remove()
+        from .modules import remove_global_module_hooks
+        remove_global_module_hooks(self, getattr(self, "_mod_handles", []))
         self._mod_handles = []
-        from .modules import hide_compile_warning
-        hide_compile_warning(self, False)
         self.depth = 0
         if self._tree_handle is not None:
             self._tree_handle.remove()

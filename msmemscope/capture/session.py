@@ -567,8 +567,7 @@ class Session:
                         # gradients, which then kept only the module running when they were made
                         # (under torch.compile the compiled module as a whole, not their layer)
                         try:
-                            self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None,
-                                                     labeler=self.labeler)
+                            self._modules_at_step_end()
                         except Exception as e:
                             log.warning("owning modules at step 1's end: %s", _why(e))
                     self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
@@ -664,12 +663,15 @@ class Session:
                 if self.labeler is not None:
                     self.labeler.at_step_end()
                 if self.modules is not None:
-                    self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None,
-                                             labeler=self.labeler)
+                    self._modules_at_step_end()
             return True
         except Exception as e:
             log.warning("owner labels at a step end: %s; flushed now", _why(e))
             return False
+
+    def _modules_at_step_end(self):
+        """The owning modules of the live blocks as they are now (ModuleTracker.at_step_end)."""
+        self.modules.at_step_end(owned_known=getattr(self.labeler, "owned", None) is not None, labeler=self.labeler)
 
     def _flush_waiting(self):
         """The flusher thread: a step boundary that waits is in the dump within STEP_FLUSH_S or
