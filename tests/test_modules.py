@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import FULL, check_invariants, dump_of, env_for_tests, read, run_cli, run_folders
+from conftest import FULL, check_invariants, full, dump_of, env_for_tests, read, run_cli, run_folders
 
 PROGS = os.path.join(os.path.dirname(__file__), "progs")
 TRUTH = os.path.join(PROGS, "modules_truth.py")
@@ -564,10 +564,12 @@ def _compiled_run(args, env, cli=None):
     return r, losses, json.loads(r.stdout.split("DYNAMO ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("how,backend", [(h, b) for h in ("module", "inplace", "function", "optimizer")
-                                         for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
-                                         if FULL or h in ("inplace", "optimizer")])
-def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend):
+@pytest.mark.parametrize("how,backend,source", [(h, b, s) for h in ("module", "inplace", "function", "optimizer")
+                                                for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
+                                                for s in ("native", "python")
+                                                if FULL or (h, s) in (("inplace", "native"), ("optimizer", "native"),
+                                                                      ("inplace", "python"))])
+def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend, source):
     """torch.compile with --analysis=decompose (native source). Our global module hooks run inside
     the compiled code only as no-ops (eager_only): Dynamo made a graph break of each module call
     before (7 on this model, 2 of 9 calls captured), so the traced program was no longer the
@@ -580,9 +582,12 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
     compiled optimizer step traces the optimizer hooks of ours (step boundary, owner labels,
     modules): they run through torch._dynamo.disable (a silent skip), so the step's graph is the
     plain run's and no "cannot trace" warning or break of ours comes (3 before, and the walks
-    compiled frame by frame)."""
+    compiled frame by frame). The dispatch-mode source (``python``): its dispatch mode lets Dynamo
+    compile (it skipped every frame under it before: 0 graphs), the labeller finds the models of
+    model.compile() and compiled functions as module attribution does, and keeps step 1's owning
+    modules from its hold (its gradients went to the model as a whole before)."""
     env = env_for_tests()
-    env["MSMEMSCOPE_SOURCE"] = "native"
+    env["MSMEMSCOPE_SOURCE"] = source
     _, plain_losses, plain = _compiled_run([backend, how], env)
     out = tmp_path / "out"
     r, losses, traced = _compiled_run([backend, how], env, cli=["--analysis=decompose", "--output", str(out)])
@@ -642,30 +647,41 @@ def test_the_compile_warning_is_hidden_only_while_our_hooks_are_on_and_the_progr
     assert warnings.filters == before
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
-def test_a_compiled_model_over_a_stop_start_gap_on_either_source(tmp_path, source):
+@pytest.mark.parametrize("source,extra", [("native", ["gap"]), ("python", ["gap"]), ("native", ["watch"])]
+                         + full([], [("native", ["gap", "watch"]), ("python", ["watch"])]))
+def test_a_compiled_model_over_a_stop_start_gap_on_either_source(tmp_path, source, extra):
     """torch.compile(model) with --analysis=decompose and tracing stopped after step 1 and started
     again before step 3 (our global hooks removed and registered again), on both capture sources:
     the losses are the plain run's, no warning of ours, the dump keeps its invariants and each
     block owns its parameters, gradients and optimizer state. Native source: no graph break, and
     the plain run's graph twice, for the traced steps and for the gap's (Dynamo guards on the
-    global hooks, which the gap takes away); with our hooks traced, only the gap's is compiled. The dispatch-mode source runs the compiled code eagerly while it traces (README)."""
+    global hooks, which the gap takes away); with our hooks traced, only the gap's is compiled.
+    The dispatch-mode source (and ``watch``, which hands over to it) does the same: its dispatch
+    mode tells Dynamo to compile under it (``ignore_compile_internals``). Before, Dynamo skipped
+    every frame while it was on: the program ran eagerly (0 graphs), and under inductor its losses
+    changed. Without the gap, under watch: the plain run's graph once."""
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
     _, plain_losses, plain = _compiled_run(["aot_eager", "module"], env)
     out = tmp_path / "out"
-    r, losses, traced = _compiled_run(["aot_eager", "module", "gap"], env, cli=["--analysis=decompose", "--output", str(out)])
+    r, losses, traced = _compiled_run(["aot_eager", "module", *extra], env,
+                                      cli=["--analysis=decompose", "--output", str(out)])
     assert losses == plain_losses and len(losses) == 4
     assert "global hooks on modules" not in r.stderr and "does not know how to trace" not in r.stderr, r.stderr[-2000:]
-    if source == "native":
-        # one graph for the traced steps (our hooks on) and one for the gap's (none): each the plain one
-        assert traced["breaks"] == 0 and traced["graphs"] == plain["graphs"] + 1, (traced, plain)
-        assert traced["captured"] == 2 * plain["captured"], (traced, plain)
+    # one graph for the traced steps (our hooks on) and one for the gap's (none): each the plain one
+    times = 2 if "gap" in extra else 1
+    assert traced["breaks"] == 0 and traced["graphs"] == plain["graphs"] + times - 1, (traced, plain)
+    assert traced["captured"] == times * plain["captured"], (traced, plain)
     (folder,) = run_folders(out)
     df = read(dump_of(folder))
     check_invariants(df)
     import polars as pl
-    assert df.filter(pl.col("event_type").is_in(["STOP_TRACE", "START_TRACE"])).height >= 3  # the gap is in the dump
+    if "gap" in extra:
+        assert df.filter(pl.col("event_type").is_in(["STOP_TRACE", "START_TRACE"])).height >= 3  # the gap is in the dump
+    if "watch" in extra:  # the watched weight changed at each traced optimizer step, by its declared write
+        with open(os.path.join(folder, "analysis", "watch.json")) as f:
+            (w,) = json.load(f)["watched"]
+        assert w["name"] == "head.weight" and w["stomps"] == 0 and w["changes"] == 4 - (2 if "gap" in extra else 0), w
     with open(os.path.join(folder, "analysis", "decompose.json")) as f:
         mods = json.load(f)["modules"]["cpu"]
     by = {m["module"]: m for m in mods["modules"]}
@@ -674,3 +690,9 @@ def test_a_compiled_model_over_a_stop_start_gap_on_either_source(tmp_path, sourc
         at = by[path]["at_peak"]
         assert (at["parameters"], at["gradients"], at["optimizer_state"]) == (nbytes, nbytes, 2 * nbytes + 4 * count), \
             (path, at)
+    # the offline table of the dump is the online one (the parameters' layers come in OWNER rows
+    # after step 1's peak where the handover to watch wrote their MALLOC rows before any forward)
+    off = run_cli(["decompose", "--by=module", "--depth=9", "--json", dump_of(folder)])
+    assert off.returncode == 0, off.stderr
+    offline = {m["module"]: m["at_peak"] for m in json.loads(off.stdout)["cpu"]["modules"]}
+    assert offline == {m["module"]: m["at_peak"] for m in mods["modules"]}

@@ -366,3 +366,43 @@ def test_real_run_relabels_are_the_python_loop(real_run):
         assert ref == after and ref_in == in_after
         changed += sum(a is not b for a, b in zip(before, after))
     assert changed > 100  # most new blocks got their label here, in C++
+
+
+def _mo(aid, size, owner, module, used):
+    return ("MALLOC", "PTA", "", 0, 1, "cpu", 0, (aid, 0, size, used, used, owner, module, "forward"), None, None)
+
+
+def _owner(aid, owner, module):
+    return ("SYSTEM", "OWNER", "", 0, 1, "cpu", None, {"allocation_id": aid, "owner": owner, "module": module}, None,
+            None)
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_a_block_learnt_after_the_peak_counts_at_the_peak_as_what_it_is(folded):
+    """A parameter whose MALLOC row was written before its layer was known (an OWNER row at the
+    step's end names it) was a parameter of that layer at the step's peak too; a block made after
+    the peak was not there at all, whatever it is learnt to be. In a step with no peak above its
+    start, the blocks live at its start are the ones at its peak."""
+    step1 = [_mo(1, 100, "PTA@ops", None, 100),           # the parameter, written unlabelled
+             _mo(2, 50, "PTA@activation", "Net.fc", 150),  # the peak
+             _f(2, 100),
+             _mo(3, 30, "PTA@ops", None, 130),             # after the peak: a gradient, learnt below
+             _owner(1, "PTA@weight", "Net.fc"),
+             _owner(3, "PTA@gradient", "Net.fc")]
+    step2 = [_owner(3, "PTA@gradient", "Net.out"),          # made after step 1's peak, live at step 2's start
+             _f(3, 100), _mo(4, 10, "PTA@ops", None, 110), _owner(4, "PTA@activation", "Net.fc"),
+             _owner(1, "PTA@weight", "Net.head")]           # live at the step's start: moves at its peak
+    tables = {}
+    for step in (1, 2):
+        t = D.FoldedModuleTable(MOD, step=step) if folded else D.ModuleTable(step=step)
+        t.feed_raw(step1)
+        t.end_step(1)
+        t.feed_raw(step2)
+        t.end_step(2)
+        res = t.result()["cpu"]
+        assert res["step"] == step
+        tables[step] = {r["module"]: {k: v for k, v in r["at_peak"].items() if v} for r in res["modules"]
+                        if r["total"]}
+    assert tables[1] == {"Net": {"parameters": 100, "activations": 50}, "Net.fc": {"parameters": 100, "activations": 50}}
+    assert tables[2] == {"Net": {"parameters": 100, "gradients": 30}, "Net.out": {"gradients": 30},
+                         "Net.head": {"parameters": 100}}

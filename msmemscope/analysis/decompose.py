@@ -407,7 +407,8 @@ class ModuleTable:
 
     def __init__(self, step=None):
         self.want = step
-        self.blocks = {}      # alloc_id -> (dev, prefixes, column, size)
+        self.blocks = {}      # alloc_id -> (dev, prefixes, column, size, the device's peak count at its MALLOC)
+        self.peaks = {}       # dev -> how many times its peak moved (a new peak, a new step)
         self.cur = {}         # (dev, prefix, column) -> bytes
         self.held = {}        # (dev, prefix, column) -> most bytes during the step
         self.since = {}       # dev -> {(prefix, column): change since the step's peak}
@@ -426,7 +427,7 @@ class ModuleTable:
             p = self._pre[module] = tuple(".".join(parts[:i]) for i in range(1, len(parts) + 1))
         return p
 
-    def _move(self, dev, pres, col, n):
+    def _move(self, dev, pres, col, n, at_peak=False):
         cur, held = self.cur, self.held
         since = self.since.get(dev)
         if since is None:
@@ -437,8 +438,9 @@ class ModuleTable:
             cur[k] = v
             if n > 0 and v > held.get(k, 0):
                 held[k] = v
-            sk = (p, col)
-            since[sk] = since.get(sk, 0) + n
+            if not at_peak:
+                sk = (p, col)
+                since[sk] = since.get(sk, 0) + n
 
     def malloc(self, dev, aid, size, owner, module, phase, used):
         if aid is None or size is None:
@@ -447,13 +449,14 @@ class ModuleTable:
             self.seen = True
         pres = self._prefixes(module)
         col = _column(owner)
-        self.blocks[aid] = (dev, pres, col, size)
+        self.blocks[aid] = (dev, pres, col, size, self.peaks.get(dev, 0))
         self._move(dev, pres, col, size)
         if used is not None:
             self.used[dev] = used
             if used > self.peak.get(dev, -1):
                 self.peak[dev] = used
                 self.since[dev] = {}
+                self.peaks[dev] = self.peaks.get(dev, 0) + 1
             if phase is not None and module is not None:
                 pk = self.fwd if phase == "forward" else self.bwd
                 for p in pres:
@@ -476,9 +479,13 @@ class ModuleTable:
         pres = self._prefixes(module) if module is not None else b[1]
         if (col, pres) == (b[2], b[1]):
             return
-        self._move(b[0], b[1], b[2], -b[3])
-        self.blocks[aid] = (b[0], pres, col, b[3])
-        self._move(b[0], pres, col, b[3])
+        # what a block is (a parameter, its layer's) is often learnt after its MALLOC row was
+        # written (an OWNER row at the step's end): a block live at the step's peak counts there
+        # as what it is known to be, not as what its MALLOC row said
+        back = b[4] != self.peaks.get(b[0], 0)
+        self._move(b[0], b[1], b[2], -b[3], back)
+        self.blocks[aid] = (b[0], pres, col, b[3], b[4])
+        self._move(b[0], pres, col, b[3], back)
 
     def end_step(self, step):
         for dev in sorted({d for d, _, _ in self.cur} | set(self.peak)):
@@ -489,6 +496,7 @@ class ModuleTable:
                 self.best[dev] = self._table(dev, step, peak)
         for dev in self.peak:
             self.peak[dev] = self.used.get(dev, 0)
+            self.peaks[dev] = self.peaks.get(dev, 0) + 1  # the live blocks were live at the new step's start
         self.since = {}
         self.held = {k: v for k, v in self.cur.items() if v}
         self.fwd, self.bwd = {}, {}
@@ -611,7 +619,7 @@ class FoldedModuleTable(ModuleTable):
         k = self._by_state.get((dev, npres, ncol))
         if k is None:
             k = self._fold.add_key(*self._spec(dev, npres, ncol))
-        self._fold.rekey(aid, k)
+        self._fold.rekey(aid, k, True)  # as ModuleTable.relabel: counted at the peak as what it is
 
     def _sync(self):
         cur, _peak, held, since, made, _order = self._fold.counters()

@@ -2337,6 +2337,7 @@ struct Key {
 struct Block {
   int32_t key;
   int64_t size;
+  uint64_t gen;  // its gauge's generation at its MALLOC (0: no gauge)
 };
 
 static bool same_str(PyObject* a, PyObject* b) {
@@ -2425,13 +2426,17 @@ class Fold {
     return py::make_tuple(it->second.key, it->second.size);
   }
 
-  // move a live block's bytes to another key (an owner update)
-  bool rekey(int64_t aid, int32_t key) {
+  // move a live block's bytes to another key (an owner update). `at_peak`: where the block was
+  // live at its gauge's peak (made before it rose there, or before the window began), the move
+  // counts there too (its `since` is left alone): the block was what the update says it is
+  bool rekey(int64_t aid, int32_t key, bool at_peak) {
     auto it = blocks_.find(aid);
     if (it == blocks_.end() || key < 0 || key >= (int32_t)keys_.size()) return false;
-    move(it->second.key, -it->second.size);
+    int32_t g = keys_[(size_t)it->second.key].gauge;
+    bool back = at_peak && g >= 0 && it->second.gen != g_gen_[g];
+    move(it->second.key, -it->second.size, back);
     it->second.key = key;
-    move(key, it->second.size);
+    move(key, it->second.size, back);
     return true;
   }
 
@@ -2616,7 +2621,7 @@ class Fold {
     return id;
   }
 
-  void move(int32_t key, int64_t n) {
+  void move(int32_t key, int64_t n, bool at_peak = false) {
     const Key& k = keys_[(size_t)key];
     for (int32_t c : k.ctr) {
       int64_t v = cur_[c] + n;
@@ -2630,7 +2635,7 @@ class Fold {
           has_held_[c] = 1;
         }
       }
-      if (k.gauge >= 0) {
+      if (k.gauge >= 0 && !at_peak) {
         uint64_t g = g_gen_[k.gauge];
         if (since_gen_[c] != g) { since_gen_[c] = g; since_[c] = 0; }
         since_[c] += n;
@@ -2667,9 +2672,9 @@ class Fold {
     rows_ += 1;
     int32_t key = key_of(PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 5), owner, module, phase);
     if (key < 0) return;
-    blocks_[aid] = Block{key, size};
-    move(key, size);
     const Key& k = keys_[(size_t)key];
+    blocks_[aid] = Block{key, size, k.gauge >= 0 ? g_gen_[k.gauge] : 0};
+    move(key, size);
     if (!as_i64(used_o, &used)) return;
     if (k.gauge >= 0) {
       int32_t g = k.gauge;
@@ -2977,7 +2982,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("feed", &fold::Fold::feed, py::arg("rows"), py::arg("start") = 0)
       .def("add_key", &fold::Fold::add_key)
       .def("block", &fold::Fold::block)
-      .def("rekey", &fold::Fold::rekey)
+      .def("rekey", &fold::Fold::rekey, py::arg("aid"), py::arg("key"), py::arg("at_peak") = false)
       .def("take_rows", &fold::Fold::take_rows)
       .def("counters", &fold::Fold::counters)
       .def("gauges", &fold::Fold::gauges)

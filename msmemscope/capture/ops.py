@@ -56,6 +56,13 @@ class OpTracer(TorchDispatchMode):
         # object instead (_keep_dynamo_out).
         return False
 
+    @classmethod
+    def ignore_compile_internals(cls):
+        # torch.compile keeps compiling with this mode on the stack (it skips every frame under a
+        # mode that says False: the program would run eagerly, and under inductor compute other
+        # numbers); the mode is off while Dynamo traces and on again while the compiled code runs
+        return True
+
     def __init__(self, session, source):
         super().__init__()
         self.s = session      # flags, buffer, the op observer (watch)

@@ -186,6 +186,7 @@ class Labeler:
         self._patched = []
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
+        self._owned_read = True              # module attribution has read ``owned`` since it was made
         self.unattributed: list = []         # attrs of the OWNER rows made since the last flush
         # after a handover from the native source: the label each of its blocks has in the dump
         # (alloc_id -> owner), which the block keeps when the dispatch-mode source first meets it
@@ -452,6 +453,12 @@ class Labeler:
         walk_live_objects(roots, self._mine(list(self.optimizers)), add, self._trees(roots))
         return out
 
+    def take_owned(self):
+        """``owned`` for module attribution at a flush (None: the native labeller, which leaves it to
+        capture/modules.py)."""
+        self._owned_read = True
+        return self.owned
+
     def _owning_modules(self, roots):
         """id(storage) -> path of the module that registers the parameter or buffer (its gradient and
         its optimizer state go with it); only while module attribution is on."""
@@ -460,6 +467,13 @@ class Labeler:
             return {}
         out = {}
         by_param = {}
+        # and the models module attribution found from their optimizer (model.compile(), compiled
+        # functions: no forward hook of ours runs for them), that this thread ran
+        from .modules import _is_compiled_graph, ran_here
+        seen = {id(m) for m in roots}
+        found = [m for m in (ref() for ref in list(tracker.roots.values()))
+                 if m is not None and id(m) not in seen and not _is_compiled_graph(m)]
+        roots = list(roots) + ran_here(tracker.thread_of, found)
 
         def add(t, path):
             for p in plain_tensors(t):
@@ -539,7 +553,11 @@ class Labeler:
             mods = self._owning_modules(self._mine(list(self.roots)))
         except Exception:
             mods = {}
-        self.owned = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
+        found = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
+        # answers no flush has used yet stay: the held step 1's, taken at its hold, before zero_grad
+        # freed its gradients (under torch.compile no backward hook of their layer ran to say it)
+        self.owned = found if self._owned_read or not self.owned else {**self.owned, **found}
+        self._owned_read = False
         for b in pending:  # blocks freed since the last flush: their storage may still exist (resize_)
             st = b()
             if st is None:

@@ -829,7 +829,7 @@ class Session:
         owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
         if self.modules is not None:
             try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                self.modules.attribute(self.buf, lab.owned if lab is not None else None, owner_rows)
+                self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
         n = len(self.buf)

@@ -1,6 +1,6 @@
 """A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
 (``inplace``), a compiled loss function calling the model (``function``), or an eager model whose
-optimizer step is compiled (``optimizer``), with backend argv[1].
+optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for steps 1-2) and ``watch`` (a block watched) after.
 Prints each loss exactly, what Dynamo made of it (graphs, calls captured, graph breaks) and the
 bytes and the number of parameters of each block by the path msmemscope names it with (root class + named_modules()),
 so that a traced run can be checked against a plain one."""
@@ -33,7 +33,8 @@ class Net(nn.Module):
 
 
 backend, how = sys.argv[1], sys.argv[2]
-gap = sys.argv[3:] == ["gap"]  # tracing stopped after step 1 and started again before step 3
+gap = "gap" in sys.argv[3:]  # tracing stopped after step 1 and started again before step 3
+watch = "watch" in sys.argv[3:]  # the head's weight watched (msmemscope.watcher.watch) from the start
 torch.manual_seed(0)
 model = Net()
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -47,6 +48,9 @@ elif how == "function":
     run = torch.compile(lambda x: model(x), backend=backend)
 else:
     run = model
+if watch:
+    from msmemscope import watcher
+    watcher.watch(model.head.weight, name="head.weight")
 opt_step = torch.compile(opt.step, backend=backend) if how == "optimizer" else opt.step
 for step in range(4):
     if gap and step in (1, 2):
