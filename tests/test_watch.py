@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, TRANSFORMER_SMALL, env_for_tests, plain_transformer, run_cli, run_folders
+from conftest import (EXAMPLES, ROOT, TRANSFORMER_SMALL, check_invariants, dump_of, env_for_tests, plain_transformer,
+                      read, run_cli, run_folders)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -411,3 +412,32 @@ def test_watching_does_not_change_results(tmp_path, out_dir, shared_run):
     assert p.stdout == plain and plain.count("loss") == 2
     rep = watch_json(one_run(out_dir))
     assert rep["window"]["closed"] == "aten.nll_loss_forward.default#1" and rep["stomps"] == []
+
+
+COMPILED_WRITE = '''
+import torch, msmemscope
+w = torch.arange(8, dtype=torch.float32)
+msmemscope.watcher.watch(w, name="w")
+w.add_(1)                                   # eager: a declared write
+f = torch.compile(lambda t: t.mul_(2), backend="inductor")
+f(w)                                        # compiled: inductor's kernel writes w, no op call
+print("sum", w.sum().item())
+'''
+
+
+def test_a_write_by_compiled_code_is_said_to_be_likely_its_own(tmp_path, out_dir):
+    """watch() hands over to the dispatch-mode source, under which torch.compile'd code stays
+    compiled: an inductor kernel that writes a watched block in place runs no operator call, so the
+    change is an untraced one. It is reported as such, with the hint that compiled code runs in
+    this program (``compiled_code``), not as an op's stomp; the program's result is the plain one."""
+    script = write(tmp_path, "compiled_write.py", COMPILED_WRITE)
+    plain = subprocess.run([sys.executable, script], env=env_for_tests(), capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    p = check(run_cli(["-o", str(out_dir), script]))
+    assert p.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1] == "sum 72.0"
+    check_invariants(read(dump_of(one_run(out_dir))))
+    rep = watch_json(one_run(out_dir))
+    assert [(c["kind"], c["op"]) for c in rep["changes"]] == [("write", "aten.add_.Tensor"), ("untraced", None)]
+    assert rep["changes"][1].get("compiled_code") is True and "compiled_code" not in rep["changes"][0]
+    assert "torch.compile'd code" in p.stderr

@@ -68,6 +68,16 @@ def _mix(a: int, b: int) -> int:
     return z ^ (z >> 31)
 
 
+def _compiled_code_ran() -> bool:
+    """Whether torch.compile has compiled any graph in this process (Dynamo's own counter; we never
+    import torch._dynamo ourselves)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    try:
+        return bool(utils is not None and utils.counters["stats"].get("unique_graphs", 0))
+    except Exception:
+        return False
+
+
 def _console(msg: str) -> None:
     from .._console import say
     say(f"[msmemscope] watch: {msg}")
@@ -473,6 +483,12 @@ class WatchEngine:
                "line": line, "stack": stack}
         msg = (f"STOMP: '{e.name}' changed outside any traced op, between {e.last_op or 'watch()'} "
                f"and {short}#{call} (step {self.s.step_no}), before {line or 'an unknown line'}")
+        if _compiled_code_ran():
+            # an inductor kernel writes its outputs (an optimizer's parameters in place) with no
+            # operator call to see: the likeliest writer, and not a corruption
+            rec["compiled_code"] = True
+            msg += ("; this program runs torch.compile'd code, whose fused kernels write memory "
+                    "without a traced op: the write may be theirs")
         log.error("watch: %s", msg)
         _console(msg)
         self._record(rec, True)
