@@ -548,7 +548,10 @@ class Labeler:
             cats, changed = self.resolve()
         except Exception:
             cats, changed = {}, []
-        live = s.live
+        # a copy (one C call, under the GIL): another thread's ops add blocks and storages' weakref
+        # callbacks remove them while this runs (iterating the dict itself raised in a thread of
+        # the program: two threads each training a model)
+        live = dict(s.live)
         try:
             mods = self._owning_modules(self._mine(list(self.roots)))
         except Exception:

@@ -149,6 +149,7 @@ class Session:
         self.flush_rows = FLUSH_ROWS
         self.lock = threading.RLock()        # MALLOC/FREE rows and pool counters change together
         self.flush_lock = threading.RLock()
+        self._step_failure_said = False
         self._flushing = None                # thread id of the flush in progress
         self._pending_signal = None          # SIGTERM that arrived during that flush
         self._closing = False                # close() in progress: signals wait for its end
@@ -549,7 +550,25 @@ class Session:
         A program that numbers its steps (``msmemscope.step()``, 'step start' ranges) owns the
         numbering from its first iteration: the first optimizer step's boundary is held until the
         program shows which it does: a ``msmemscope.step()`` drops it, a second optimizer step
-        (or stop) puts it in the dump where it happened."""
+        (or stop) puts it in the dump where it happened.
+
+        Under the flush lock: two threads that each step an optimizer end steps one after the other
+        (two STEP rows of one number, and none of the next, when they met here)."""
+        with self.flush_lock:
+            try:
+                self._step(source)
+            except Exception as e:  # the tool's failure: never raised in the program's optimizer step or step()
+                self._step_failed(e)
+
+    def _step_failed(self, exc):
+        log.error("a step boundary failed: %s", _why(exc), exc_info=True)
+        if not self._step_failure_said:
+            self._step_failure_said = True
+            from .._console import alert
+            alert(f"[msmemscope] a step boundary failed in process {self.pid} ({_why(exc)}); the program runs "
+                  f"on, tracing goes on (details in the log)")
+
+    def _step(self, source):
         if source == "optimizer":
             if self.explicit_steps or not self.active:
                 if self.active and self.native_ops and self.device_source is None:
@@ -822,7 +841,10 @@ class Session:
         if drain:
             self.sync_sources()
         if self.labeler is not None:
-            self.labeler.before_flush()
+            try:
+                self.labeler.before_flush()
+            except Exception as e:  # the rows are written with the labels they have
+                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
         if self.device_source is not None:
             self.device_source.drain_into(self.buf, flushing=True)
         lab = self.labeler
