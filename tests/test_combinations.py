@@ -140,8 +140,10 @@ def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path,
     """Each optimizer step of either thread ends a step: 2 x N STEP rows, numbered 1..2N once each
     (check_invariants), and each thread's losses are the plain run's. Two boundaries that met
     (the held first step's release in one thread, the next boundary in the other) wrote STEP 2
-    twice and no STEP 3 (native source, decompose: every run); Session.step is one at a time now."""
-    n = full(60, 200)
+    twice and no STEP 3 (native source, decompose: every run); Session.step is one at a time now.
+    The dispatch-mode source's owner labeller iterated its live blocks and per-block facts while the
+    other thread's ops changed them, and raised (in the program's thread, or logged at a flush)."""
+    n = full(200, 400)  # the owner labeller's dicts changed by the other thread at a flush: ~1 run in 2 at 200
     prog = os.path.join(PROGS, "two_optimizer_threads.py")
     plain = subprocess.run([sys.executable, prog, str(n)], env=_env(source), capture_output=True, text=True,
                            timeout=300)

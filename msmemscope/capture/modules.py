@@ -670,7 +670,7 @@ class ModuleTracker:
         only when the roots change or a module is registered anywhere (the global module
         registration hook, installed while tracing): a flush reads the modules' parameters, not
         the tree. Weak references: a module the program drops is not kept."""
-        roots = tuple((name, ref) for name, ref in self.roots.items())
+        roots = tuple(self.roots.items())  # one C call: another thread's first forward may add a root meanwhile
         if self._tree is not None and self._tree_roots == roots:
             return self._tree
         tree = []

@@ -595,8 +595,9 @@ class Labeler:
         # forget what we knew about blocks that are gone
         if self.info or self._walked_by:
             alive = {b.alloc_id for b in live.values()}
-            self.info = {k: v for k, v in self.info.items() if k in alive}
-            self._walked_by = {k: v for k, v in self._walked_by.items() if k in alive}
+            # snapshots (one C call each): other threads' ops add to them meanwhile (on_new)
+            self.info = {k: v for k, v in list(self.info.items()) if k in alive}
+            self._walked_by = {k: v for k, v in list(self._walked_by.items()) if k in alive}
 
     # ------------------------------------------------------------ FSDP2
     def _patch_fsdp2(self, pg_mod):
@@ -1005,6 +1006,7 @@ class NativeLabeler(Labeler):
         self._owner_rows([aid for aid in changed if aid not in in_buf or at_step.get(aid, now[aid]) != now[aid]])
         # forget what we knew about blocks that are gone
         if len(now) > len(live):
-            self.owner = {k: v for k, v in now.items() if k in live}
+            self.owner = {k: v for k, v in list(now.items()) if k in live}
         if self.info:
-            self.info = {k: v for k, v in self.info.items() if k in live or k > self.flushed_upto}
+            # a snapshot: the program's threads add to it meanwhile (user labels, the Python pack hook)
+            self.info = {k: v for k, v in list(self.info.items()) if k in live or k > self.flushed_upto}
