@@ -134,6 +134,9 @@ FLUCT_STEPS = 1024  # steps whose fluctuation the tracker keeps (plus the extrem
 _STACK_CACHE = 4096
 
 
+FIRST_SIGHT = "before_op"  # Attr origin of a MALLOC row that is a block's first sight, not its allocation
+
+
 class StepLeakTracker:
     """The block rule, growth by site (``growth.SiteGrowth``) and fluctuation over a stream of
     raw rows in ID order: the online sink feeds it each flush, the offline check replays a dump's
@@ -158,6 +161,11 @@ class StepLeakTracker:
         self._marks: dict = {}       # tid -> last mark message
         self._lines: dict = {}       # Python stack text -> the user's line
         self.recorded = None         # offline with --steps: the recorded steps (a FREE outside is unseen)
+        # blocks whose MALLOC row is their first sight (Attr origin "before_op": made before the
+        # traced window, or in a stop/start gap, and first met as an op's input): not allocated in
+        # the step of that row, so never a finding of the block rule (the model's parameters were
+        # leaks of the window's first step with --steps)
+        self.first_sight: set = set()
         # online: the allocation ids the tracer knows to be live (a FREE that was not recorded,
         # --steps or a stop/start gap, must not make a finding); asked once per step end with suspects
         self.live_ids = None
@@ -202,10 +210,13 @@ class StepLeakTracker:
             line = self._lines[stack] = _user_line(stack)
         return line
 
-    def malloc(self, row_id, device, pool, alloc_id, addr, size, used, op, py_stack=None, tid=None, owner=None):
+    def malloc(self, row_id, device, pool, alloc_id, addr, size, used, op, py_stack=None, tid=None, owner=None,
+               origin=None):
         self._used((device, pool), used)
         if pool == CACHED_SEGMENTS:
             return
+        if origin == FIRST_SIGHT:
+            self.first_sight.add((device, pool, alloc_id))
         python = self._line(py_stack) if py_stack else None
         label = None
         if python is None:
@@ -270,8 +281,12 @@ class StepLeakTracker:
         new = []
         live = None
         blocks = self.growth.blocks
+        first_sight = self.first_sight
         for key, (s, row_id, addr, size, op, stack) in _take_due(self.pending, n - 1):
             device, pool, alloc_id = key
+            if first_sight and key in first_sight:
+                first_sight.discard(key)
+                continue
             if self.live_ids is not None:
                 if live is None:
                     live = self.live_ids()
@@ -393,7 +408,7 @@ class StepLeakTracker:
                         a = a or {}
                         self.malloc(first_id + i if ids is None else ids[i], r[DEVICE], r[EVENT_TYPE],
                                     a.get("allocation_id"), a.get("addr"), a.get("size"), a.get("used"), r[NAME],
-                                    r[PY_STACK], r[TID], a.get("owner"))
+                                    r[PY_STACK], r[TID], a.get("owner"), a.get("origin"))
                     cur.clear()
                 elif ev == FREE:
                     a = a or {}
@@ -751,6 +766,8 @@ def step_leaks(df) -> list[dict]:
     mem = _mem(df)
     m = mem.filter((pl.col("event") == "MALLOC") & (pl.col("step") >= 2) & (pl.col("step") + 1 <= last)
                    & (pl.col("event_type") != CACHED_SEGMENTS))
+    if "origin" in df.columns:  # a first sight is not an allocation in its step (StepLeakTracker.first_sight)
+        m = m.filter(pl.col("origin").is_null() | (pl.col("origin") != FIRST_SIGHT))
     f = mem.filter(pl.col("event") == "FREE").select(*_KEY, freed_at_step=pl.col("step"))
     leaked = (m.join(f, on=_KEY, how="left", nulls_equal=True)
               .filter(pl.col("freed_at_step").is_null() | (pl.col("freed_at_step") > pl.col("step") + 1))
@@ -855,7 +872,8 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
 
 
 #: what the offline leak checks read of a dump (the reader's column layer)
-COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "py_stack", "step")
+COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "py_stack", "step",
+           "origin")
 EVENTS = ("MALLOC", "FREE", "MSTX", "OP_LAUNCH", "SYSTEM")
 
 
@@ -902,6 +920,10 @@ def replay(df, recorded=None) -> StepLeakTracker:
     if m is not None:
         t.use_native(m)  # the online sink's C++ loop and tables, where built; its rows from the columns
     t.recorded = set(recorded) if recorded else None
+    if "origin" in df.columns:
+        t.first_sight = {(d, p, a) for d, p, a in df.lazy().filter(
+            (pl.col("event") == "MALLOC") & (pl.col("origin") == FIRST_SIGHT)).select(
+            "device", "event_type", "alloc_id").collect().iter_rows()}
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used",
                         "owner", "py_stack", "attr", "step") if c in df.columns]
     q = (df.lazy().filter(pl.col("event").is_in(["MALLOC", "FREE", "MSTX"])

@@ -43,7 +43,7 @@ IMBALANCE_PCT = 5.0  # a peak this far (in %) from the median is called an imbal
 #: what the summary reads of a dump (the reader's column layer); with ACCESS rows, also what the
 #: inefficient analysis reads
 COLUMNS = ("id", "event", "event_type", "name", "device", "alloc_id", "size", "used", "total", "owner", "attr",
-           "step", "tid", "addr", "py_stack")
+           "step", "tid", "addr", "py_stack", "origin")
 EVENTS = ("MALLOC", "FREE", "SYSTEM")
 
 
@@ -114,7 +114,7 @@ def _offline_leaks(df) -> tuple[list[dict], str]:
     # the columns the rule and its records read, before the filter copies the rows: not the
     # frame's Attr, owner and other texts (the ops come from ``name``: no op rows are kept)
     cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size",
-                        "py_stack", "step") if c in df.columns]
+                        "py_stack", "step", "origin") if c in df.columns]
     mem = df.select(cols).filter(pl.col("event").is_in(list(EVENTS)))
     return [{"device": r.get("device"), "pool": r.get("pool"), "op": r.get("op"), "size": int(r.get("size") or 0),
              "step": r.get("step"), "alloc_id": r.get("alloc_id"), "id": r.get("id")}
