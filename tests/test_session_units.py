@@ -209,6 +209,36 @@ def test_native_ops_in_flight_at_stop_get_their_end(session_factory):
     check_invariants(read(s.dump_path))
 
 
+def test_an_op_registered_while_stop_closes_the_ops_in_flight_gets_one_end():
+    """The dispatch-mode source's stop() writes an ATEN_END for each op in flight on any thread
+    (close_in_flight). Another thread registers an op while that runs (forced here: at the moment
+    the END of its previous op is appended): that op's ATEN_END is written exactly once, by stop()
+    or by the op's own end. The lists were cleared after the loop, which lost it (an ATEN_START with
+    no ATEN_END: one run in three of two threads stopping and starting)."""
+    import types
+
+    from msmemscope.capture.dispatch import DispatchSource
+    from msmemscope.events import Event, Op
+
+    other, last = 12345, 67890
+    src = None
+
+    class Buf(list):
+        def append(self, row):
+            super().append(row)
+            if row[2] == "last's":  # stop() has passed ``other``'s ops: that thread starts its next one
+                src.op_started(other, "other's second")
+    sess = types.SimpleNamespace(buf=Buf(), closed=False, op_device="cpu")
+    src = DispatchSource(sess)
+    src.op_started(other, "other's first")
+    src.op_started(last, "last's")
+    src.close_in_flight()
+    ends = [r[2] for r in sess.buf if r[0] == Event.OP_LAUNCH and r[1] == Op.END]
+    assert ends == ["other's first", "last's"]
+    # ended by the op itself (stop() had passed its thread), exactly once
+    assert src.op_ended(other) is True and not src.op_ended(other) and not src.op_ended(last)
+
+
 def test_leak_tracker_takes_an_untraced_free_as_a_free():
     from msmemscope.analysis.leaks import StepLeakTracker
     t = StepLeakTracker()

@@ -99,23 +99,31 @@ class DispatchSource(Source):
         self.in_flight.setdefault(tid, []).append(name)
 
     def op_ended(self, tid) -> bool:
-        """The op's ATEN_END is to be written (False: stop() wrote it)."""
-        st = self.in_flight.get(tid)
-        if not st:
+        """The op's ATEN_END is to be written (False: stop() wrote it). Without a lock: each entry is
+        taken by one ``list.pop`` (atomic under the GIL), here or in ``close_in_flight``, so its
+        ATEN_END is written once."""
+        try:
+            self.in_flight[tid].pop()
+            return True
+        except (KeyError, IndexError):
             return False
-        st.pop()
-        return True
 
     def close_in_flight(self):
+        """stop(): an ATEN_END now for each op in flight on any thread. The lists stay: an op another
+        thread registers meanwhile (after its ATEN_START row) is ended by that thread itself (the
+        lists were cleared after the loop, which lost such an op's ATEN_END for good)."""
         s = self.s
         if not self.in_flight or s.closed:
             return
         from .ops import ATEN_END, OP_LAUNCH
         ts = time_ns()
         for tid, st in list(self.in_flight.items()):
-            while st:
-                s.buf.append((OP_LAUNCH, ATEN_END, st.pop(), ts, tid, s.op_device, None, None, None, None))
-        self.in_flight.clear()
+            while True:
+                try:
+                    name = st.pop()
+                except IndexError:
+                    break
+                s.buf.append((OP_LAUNCH, ATEN_END, name, ts, tid, s.op_device, None, None, None, None))
 
     def take_over(self, prev, last_alloc_id):
         """Follow ops and new blocks from now on, after ``prev`` (the native source) handed over."""
