@@ -2955,7 +2955,78 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
 }  // namespace fold
 // ================================================================ end of analysis folds
 
+// ================================================================ a call on every other thread
+// The dispatch-mode source follows a thread through a mode on that thread's own stack. At a
+// handover (watch() from any thread) the threads already running must get one too: each other
+// Python thread gets a one-shot profile function that, at its next Python-level event, puts the
+// thread's previous profile function back and calls `fn` there, in that thread. Python 3.11 has no
+// public way to run code in another thread (3.12's PyEval_SetProfileAllThreads sets, not once).
+namespace oneshot {
+
+struct Saved {
+  Py_tracefunc func;
+  PyObject* obj;  // owned
+};
+static std::unordered_map<PyThreadState*, Saved> saved;  // under the GIL
+static PyObject* callback = nullptr;                       // owned; one at a time
+
+#if PY_VERSION_HEX < 0x030D0000
+static int profile(PyObject* obj, PyFrameObject* frame, int what, PyObject* arg) {
+  PyThreadState* ts = PyThreadState_Get();
+  Py_tracefunc old_func = nullptr;
+  PyObject* old_obj = nullptr;
+  auto it = saved.find(ts);
+  if (it != saved.end()) {
+    old_func = it->second.func;
+    old_obj = it->second.obj;
+    saved.erase(it);
+  }
+  Py_XINCREF(obj);  // SetProfile below drops the thread's reference to it
+  if (_PyEval_SetProfile(ts, old_func, old_obj) < 0) PyErr_Clear();
+  Py_XDECREF(old_obj);  // the thread holds its own reference again
+  if (obj != nullptr) {
+    PyObject* r = PyObject_CallNoArgs(obj);
+    if (r == nullptr) PyErr_Clear();  // never an exception of ours in the program's thread
+    Py_XDECREF(r);
+    Py_DECREF(obj);
+  }
+  // the program's own profiler (if any) sees this event as it would have
+  if (old_func != nullptr) return old_func(old_obj, frame, what, arg);
+  return 0;
+}
+#endif
+
+// arm every Python thread but the calling one; returns how many (-1: not on this Python)
+int on_other_threads(py::object fn) {
+#if PY_VERSION_HEX >= 0x030D0000
+  (void)fn;
+  return -1;  // the profile fields and _PyEval_SetProfile moved: not followed there
+#else
+  PyThreadState* me = PyThreadState_Get();
+  Py_XDECREF(callback);
+  callback = fn.ptr();
+  Py_INCREF(callback);
+  int n = 0;
+  for (PyThreadState* ts = PyInterpreterState_ThreadHead(me->interp); ts != nullptr; ts = PyThreadState_Next(ts)) {
+    if (ts == me || saved.count(ts) || ts->c_profilefunc == profile) continue;
+    Saved sv{ts->c_profilefunc, ts->c_profileobj};
+    Py_XINCREF(sv.obj);
+    if (_PyEval_SetProfile(ts, profile, callback) < 0) {
+      PyErr_Clear();
+      Py_XDECREF(sv.obj);
+      continue;
+    }
+    saved[ts] = sv;
+    ++n;
+  }
+  return n;
+#endif
+}
+
+}  // namespace oneshot
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("on_other_threads", &oneshot::on_other_threads);
   m.def("relabel_mallocs", &relabel_mallocs);
   m.def("set_owner_tag", &set_owner_tag);
   m.def("take_tagged", &take_tagged);

@@ -89,6 +89,37 @@ class DispatchSource(Source):
         install_resize_patch()
         self._install_threads()
         self._push_mode()
+        self._follow_running_threads()
+
+    def _follow_running_threads(self):
+        """The threads already running get the op tracer too, each at its next Python call (the
+        native module's one-shot call on every other thread, where it is built): a handover by
+        watch() on one thread left every other thread's ops and new blocks out of the dump.
+        Without the native module they are not followed (README)."""
+        from . import native
+        try:
+            mod = native.load_built()  # never builds: loaded already where the native source ran
+        except Exception:
+            mod = None
+        arm = getattr(mod, "on_other_threads", None) if mod is not None else None
+        if arm is None:
+            return
+        try:
+            n = arm(self._push_mode_here)
+        except Exception as e:
+            log.warning("threads already running are not followed: %r", e)
+            return
+        if n:
+            log.info("the op tracer goes on %d thread(s) already running, at their next Python call", n)
+
+    def _push_mode_here(self):
+        # on another thread, at its next Python call (never ours: the writer's and the flusher's
+        # threads run no op of the program)
+        try:
+            if self.recording and not self.s.closed and not threading.current_thread().name.startswith("msmemscope"):
+                self._push_mode()
+        except Exception:
+            pass
 
     def stop(self):
         self.recording = False

@@ -78,6 +78,15 @@ def _compiled_code_ran() -> bool:
         return False
 
 
+def _others_hint(rec, others) -> str:
+    """Ops of other threads that ran while the change happened (none declares a write to the
+    block): said, as the change may be theirs."""
+    if not others:
+        return ""
+    rec["other_threads"] = list(others)
+    return f"; other threads ran ops meanwhile ({', '.join(others[:3])}): the change may be theirs"
+
+
 def _console(msg: str) -> None:
     from .._console import say
     say(f"[msmemscope] watch: {msg}")
@@ -108,7 +117,8 @@ class OpPattern:
 class Watched:
     """One watched byte range of a storage."""
     __slots__ = ("name", "ref", "offset", "length", "req", "device", "dev_id", "out_id", "source",
-                 "dump_nums", "dumps", "last", "last_op", "alloc_id", "addr", "stopped", "changes", "stomps")
+                 "dump_nums", "dumps", "last", "last_op", "alloc_id", "addr", "stopped", "changes", "stomps",
+                 "reported")
 
     def __init__(self, name, storage, offset, length, req, out_id, source, dump_nums, alloc_id):
         self.name, self.offset, self.length, self.req = name, offset, length, req
@@ -118,6 +128,7 @@ class Watched:
         self.out_id, self.source, self.dump_nums = out_id, source, dump_nums
         self.dumps = 0
         self.last = None         # checksum after the last checked op (None: not continuous)
+        self.reported = 0        # changes reported by any thread's op check (before/after a thread's op)
         self.last_op = None
         self.alloc_id = alloc_id
         self.addr = storage.data_ptr() + offset
@@ -202,6 +213,9 @@ class WatchEngine:
         self._short: dict = {}
         self._match: dict = {}
         self.lock = threading.RLock()
+        # each thread's op between before() and after(): (func, short name, call, args, kwargs). A
+        # change seen around one thread's op may be another thread's op running meanwhile
+        self.running: dict = {}
         self.tls = threading.local()
         self.changes: list = []
         self.stomps: list = []
@@ -344,6 +358,7 @@ class WatchEngine:
                 self.tls.pending = None
                 return
             tid = threading.get_ident()
+            self.running[tid] = (func, short, call, args, kwargs)
             checked = []
             if entries:
                 self._sync(entries)
@@ -352,9 +367,11 @@ class WatchEngine:
                 if st is None:
                     continue
                 if e.last is not None and cs != e.last:
-                    self._untraced(e, short, call)
+                    writer, others = self._other_threads(tid, st, e)
+                    if writer is None:  # else that op's own after() reports its declared write
+                        self._untraced(e, short, call, others)
                 self._dump(e, st, short, call, tid, "before", cs)
-                checked.append((e, cs))
+                checked.append((e, cs, e.reported))
             self.tls.pending = (name, call, checked, opener, closer)
 
     def _read(self, e):
@@ -374,14 +391,16 @@ class WatchEngine:
         with self.lock:
             p = getattr(self.tls, "pending", None)
             self.tls.pending = None
+            tid = threading.get_ident()
+            self.running.pop(tid, None)
             if p is None or p[0] != name:
                 return
             _, call, checked, opener, closer = p
             short = self._names(name)
             tid = threading.get_ident()
             if checked:
-                self._sync([e for e, _ in checked])
-            for e, b in checked:
+                self._sync([e for e, _, _ in checked])
+            for e, b, reported in checked:
                 if e not in self.entries:
                     continue
                 st, a = self._read(e)
@@ -389,12 +408,21 @@ class WatchEngine:
                     continue
                 self._dump(e, st, short, call, tid, "after", a)
                 e.dumps += 1
+                seen_by_other = e.reported != reported and e.last == a
                 e.last = a
                 e.last_op = f"{short}#{call}"
-                if a != b:
+                if a != b and seen_by_other:
+                    pass  # another thread's op check, since this op began, reported this very change
+                elif a != b:
+                    e.reported += 1
                     lo = st.data_ptr() + e.offset
                     declared = self._declared(func, args, kwargs, out, lo, lo + e.length)
-                    self._changed(e, name, short, call, tid, b, a, declared)
+                    others = ()
+                    if not declared:
+                        writer, others = self._other_threads(tid, st, e)
+                        if writer is not None:
+                            continue  # that thread's op writes it: its own after() reports the write
+                    self._changed(e, name, short, call, tid, b, a, declared, others)
                 if e.dump_nums and e.dumps >= e.dump_nums:
                     self._stop(e, f"reached dump_nums={e.dump_nums}")
             if opener and self.spec is not None:
@@ -458,7 +486,20 @@ class WatchEngine:
         stack = stacks.python_stack(50)
         return stacks.user_line(stack), stack
 
-    def _changed(self, e, name, short, call, tid, before, after, declared):
+    def _other_threads(self, tid, st, e):
+        """(an op of another thread, running now, whose schema declares a write to the block, or
+        None; the ops of other threads running now, as text)."""
+        lo = st.data_ptr() + e.offset
+        writer, others = None, []
+        for t, (func, short, call, args, kwargs) in list(self.running.items()):
+            if t == tid:
+                continue
+            others.append(f"{short}#{call} on thread {t}")
+            if writer is None and self._declared(func, args, kwargs, None, lo, lo + e.length):
+                writer = (t, short, call)
+        return writer, others
+
+    def _changed(self, e, name, short, call, tid, before, after, declared, others=()):
         e.changes += 1
         rec = {"kind": "write" if declared else "stomp", "watched": e.name, "op": short, "name": name,
                "call": call, "step": self.s.step_no, "tid": tid,
@@ -470,11 +511,12 @@ class WatchEngine:
             rec["stack"] = stack
             msg = (f"STOMP: '{e.name}' changed by {short} (call {call}, step {self.s.step_no}), "
                    f"which does not declare a write to it, at {line or 'an unknown line'}")
+            msg += _others_hint(rec, others)
             log.error("watch: %s", msg)
             _console(msg)
         self._record(rec, not declared)
 
-    def _untraced(self, e, short, call):
+    def _untraced(self, e, short, call, others=()):
         e.changes += 1
         e.stomps += 1
         line, stack = self._where()
@@ -483,6 +525,7 @@ class WatchEngine:
                "line": line, "stack": stack}
         msg = (f"STOMP: '{e.name}' changed outside any traced op, between {e.last_op or 'watch()'} "
                f"and {short}#{call} (step {self.s.step_no}), before {line or 'an unknown line'}")
+        msg += _others_hint(rec, others)
         if _compiled_code_ran():
             # an inductor kernel writes its outputs (an optimizer's parameters in place) with no
             # operator call to see: the likeliest writer, and not a corruption
