@@ -134,8 +134,9 @@ def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_
     assert kept.height >= fired and set(kept["step"].to_list()) == {2}, kept.select("id", "step", "tid")
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("analysis", ["leaks,decompose", "leaks"])
+# make test: decompose on both sources (where each defect showed); the full run adds the leaks alone
+@pytest.mark.parametrize("source,analysis", [(s, a) for s in SOURCES for a in full(["leaks,decompose"],
+                                                                                   ["leaks,decompose", "leaks"])])
 def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path, source, analysis):
     """Each optimizer step of either thread ends a step: 2 x N STEP rows, numbered 1..2N once each
     (check_invariants), and each thread's losses are the plain run's. Two boundaries that met
@@ -166,8 +167,8 @@ def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path,
         assert not bad, bad[:3]
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("analysis", ["leaks", "inefficient"])
+@pytest.mark.parametrize("source,analysis", full([("python", "inefficient"), ("native", "leaks")],
+                                                  [(s, a) for s in SOURCES for a in ("leaks", "inefficient")]))
 def test_stop_and_start_while_another_thread_is_in_its_ops(tmp_path, source, analysis):
     """The main thread stops and starts tracing while another thread trains: at each stop that
     thread is inside an op. Every ATEN_START in the dump has its ATEN_END (check_invariants), and
@@ -217,7 +218,7 @@ for _ in range(6):
 """
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", full(["native"], SOURCES))
 def test_a_failing_step_boundary_never_reaches_the_program(tmp_path, source):
     """A failure of ours inside a step boundary (here injected at its start) is said
     once on stderr and in the log; the program's optimizer step returns as without us, its losses

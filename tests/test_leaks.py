@@ -11,7 +11,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import EXAMPLES, PEER, check_invariants, dump_of, read, run_cli, run_folders
+from conftest import EXAMPLES, PEER, check_invariants, dump_of, full, read, run_cli, run_folders
 
 LEAK_SIZE = 1000 * 1000 * 4          # one 1000x1000 float32 tensor
 LEAK_LINE = re.compile(r"^Direct Pytorch Caching memory pool leak of ([\d.]+) Mb\(s\) at (0x[0-9a-f]+) in (\S+) "
@@ -352,8 +352,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
-@pytest.mark.parametrize("analysis", ["leaks", "decompose,leaks"])
+@pytest.mark.parametrize("source,analysis", full([("python", "leaks"), ("native", "decompose,leaks")],
+                                                  [(s, a) for s in ("native", "python")
+                                                   for a in ("leaks", "decompose,leaks")]))
 def test_blocks_first_seen_in_the_window_are_not_leaks_of_its_first_step(tmp_path, source, analysis):
     """With --steps=3,4 the model's parameters, its input and Adam's state were made before the
     window: an op first meets them in step 3 (MALLOC origin before_op: the dispatch-mode source
