@@ -214,3 +214,19 @@ def out_dir(tmp_path):
     d = tmp_path / "out"
     d.mkdir()
     return d
+
+
+def threads_run(tmp_path, args, env, options):
+    """tests/progs/threads_training.py ``args`` plain and traced with ``options``: (run folder, its
+    dump, invariants checked), the traced program's losses the plain one's."""
+    prog = os.path.join(ROOT, "tests", "progs", "threads_training.py")
+    plain = subprocess.run([sys.executable, prog, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    out = tmp_path / "out"
+    r = run_cli([*options, "--output", str(out), sys.executable, prog, *args], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    return folder, df

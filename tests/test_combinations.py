@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import FSDP2_LAUNCHER, ROOT, fsdp2_launcher_run, check_invariants, config_of, dump_of, env_for_tests, full, read, run_cli, run_folders
+from conftest import FSDP2_LAUNCHER, ROOT, fsdp2_launcher_run, check_invariants, threads_run, config_of, dump_of, env_for_tests, full, read, run_cli, run_folders
 
 import subprocess
 
@@ -145,17 +145,7 @@ def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path,
     The dispatch-mode source's owner labeller iterated its live blocks and per-block facts while the
     other thread's ops changed them, and raised (in the program's thread, or logged at a flush)."""
     n = full(200, 400)  # the owner labeller's dicts changed by the other thread at a flush: ~1 run in 2 at 200
-    prog = os.path.join(PROGS, "two_optimizer_threads.py")
-    plain = subprocess.run([sys.executable, prog, str(n)], env=_env(source), capture_output=True, text=True,
-                           timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    out = tmp_path / "out"
-    r = run_cli([f"--analysis={analysis}", "--output", str(out), sys.executable, prog, str(n)], env=_env(source))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
-    (folder,) = run_folders(out)
-    df = read(dump_of(folder))
-    check_invariants(df)
+    folder, df = threads_run(tmp_path, ["steps", str(n)], _env(source), [f"--analysis={analysis}"])
     import polars as pl
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     assert [json.loads(a)["step"] for a in steps["attr"].to_list()] == list(range(1, 2 * n + 1))
@@ -176,17 +166,7 @@ def test_stop_and_start_while_another_thread_is_in_its_ops(tmp_path, source, ana
     during stop()'s close of the ops in flight lost its ATEN_END for good: seen once in a probe of
     this kind; test_session_units.py forces that interleaving.)"""
     pairs = full(6, 12)
-    prog = os.path.join(PROGS, "stop_start_threads.py")
-    plain = subprocess.run([sys.executable, prog, str(pairs)], env=_env(source), capture_output=True, text=True,
-                           timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    out = tmp_path / "out"
-    r = run_cli([f"--analysis={analysis}", "--output", str(out), sys.executable, prog, str(pairs)], env=_env(source))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
-    (folder,) = run_folders(out)
-    df = read(dump_of(folder))
-    check_invariants(df)
+    _, df = threads_run(tmp_path, ["gaps", str(pairs)], _env(source), [f"--analysis={analysis}"])
     import polars as pl
     assert df.filter(pl.col("event_type") == "STOP_TRACE").height == pairs + 1
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (EXAMPLES, ROOT, TRANSFORMER_SMALL, check_invariants, dump_of, env_for_tests, plain_transformer,
-                      read, run_cli, run_folders)
+                      read, run_cli, run_folders, threads_run)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -444,22 +444,15 @@ def test_a_write_by_compiled_code_is_said_to_be_likely_its_own(tmp_path, out_dir
 
 
 @pytest.mark.parametrize("source", ["native", "python"])
-def test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes(tmp_path, out_dir, source):
+def test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes(tmp_path, source):
     """A thread watches a weight that another thread's optimizer updates at every step. Every
     change is that optimizer's declared write (its op, on its thread), none a stomp, and the first
     thread's ops stay in the dump after the watch began. Before: on the native source the handover
     to the dispatch mode followed only the watching thread (the first one's ops and new blocks left
     the dump; ~130 stomps 'outside any traced op'); on both, a change made by one thread's op inside
     another thread's op was blamed on the latter (~25 stomps)."""
-    prog = os.path.join(ROOT, "tests", "progs", "watch_from_a_thread.py")
-    env = {**env_for_tests(), "MSMEMSCOPE_SOURCE": source}
-    plain = subprocess.run([sys.executable, prog, "150"], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    p = check(run_cli(["-o", str(out_dir), "--analysis=leaks", sys.executable, prog, "150"], env=env))
-    assert p.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
-    folder = one_run(out_dir)
-    df = read(dump_of(folder))
-    check_invariants(df)
+    folder, df = threads_run(tmp_path, ["watch", "150"], {**env_for_tests(), "MSMEMSCOPE_SOURCE": source},
+                             ["--analysis=leaks"])
     rep = watch_json(folder)
     (w,) = rep["watched"]
     assert w["stomps"] == 0 and not rep["stomps"], rep["stomps"][:3]

@@ -1,0 +1,50 @@
+"""Two threads train a model each (its own Adam), the interpreter switching threads as often as it
+can. argv[1] is what else happens, argv[2] a count:
+- ``steps N``: each thread takes N steps (every optimizer step of either ends a step);
+- ``gaps N``: the main thread stops and starts tracing N times each while the other trains;
+- ``watch N``: N steps each; at its 50th the second thread watches the first model's weight, which
+  the first thread's optimizer updates at every step.
+Prints both threads' final losses."""
+import sys
+import threading
+
+import torch
+from torch import nn
+
+import msmemscope
+
+sys.setswitchinterval(1e-6 if sys.argv[1] == "steps" else 1e-5)
+what, count = sys.argv[1], int(sys.argv[2])
+models = []
+for i in range(2):
+    torch.manual_seed(i)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    models.append((m, torch.optim.Adam(m.parameters(), lr=1e-2)))
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+losses = {}
+
+
+def train(i, n, watch_at=None):
+    m, opt = models[i]
+    for k in range(n):
+        if k == watch_at:
+            msmemscope.watcher.watch(models[0][0][0].weight, name="first.weight")
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+    losses[i] = loss.item().hex()
+
+
+if what == "gaps":
+    worker = threading.Thread(target=train, args=(1, 40 * count))
+    worker.start()
+    for k in range(2 * count):
+        train(0, 10)
+        (msmemscope.stop if k % 2 == 0 else msmemscope.start)()
+else:
+    worker = threading.Thread(target=train, args=(1, count, 50 if what == "watch" else None))
+    worker.start()
+    train(0, count)
+worker.join()
+print("LOSSES", losses[0], losses[1])
