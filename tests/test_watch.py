@@ -465,3 +465,45 @@ def test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes(t
     launches = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") == writes[0]["tid"]))
     # its ops are in the dump after the watch began (each step of it: ~40 launch rows)
     assert launches.filter(pl.col("step") > writes[0]["step"]).height >= 40 * 50, launches.height
+
+
+OWN_PROFILER = """
+import sys, threading, time, torch, msmemscope
+calls = {"n": 0}
+def prof(frame, event, arg):
+    calls["n"] += 1
+go, done, kept = threading.Event(), threading.Event(), []
+def work():
+    sys.setprofile(prof)                   # the program profiles this thread itself
+    a = torch.randn(32, 32)
+    go.set()
+    while not done.is_set():
+        (a @ a).sum()
+        time.sleep(0.001)
+    kept.append(sys.getprofile() is prof)
+t = threading.Thread(target=work)
+t.start()
+go.wait()
+time.sleep(0.05)
+msmemscope.watcher.watch(torch.ones(8), name="w")   # the other thread is followed from its next call
+n, after = calls["n"], time.time_ns()
+time.sleep(0.2)
+done.set()
+t.join()
+print("PROFILED", calls["n"] > n, kept, t.ident, after)
+"""
+
+
+def test_a_thread_with_its_own_profiler_keeps_it_when_the_tracer_follows_it(tmp_path, out_dir):
+    """The handover to the dispatch mode (watch) follows a thread already running through a one-shot
+    profile function on it: the program's own profile function on that thread is put back (and sees
+    the event), it keeps profiling, and the thread's ops are in the dump from then on."""
+    script = write(tmp_path, "own_profiler.py", OWN_PROFILER)
+    p = check(run_cli(["-o", str(out_dir), script], env={**env_for_tests(), "MSMEMSCOPE_SOURCE": "native"}))
+    profiled, kept, tid, after = p.stdout.split("PROFILED", 1)[1].split()
+    assert profiled == "True" and kept == "[True]", p.stdout
+    df = read(dump_of(one_run(out_dir)))
+    check_invariants(df)
+    import polars as pl
+    ops = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") == int(tid)) & (pl.col("ts") > int(after)))
+    assert ops.height >= 50, ops.height  # ~0.2 s of its loop after the watch began
