@@ -78,6 +78,12 @@ def _compiled_code_ran() -> bool:
         return False
 
 
+def _other_program_threads() -> bool:
+    """Whether a thread of the program other than this one is alive (ours, msmemscope-*, aside)."""
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith("msmemscope") for t in threading.enumerate())
+
+
 def _others_hint(rec, others) -> str:
     """Ops of other threads that ran while the change happened (none declares a write to the
     block): said, as the change may be theirs."""
@@ -354,11 +360,12 @@ class WatchEngine:
                 self.end.seen += 1
                 closer = self.end.seen == self.end.nth
             entries = self.entries if self.state == "open" else [e for e in self.entries if e.source == "api"]
+            tid = threading.get_ident()
+            # every op while the watch is on, also one that begins before a block is watched
+            self.running[tid] = (func, short, call, args, kwargs)
             if not entries and not opener and not closer:
                 self.tls.pending = None
                 return
-            tid = threading.get_ident()
-            self.running[tid] = (func, short, call, args, kwargs)
             checked = []
             if entries:
                 self._sync(entries)
@@ -581,8 +588,11 @@ class WatchEngine:
             if self.state == "open" or source in ("start op", "api"):
                 try:
                     cs = self._checksum(e, st)
-                    # a baseline only while ops are traced: changes before the next op are then untraced writes
-                    e.last = cs if self.s.active else None
+                    # a baseline only while ops are traced: changes before the next op are then untraced
+                    # writes. Not where another thread of the program runs: its op in flight now began
+                    # before this watch and is not checked, so its write would look untraced (the
+                    # first check after this one is the baseline then)
+                    e.last = cs if self.s.active and not _other_program_threads() else None
                 except Exception as exc:
                     self._warn(f"cannot watch '{name}': {exc}")
                     return None
