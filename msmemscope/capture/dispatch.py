@@ -60,6 +60,11 @@ class Block(weakref.ref):
         self.native = False  # counted by the native source, whose FREE row reports it
 
 
+def tool_thread(thread) -> bool:
+    """One of the tool's own threads (named msmemscope-*: the step flusher, the columns' catcher)."""
+    return thread.name.startswith("msmemscope")
+
+
 class DispatchSource(Source):
     name = "dispatch"
     sees = SEES
@@ -116,7 +121,7 @@ class DispatchSource(Source):
         # on another thread, at its next Python call (never ours: the writer's and the flusher's
         # threads run no op of the program)
         try:
-            if self.recording and not self.s.closed and not threading.current_thread().name.startswith("msmemscope"):
+            if self.recording and not self.s.closed and not tool_thread(threading.current_thread()):
                 self._push_mode()
         except Exception:
             pass

@@ -577,19 +577,19 @@ class Session:
                     self._keep_step_facts()
                 return
             if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
-                with self.flush_lock:  # the buffer's length and the flush count, taken together
-                    self.sync_sources()
-                    if self.labeler is not None:
-                        self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
-                    if self.modules is not None:
-                        # and the owning modules: by the release, zero_grad has freed step 1's
-                        # gradients, which then kept only the module running when they were made
-                        # (under torch.compile the compiled module as a whole, not their layer)
-                        try:
-                            self._modules_at_step_end()
-                        except Exception as e:
-                            log.warning("owning modules at step 1's end: %s", _why(e))
-                    self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
+                # (under the flush lock, step(): the buffer's length and the flush count, taken together)
+                self.sync_sources()
+                if self.labeler is not None:
+                    self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
+                if self.modules is not None:
+                    # and the owning modules: by the release, zero_grad has freed step 1's
+                    # gradients, which then kept only the module running when they were made
+                    # (under torch.compile the compiled module as a whole, not their layer)
+                    try:
+                        self._modules_at_step_end()
+                    except Exception as e:
+                        log.warning("owning modules at step 1's end: %s", _why(e))
+                self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
@@ -598,13 +598,12 @@ class Session:
         else:
             self.explicit_steps = True
             if self._held_step is not None:  # the program numbers its steps: still step 1
-                with self.flush_lock:
-                    held, self._held_step = self._held_step, None
-                    if held is not None and held.cut is not None:  # its rows wait in the buffer: gone
-                        cut = {id(r) for r in held.cut}
-                        self.buf[:] = [r for r in self.buf if id(r) not in cut]
-                        self.pieces.clear()
-                        self._bound_drain()
+                held, self._held_step = self._held_step, None
+                if held.cut is not None:  # its rows wait in the buffer: gone
+                    cut = {id(r) for r in held.cut}
+                    self.buf[:] = [r for r in self.buf if id(r) not in cut]
+                    self.pieces.clear()
+                    self._bound_drain()
                 self.step_no = 1
                 self._update_flags()
         if not self.active:
@@ -677,12 +676,11 @@ class Session:
             return False
         if self.labeler is None and self.modules is None:
             return True
-        try:
-            with self.flush_lock:
-                if self.labeler is not None:
-                    self.labeler.at_step_end()
-                if self.modules is not None:
-                    self._modules_at_step_end()
+        try:  # (under the flush lock, step())
+            if self.labeler is not None:
+                self.labeler.at_step_end()
+            if self.modules is not None:
+                self._modules_at_step_end()
             return True
         except Exception as e:
             log.warning("owner labels at a step end: %s; flushed now", _why(e))

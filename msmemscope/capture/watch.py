@@ -80,8 +80,9 @@ def _compiled_code_ran() -> bool:
 
 def _other_program_threads() -> bool:
     """Whether a thread of the program other than this one is alive (ours, msmemscope-*, aside)."""
+    from .dispatch import tool_thread
     me = threading.current_thread()
-    return any(t is not me and not t.name.startswith("msmemscope") for t in threading.enumerate())
+    return any(t is not me and not tool_thread(t) for t in threading.enumerate())
 
 
 def _others_hint(rec, others) -> str:
@@ -374,8 +375,8 @@ class WatchEngine:
                 if st is None:
                     continue
                 if e.last is not None and cs != e.last:
-                    writer, others = self._other_threads(tid, st, e)
-                    if writer is None:  # else that op's own after() reports its declared write
+                    writes, others = self._other_threads(tid, st, e)
+                    if not writes:  # else that op's own after() reports its declared write
                         self._untraced(e, short, call, others)
                 self._dump(e, st, short, call, tid, "before", cs)
                 checked.append((e, cs, e.reported))
@@ -418,16 +419,15 @@ class WatchEngine:
                 seen_by_other = e.reported != reported and e.last == a
                 e.last = a
                 e.last_op = f"{short}#{call}"
-                if a != b and seen_by_other:
-                    pass  # another thread's op check, since this op began, reported this very change
-                elif a != b:
+                # (a change another thread's op check reported since this op began is that one's)
+                if a != b and not seen_by_other:
                     e.reported += 1
                     lo = st.data_ptr() + e.offset
                     declared = self._declared(func, args, kwargs, out, lo, lo + e.length)
                     others = ()
                     if not declared:
-                        writer, others = self._other_threads(tid, st, e)
-                        if writer is not None:
+                        writes, others = self._other_threads(tid, st, e)
+                        if writes:
                             continue  # that thread's op writes it: its own after() reports the write
                     self._changed(e, name, short, call, tid, b, a, declared, others)
                 if e.dump_nums and e.dumps >= e.dump_nums:
@@ -494,17 +494,16 @@ class WatchEngine:
         return stacks.user_line(stack), stack
 
     def _other_threads(self, tid, st, e):
-        """(an op of another thread, running now, whose schema declares a write to the block, or
-        None; the ops of other threads running now, as text)."""
+        """(whether an op of another thread, running now, declares a write to the block in its
+        schema; the ops of other threads running now, as text)."""
         lo = st.data_ptr() + e.offset
-        writer, others = None, []
+        writes, others = False, []
         for t, (func, short, call, args, kwargs) in list(self.running.items()):
             if t == tid:
                 continue
             others.append(f"{short}#{call} on thread {t}")
-            if writer is None and self._declared(func, args, kwargs, None, lo, lo + e.length):
-                writer = (t, short, call)
-        return writer, others
+            writes = writes or self._declared(func, args, kwargs, None, lo, lo + e.length)
+        return writes, others
 
     def _changed(self, e, name, short, call, tid, before, after, declared, others=()):
         e.changes += 1
