@@ -8,6 +8,7 @@ allocates and frees all along (its rows fall in the buffer wherever the flushes 
 boundary are); the main thread's id is printed as ``main``."""
 import json
 import sys
+import queue
 import threading
 
 import torch
@@ -46,7 +47,17 @@ def flush(*a, **k):
 
 s.writer.write, s.flush = write, flush
 keep = []
-done, tick = threading.Event(), threading.Semaphore(0)
+done, ticks = threading.Event(), queue.SimpleQueue()
+
+
+def tick(wait=False):
+    """One cycle of the other thread; ``wait``: until it is done (once a step, before the optimizer
+    step, so that its rows are in every step however the machine schedules it; the other ticks run
+    concurrently with the main thread)."""
+    ack = threading.Event() if wait else None
+    ticks.put(ack)
+    if ack is not None:
+        ack.wait(30)
 
 
 def other_thread():
@@ -55,13 +66,15 @@ def other_thread():
     # is settled for a full buffer (FLUSH_ROWS / 2 rows there)
     own, k = [], 0
     while True:
-        tick.acquire()
+        ack = ticks.get()
         if done.is_set():
             return
         own.append(torch.ones(300 + k % 7) * 2)
         if len(own) > 3:
             own.pop(0)
         k += 1
+        if ack is not None:
+            ack.set()
 
 
 worker = threading.Thread(target=other_thread)
@@ -71,14 +84,14 @@ for step in range(5):
     opt.zero_grad(set_to_none=True)
     model(x).square().mean().backward()
     if thread:
-        tick.release()
+        tick(wait=True)
     opt.step()
     if early and step == 0:
         s.flush()
     for i in range(extra):  # ops after the optimizer step: evaluation, logging
         keep.append(torch.full((8 + step,), float(i)) * 2)
         if thread:
-            tick.release()
+            tick()
     if gap and step == 0:
         msmemscope.stop()
         keep.append(torch.ones(16))  # made in the gap: never in the dump
@@ -87,6 +100,6 @@ for step in range(5):
         msmemscope.step()
 done.set()
 if thread:
-    tick.release()
+    tick()
     worker.join()
 print(json.dumps({"main": threading.get_ident(), "writes": writes, "full": max(full or [0]), "kept": max(kept or [0]), "folder": s.folder}))
