@@ -248,3 +248,60 @@ def test_zstd_writer_frames_reopen_and_last_id(tmp_path):
     df = read_dump(path)
     assert df["id"].to_list() == [1, 2, 3] and df["event"].to_list() == ["MALLOC", "MALLOC", "FREE"]
     assert last_id_in(path) == 3
+
+
+CAUGHT_OOM = """
+import sys, torch
+from torch import nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+x = torch.randn(16, 32)
+for step in range(int(sys.argv[1])):
+    opt.zero_grad(set_to_none=True)
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    if step in (6, 9, 12):  # a batch too large, caught, and the run goes on (a batch-size search)
+        try:
+            h = m[0](x).relu()      # made in the failing step, freed in it: the newest block at the failure
+            torch.empty(1 << 50)
+        except RuntimeError:
+            del h
+print("loss", loss.item().hex())
+"""
+
+
+def test_bounded_run_keeps_the_steps_where_allocations_failed(tmp_path):
+    """A program that catches an OOM and runs on (three failures), with --keep-steps=2: the first
+    two steps with a failure are kept whole (each row as in the dump without the bound), and in the
+    third, summarised, every block its OOM rows name still has its MALLOC and FREE rows. (The OOM
+    analysis runs on the dispatch-mode source, so one source.)"""
+    prog = tmp_path / "caught_oom.py"
+    prog.write_text(CAUGHT_OOM)
+    dfs = {}
+    for how, extra in (("whole", []), ("bounded", ["--keep-steps=2", "--compress=zstd"])):
+        r = run_cli(["-q", "-o", str(tmp_path / how), "--analysis=oom:3,leaks", *extra, str(prog), "24"],
+                    env=_env("native"))
+        assert r.returncode == 0, r.stderr
+        [folder] = run_folders(tmp_path / how)
+        dfs[how] = df = read(dump_of(folder))
+        check_invariants(df)
+    whole, bounded = dfs["whole"], dfs["bounded"]
+    oom_steps = sorted(whole.filter(pl.col("event_type") == "OOM_TRIGGER")["step"].to_list())
+    assert len(oom_steps) == 3 and max(oom_steps) < max(whole["step"].drop_nulls()) - 3, oom_steps
+    per = _steps_of(bounded)
+    assert [per[s][1] for s in oom_steps] == [False, False, True], per  # whole, whole, summarised
+    cols = ["event", "event_type", "name", "size", "alloc_id"]
+    for s in oom_steps[:2]:
+        assert bounded.filter(pl.col("step") == s).select(cols).equals(whole.filter(pl.col("step") == s).select(cols))
+    named = bounded.filter(pl.col("event_type").is_in(["OOM_RECENT_ALLOC", "OOM_TOP_ALLOC"]))
+    assert named.height >= 3 * 4, named
+    ids = list(set(named["alloc_id"].to_list()))
+    for ev in ("MALLOC", "FREE"):  # (a parameter named there is never freed)
+        rows = {k: set(df.filter((pl.col("event") == ev) & pl.col("alloc_id").is_in(ids))["alloc_id"].to_list())
+                for k, df in dfs.items()}
+        assert rows["bounded"] == rows["whole"] and len(rows["whole"]) >= (len(ids) if ev == "MALLOC" else 3), (ev, rows)
+    # the summarised step still drops what its OOM rows do not name
+    s3 = oom_steps[2]
+    assert bounded.filter(pl.col("step") == s3).height < whole.filter(pl.col("step") == s3).height

@@ -165,3 +165,40 @@ def test_cuda_oom_observer(tmp_path):
     assert trig["size"][0] and trig["size"][0] >= 4 * torch.cuda.mem_get_info()[1] // 2
     top = oom.filter(oom["event_type"] == "OOM_TOP_ALLOC")
     assert top["size"].to_list() == [256 << 20, 64 << 20]
+
+
+RETRIED = """
+import sys, torch, msmemscope
+from msmemscope import capture
+msmemscope.config(output=sys.argv[1], collect_mode="immediate", analysis="oom:2")
+s = capture.current()
+ids = []
+for i in range(5):  # a batch-size search: the same failure caught and tried again
+    try:
+        torch.empty(1 << 50)
+    except RuntimeError as e:
+        ids.append(id(e))
+again = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.")
+s.op_failed("torch._ops.aten.empty.memory_format", again)  # one failure seen at two op levels
+s.op_failed("torch._ops.aten.zeros.default", again)
+[sink] = [x for x in s.sinks if type(x).__name__ == "OomSink"]
+print(len(sink.events), len(set(ids)))
+msmemscope.stop()
+"""
+
+
+def test_each_caught_and_retried_failure_is_reported_once(tmp_path):
+    """Five allocation failures caught in a loop are five OOM reports (each exception object is
+    freed before the next is made at the same address, so an id() alone took them for one), and one
+    failure seen at two op levels is one."""
+    script = _script(tmp_path, "retried.py", RETRIED)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, env=env_for_tests(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    events, distinct_ids = map(int, r.stdout.split())
+    assert events == 6, r.stdout
+    folder, = run_folders(out)
+    df, oom = _oom_rows(folder)
+    assert oom.filter(oom["event_type"] == "OOM_TRIGGER").height == 6
+    assert df.filter(df["name"] == "OOM_Snapshot").height == 6

@@ -68,7 +68,6 @@ class OomSink:
     def __init__(self, session):
         self.k = int(getattr(session.opts, "oom_k", 10) or 10)
         self.events: list = []
-        self._last_exc = None          # id() of the last exception handled (an op may report it once)
         self._observed = None          # what the CUDA observer saw, waiting for the exception
         self._session = session
         self._attach_cuda(session)
@@ -124,9 +123,8 @@ class OomSink:
 
     def op_failed(self, session, op_name, exc):
         try:
-            if id(exc) == self._last_exc or not is_allocation_failure(exc):
+            if not is_allocation_failure(exc):  # (Session.op_failed calls once a failure)
                 return
-            self._last_exc = id(exc)
             if self._observed:          # the CUDA observer already wrote the rows of this failure
                 self._observed = None
                 return

@@ -152,6 +152,7 @@ class Session:
         self._step_failure_said = False
         self._flushing = None                # thread id of the flush in progress
         self._pending_signal = None          # SIGTERM that arrived during that flush
+        self._failure_seen = None            # (id, args) of the allocation failure last handled
         self._closing = False                # close() in progress: signals wait for its end
         self._deferred: list = []            # signals that arrived during close()
         self.failure = None                  # why tracing stopped on a failure of the tool's own
@@ -798,6 +799,15 @@ class Session:
     def op_failed(self, name, exc):
         from .snapshot import is_allocation_failure, take_snapshot
         if is_allocation_failure(exc):
+            # a failure passes every op level it unwinds through (a composite op, the op inside it):
+            # handled at the first. Known by its id and its args tuple, which is held: an id alone
+            # is the next failure's once this exception is freed (a program that catches an OOM and
+            # tries again), and holding the exception would keep its frames' tensors alive
+            args = exc.args
+            seen = self._failure_seen
+            if args and seen is not None and seen[0] == id(exc) and seen[1] is args:
+                return
+            self._failure_seen = (id(exc), args)
             take_snapshot(name="OOM_Snapshot")  # the state at the failure, whatever analyses are on
         for s in self.sinks:
             fn = getattr(s, "op_failed", None)

@@ -1,13 +1,16 @@
 """The bounded dump (``--keep-steps=N``): a long run's dump that grows with N, not with the run.
 
 Every row of these steps is written: the last N steps (and the rows after the last step end),
-and the first step that leaves behind a block of an allocation site not seen leaving blocks
+the first step that leaves behind a block of an allocation site not seen leaving blocks
 before (a step ``s >= 2`` with a block still live when step ``s + 1`` ends: what the step-leak
-rule and growth by site look at), at most N such steps. Every other step is *summarised*:
+rule and growth by site look at), at most N such steps, and the first N steps in which an
+allocation failed (an OOM_TRIGGER row: a program that catches the OOM and goes on keeps what led
+to it, and every block its OOM rows name). Every other step is *summarised*:
 
 - kept: every MALLOC/FREE row of a block that lives across a step boundary (allocated in an
-  earlier step, or still live when the step ends), the ops (ATEN_START/END) that enclose a kept
-  row or are open across the boundary, and every SYSTEM, MSTX, SNAPSHOT and OOM row;
+  earlier step, or still live when the step ends) or that an OOM row of the step names, the ops
+  (ATEN_START/END) that enclose a kept row or are open across the boundary, and every SYSTEM,
+  MSTX, SNAPSHOT and OOM row;
 - dropped: the blocks allocated and freed inside the step (their MALLOC and FREE rows), ACCESS
   and KERNEL_LAUNCH rows, the ops around nothing kept;
 - one ``SYSTEM/STEP_SUMMARY`` row, with the ID of the first row dropped (so it sorts inside the
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..events import System
+from ..events import Oom, System
 
 MAX_HELD_ROWS = 1_000_000
 _KEPT_ALWAYS = ("SYSTEM", "MSTX", "SNAPSHOT", "OOM_DETAIL")
@@ -59,7 +62,7 @@ def _total(row):
 
 
 class _Step:
-    __slots__ = ("index", "rows", "ids", "c_syms", "mallocs", "transient", "full", "written")
+    __slots__ = ("index", "rows", "ids", "c_syms", "mallocs", "transient", "full", "written", "named")
 
     def __init__(self, index):
         self.index = index
@@ -70,6 +73,7 @@ class _Step:
         self.transient: list = []   # indices of MALLOC/FREE rows of blocks born and dead here
         self.full = False           # written whole (a flagged step, or one too long to hold)
         self.written = 0            # rows already written (a step too long to hold)
+        self.named: set = set()     # allocation ids the step's OOM rows name (live at a failure)
 
 
 class BoundedWriter:
@@ -89,6 +93,7 @@ class BoundedWriter:
         self.prev_left: dict = {}
         self.sites_seen: set = set()
         self.flagged = 0
+        self.oom_steps = 0              # steps kept whole for an allocation failure in them
         self.summarised = 0
 
     # ------------------------------------------------------------------ rows in
@@ -116,18 +121,25 @@ class BoundedWriter:
                     self.prev_left.pop(key, None)
             elif ev == "SYSTEM" and r[1] == System.STEP:
                 self._end_step()
+            elif ev == "OOM_DETAIL":
+                if r[1] == Oom.TRIGGER:
+                    if not st.full and self.oom_steps < self.keep:
+                        st.full = True
+                        self.oom_steps += 1
+                elif type(r[7]) is dict and r[7].get("allocation_id") is not None:
+                    st.named.add(r[7]["allocation_id"])
         self.held_rows += len(rows)
         self._evict()
 
     def _end_step(self):
         st = self.open
         prev = self.prev
-        if prev is not None and self.prev_left and prev.index >= 2 and not prev.full:
+        if prev is not None and self.prev_left and prev.index >= 2:
             sites = {s for s in self.prev_left.values() if s[1] != CACHED_SEGMENTS}
-            if sites - self.sites_seen and self.flagged < self.keep:
+            if not prev.full and sites - self.sites_seen and self.flagged < self.keep:
                 prev.full = True
                 self.flagged += 1
-            self.sites_seen |= sites
+            self.sites_seen |= sites  # a step kept whole for another reason shows them too
         self.prev = st
         self.prev_left = {k: v[1] for k, v in st.mallocs.items()}
         self.held.append(st)
@@ -185,8 +197,10 @@ class BoundedWriter:
     def _kept(self, st) -> list:
         rows = st.rows
         keep = [True] * len(rows)
+        named = st.named
         for i in st.transient:
-            keep[i] = False
+            if not named or _alloc(rows[i])[0] not in named:
+                keep[i] = False
         stacks: dict = {}   # tid -> [[index of ATEN_START, encloses a kept row]]
         for i, r in enumerate(rows):
             ev = r[0]
