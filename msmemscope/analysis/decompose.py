@@ -642,6 +642,18 @@ class FoldedModuleTable(ModuleTable):
                 (self.fwd if fwd else self.bwd)[(dev, p)] = marks[m]
 
     def end_step(self, step):
+        # most steps' tables are not kept (their peak is not the highest yet): only the gauges are
+        # read back for that; the counters only where a table is kept (the fold holds the state)
+        _used, gpeak, _marks = self._fold.gauges()
+        want = self.want
+        for g, dev in enumerate(self._ginfo):
+            peak = gpeak[g] if g < len(gpeak) else None
+            if peak is not None and ((step == want) if want is not None
+                                     else peak > self.best.get(dev, {}).get("peak", -1)):
+                break
+        else:
+            self._fold.end_window()
+            return
         self._sync()
         super().end_step(step)
         self._fold.end_window()
