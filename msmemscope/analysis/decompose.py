@@ -487,12 +487,16 @@ class ModuleTable:
         self.blocks[aid] = (b[0], pres, col, b[3], b[4])
         self._move(b[0], pres, col, b[3], back)
 
+    def _keeps(self, dev, step, peak) -> bool:
+        """Whether this step's table of ``dev`` is the one kept: the wanted step, else the highest peak."""
+        if peak is None:
+            return False
+        return step == self.want if self.want is not None else peak > self.best.get(dev, {}).get("peak", -1)
+
     def end_step(self, step):
         for dev in sorted({d for d, _, _ in self.cur} | set(self.peak)):
             peak = self.peak.get(dev)
-            keep = (step == self.want) if self.want is not None else (
-                peak is not None and peak > self.best.get(dev, {}).get("peak", -1))
-            if keep and peak is not None:
+            if self._keeps(dev, step, peak):
                 self.best[dev] = self._table(dev, step, peak)
         for dev in self.peak:
             self.peak[dev] = self.used.get(dev, 0)
@@ -645,13 +649,8 @@ class FoldedModuleTable(ModuleTable):
         # most steps' tables are not kept (their peak is not the highest yet): only the gauges are
         # read back for that; the counters only where a table is kept (the fold holds the state)
         _used, gpeak, _marks = self._fold.gauges()
-        want = self.want
-        for g, dev in enumerate(self._ginfo):
-            peak = gpeak[g] if g < len(gpeak) else None
-            if peak is not None and ((step == want) if want is not None
-                                     else peak > self.best.get(dev, {}).get("peak", -1)):
-                break
-        else:
+        if not any(self._keeps(dev, step, gpeak[g] if g < len(gpeak) else None)
+                   for g, dev in enumerate(self._ginfo)):
             self._fold.end_window()
             return
         self._sync()
