@@ -202,3 +202,39 @@ def test_each_caught_and_retried_failure_is_reported_once(tmp_path):
     df, oom = _oom_rows(folder)
     assert oom.filter(oom["event_type"] == "OOM_TRIGGER").height == 6
     assert df.filter(df["name"] == "OOM_Snapshot").height == 6
+
+
+RETRIED_THREADS = """
+import sys, threading, torch, msmemscope
+from msmemscope import capture
+msmemscope.config(output=sys.argv[1], collect_mode="immediate", analysis="oom:2")
+s = capture.current()
+def fail(n):
+    for _ in range(n):
+        try:
+            torch.empty(1 << 50)
+        except RuntimeError:
+            pass
+t = threading.Thread(target=fail, args=(10,))
+t.start(); fail(10); t.join()          # two threads failing at once: 20
+msmemscope.stop(); fail(2); msmemscope.start()   # not traced: none
+fail(3)                                          # traced again: 3
+[sink] = [x for x in s.sinks if type(x).__name__ == "OomSink"]
+print(len(sink.events))
+msmemscope.stop()
+"""
+
+
+def test_failures_of_two_threads_and_after_a_gap_are_each_reported(tmp_path):
+    """Allocation failures caught on two threads at once, then in a stop/start gap (not traced), then
+    after it: one report for each traced failure; the dump keeps its invariants."""
+    script = _script(tmp_path, "retried_threads.py", RETRIED_THREADS)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, env=env_for_tests(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) == 23, r.stdout
+    folder, = run_folders(out)
+    df, oom = _oom_rows(folder)
+    assert oom.filter(oom["event_type"] == "OOM_TRIGGER").height == 23
+    assert df.filter(df["name"] == "OOM_Snapshot").height == 23
