@@ -93,11 +93,16 @@ def _why(exc) -> str:
 class _HeldStep:
     """The first optimizer step's boundary while it is held (``Session.step``): its place in the
     buffer and the flush count then, its time and thread, and its rows once a flush put them into
-    the buffer (``Session._flush_around_held``)."""
-    __slots__ = ("idx", "flushes", "ts", "tid", "cut")
+    the buffer (``Session._flush_around_held``). ``later``: the rows ending each optimizer step that
+    came on a thread which had not stepped twice yet (another thread's optimizer, while this one
+    waits for its second), put at the end of the buffer when they came, numbered when the hold is
+    settled; ``steps``: the optimizer steps of each thread since the hold."""
+    __slots__ = ("idx", "flushes", "ts", "tid", "cut", "later", "steps")
 
     def __init__(self, idx, flushes, ts, tid):
         self.idx, self.flushes, self.ts, self.tid, self.cut = idx, flushes, ts, tid, None
+        self.later: list = []
+        self.steps = {tid: 1}
 
 
 def _timestamp() -> str:
@@ -579,29 +584,30 @@ class Session:
                 return
             if self.step_no == 1 and self._held_step is None and not self._optimizer_steps:
                 # (under the flush lock, step(): the buffer's length and the flush count, taken together)
-                self.sync_sources()
-                if self.labeler is not None:
-                    self.labeler.before_flush()  # owners as they are at step 1's end, not at the release
-                if self.modules is not None:
-                    # and the owning modules: by the release, zero_grad has freed step 1's
-                    # gradients, which then kept only the module running when they were made
-                    # (under torch.compile the compiled module as a whole, not their layer)
-                    try:
-                        self._modules_at_step_end()
-                    except Exception as e:
-                        log.warning("owning modules at step 1's end: %s", _why(e))
+                self._facts_at_hold()
                 self._held_step = _HeldStep(len(self.buf), self._flushes, time_ns(), threading.get_ident())
                 self.step_no = 2  # tentatively: what live reports (watch, OOM) say until it is settled
                 self._update_flags()
                 return
+            held = self._held_step
+            if held is not None:
+                tid = threading.get_ident()
+                held.steps[tid] = held.steps.get(tid, 0) + 1
+                if min(held.steps.values()) < 2:
+                    # a thread that stepped once (the first step of another thread's optimizer, or the
+                    # holder's second while such a thread has not come back): still open, since the
+                    # program may yet number its steps (a thread that trains beside the one calling
+                    # msmemscope.step()). Its boundary is kept at its place, numbered when settled
+                    self._hold_later(held, tid)
+                    return
             self._release_held_step()
             self._optimizer_steps = True
         else:
             self.explicit_steps = True
             if self._held_step is not None:  # the program numbers its steps: still step 1
                 held, self._held_step = self._held_step, None
-                if held.cut is not None:  # its rows wait in the buffer: gone
-                    cut = {id(r) for r in held.cut}
+                cut = {id(r) for rows in [held.cut or ()] + [rows for _, rows in held.later] for r in rows}
+                if cut:  # their rows wait in the buffer: gone
                     self.buf[:] = [r for r in self.buf if id(r) not in cut]
                     self.pieces.clear()
                     self._bound_drain()
@@ -718,6 +724,42 @@ class Session:
         if self.device_source is not None:
             self.device_source.at_step_end(self.buf if into is None else into, ended)
 
+    def _facts_at_hold(self):
+        """The source's rows in the buffer, and the owners and owning modules of the live blocks as
+        they are at a held boundary (not at its release: by then zero_grad has freed the step's
+        gradients, which then kept only the module running when they were made; under
+        torch.compile the compiled module as a whole, not their layer). Under the flush lock."""
+        self.sync_sources()
+        if self.labeler is not None:
+            self.labeler.before_flush()
+        if self.modules is not None:
+            try:
+                self._modules_at_step_end()
+            except Exception as e:
+                log.warning("owning modules at a held step end: %s", _why(e))
+
+    def _hold_later(self, held, tid):
+        """An optimizer step while step 1's boundary is held, on a thread that has not stepped twice:
+        its rows (the device's figures, its STEP row) go to the end of the buffer now, numbered as
+        they stay if the optimizer steps turn out to be the steps; a ``msmemscope.step()`` takes
+        them out with step 1's."""
+        self._facts_at_hold()
+        ended = self.step_no
+        rows: list = []
+        self._device_step_end(ended, into=rows)
+        rows.append((Event.SYSTEM, System.STEP, NA, time_ns(), tid, self.op_device, None, {"step": ended}, None, None))
+        self.buf.extend(rows)
+        held.later.append((ended, rows))
+        self.step_no += 1
+        self._update_flags()
+
+    def _flush_held_later(self, held, flush):
+        """After step 1's rows: each later held boundary's rows flushed (``flush``) through its STEP
+        row, so that every analysis is told of each step's end where it was."""
+        for ended, rows in held.later:
+            if any(r is rows[-1] for r in self.buf):
+                flush(step_end=ended, drain=False, through=rows[-1])
+
     def _release_held_step(self):
         """The program's steps are its optimizer steps: step 1 ended at the first one."""
         if self._held_step is None:
@@ -731,18 +773,22 @@ class Session:
             self._optimizer_steps = True
             self.sync_sources()
             cut = self._place_held_cut(held)
-            if cut is not None and any(r is cut[-1] for r in self.buf):
-                # step 1's rows and its boundary are flushed alone, so that the analyses see the end
-                # of step 1 where it was; the rows since then stay in the buffer, and so do the rows
-                # a drain inside this flush adds after them (the owner labeller's). (With --steps=1
-                # those rows stay in the dump, labelled step 2: dropping them could leave a later
-                # FREE without its MALLOC.) Up to the STEP row itself, not a count: a drain that
-                # merges by time (a device source, the native source after a handover) may put
-                # rows before it
-                self.flush(step_end=1, drain=False, through=cut[-1])
-            else:  # a flush wrote past its place: the boundary is written now
-                self.buf.extend(self._held_cut(held))
-                self.flush(step_end=1)
+            if cut is None or not any(r is cut[-1] for r in self.buf):
+                # a flush wrote past its place: the boundary is written now, before the later ones
+                cut = self._held_cut(held)
+                first = held.later[0][1][0] if held.later else None
+                at = next((i for i, r in enumerate(self.buf) if r is first), len(self.buf))
+                self.buf[at:at] = cut
+                self.pieces.clear()
+            # step 1's rows and its boundary are flushed alone, so that the analyses see the end
+            # of step 1 where it was; the rows since then stay in the buffer, and so do the rows
+            # a drain inside this flush adds after them (the owner labeller's). (With --steps=1
+            # those rows stay in the dump, labelled step 2: dropping them could leave a later
+            # FREE without its MALLOC.) Up to the STEP row itself, not a count: a drain that
+            # merges by time (a device source, the native source after a handover) may put
+            # rows before it
+            self.flush(step_end=1, drain=False, through=cut[-1])
+            self._flush_held_later(held, self.flush)
         self._update_flags()
 
     def _place_held_cut(self, held):
@@ -786,6 +832,7 @@ class Session:
             self._held_step = None
             self._optimizer_steps = True
             self._flush(step_end=1, drain=drain, through=cut[-1])
+            self._flush_held_later(held, self._flush)
             self._flush(None, drain=False)
             self._update_flags()
         else:
