@@ -134,8 +134,14 @@ def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_
     assert kept.height >= fired and set(kept["step"].to_list()) == {2}, kept.select("id", "step", "tid")
 
 
-@pytest.mark.parametrize("source,analysis", [(s, "leaks") for s in SOURCES] + [("native", "leaks,decompose")])
-@pytest.mark.parametrize("order", ["numbered-main-first", "numbered-other-first", "optimizer"])
+_ORDERS = ["numbered-main-first", "numbered-other-first", "optimizer"]
+
+
+# make test: each order once, each source and the labeller met; the full run: every order with each
+@pytest.mark.parametrize("order,source,analysis", full(
+    [("numbered-main-first", "native", "leaks,decompose"), ("numbered-other-first", "python", "leaks"),
+     ("optimizer", "native", "leaks"), ("optimizer", "python", "leaks")],
+    [(o, s, a) for o in _ORDERS for s, a in [("native", "leaks"), ("python", "leaks"), ("native", "leaks,decompose")]]))
 def test_a_held_first_step_waits_for_each_thread_to_step_twice(tmp_path, source, analysis, order):
     """The first optimizer step's boundary is held until the program shows how it numbers its steps.
     Another thread's optimizer (a model trained beside the one the program numbers) stepped in that
