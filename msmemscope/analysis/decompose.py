@@ -407,6 +407,7 @@ class ModuleTable:
 
     def __init__(self, step=None):
         self.want = step
+        self.last_step = 0    # the last step ended (the rows after it are the next)
         self.blocks = {}      # alloc_id -> (dev, prefixes, column, size, the device's peak count at its MALLOC)
         self.peaks = {}       # dev -> how many times its peak moved (a new peak, a new step)
         self.cur = {}         # (dev, prefix, column) -> bytes
@@ -493,7 +494,15 @@ class ModuleTable:
             return False
         return step == self.want if self.want is not None else peak > self.best.get(dev, {}).get("peak", -1)
 
+    def _numbered(self, step):
+        """``step``, or for the rows after the last STEP row (None) the number they have in the dump."""
+        if step is None:
+            step = self.last_step + 1
+        self.last_step = step
+        return step
+
     def end_step(self, step):
+        step = self._numbered(step)
         for dev in sorted({d for d, _, _ in self.cur} | set(self.peak)):
             peak = self.peak.get(dev)
             if self._keeps(dev, step, peak):
@@ -648,6 +657,7 @@ class FoldedModuleTable(ModuleTable):
     def end_step(self, step):
         # most steps' tables are not kept (their peak is not the highest yet): only the gauges are
         # read back for that; the counters only where a table is kept (the fold holds the state)
+        step = self._numbered(step)
         _used, gpeak, _marks = self._fold.gauges()
         if not any(self._keeps(dev, step, gpeak[g] if g < len(gpeak) else None)
                    for g, dev in enumerate(self._ginfo)):
