@@ -205,11 +205,19 @@ def _snapshot(name):
 
 
 def make_wrapper(orig, entry: Entry, hook_type: str):
+    """The patched function. Where Dynamo traces it (a patch point inside a compiled forward:
+    transformers' ``Cache.update``) it is the original alone: ``torch.compiler.is_compiling()`` is a
+    constant to Dynamo, so nothing of ours is traced (our calls broke the graph at every call, and
+    a ``fullgraph=True`` compile raised in the program)."""
+    import torch  # (the patch points are torch programs' functions)
+    is_compiling = torch.compiler.is_compiling
     label = tuple(entry.label)
     name = "@".join(label)
     if hook_type == "snapshot":
         @functools.wraps(orig)
         def wrapper(*a, **k):
+            if is_compiling():
+                return orig(*a, **k)
             _snapshot(f"{name} Start")
             try:
                 return orig(*a, **k)
@@ -220,6 +228,8 @@ def make_wrapper(orig, entry: Entry, hook_type: str):
 
         @functools.wraps(orig)
         def wrapper(*a, **k):
+            if is_compiling():
+                return orig(*a, **k)
             lab = labeler()
             if lab is None or not lab.s.active:
                 return orig(*a, **k)

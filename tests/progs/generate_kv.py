@@ -1,7 +1,9 @@
 """Hugging Face generate on a GPT-2 built from a config (no download): the KV cache it keeps.
 argv[1]: ``train`` first takes one training step with AdamW (its step is a step boundary), so
-that generation runs in step 2. Prints the tokens and, as JSON, the cache's bytes (from its
-tensors), positions, and bytes per position of one tensor."""
+that generation runs in step 2; ``compiled``: the model's forward compiled whole
+(``fullgraph=True``, aot_eager) with a static cache, as transformers documents for fast
+generation. Prints the tokens and, as JSON, the cache's bytes (from its tensors), positions, and
+bytes per position of one tensor, and for ``compiled`` Dynamo's graph breaks and graphs."""
 import json
 import sys
 
@@ -18,12 +20,21 @@ if sys.argv[1:] == ["train"]:
     opt.step()
     opt.zero_grad(set_to_none=True)
 model.eval()
+compiled = sys.argv[1:] == ["compiled"]
+extra = {}
+if compiled:
+    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    extra = {"cache_implementation": "static"}
 with torch.no_grad():
-    out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                         **extra)
 cache = out.past_key_values
 layers = getattr(cache, "layers", None)
 tensors = ([t for layer in layers for t in (layer.keys, layer.values)] if layers is not None
            else list(cache.key_cache) + list(cache.value_cache))
 print("TOKENS", out.sequences[:, -4:].tolist())
+if compiled:
+    from torch._dynamo.utils import counters
+    print("DYNAMO", sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
 print(json.dumps({"cache_bytes": sum(t.nbytes for t in tensors), "tensors": len(tensors),
                   "positions": tensors[0].shape[-2], "per_position": tensors[0].nbytes // tensors[0].shape[-2]}))
