@@ -480,13 +480,15 @@ def test_generate_compiled_whole_runs_as_compiled_under_the_cache_hooks(tmp_path
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
     prog = os.path.join(PROGS, "generate_kv.py")
-    import subprocess
-    plain = subprocess.run([sys.executable, prog, "compiled"], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-3000:]
     out = tmp_path / "out"
     r = run_cli(["--analysis=decompose", "--output", str(out), sys.executable, prog, "compiled"], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == plain.stdout
-    assert "DYNAMO 0 2" in r.stdout  # no break, the prompt's graph and the one token's
+    assert "DYNAMO 0 2" in r.stdout  # no break, the prompt's graph and the one token's (the plain run's)
+    if os.environ.get("MSMEMSCOPE_TEST_FULL"):  # (a second compile: the full run only)
+        import subprocess
+        plain = subprocess.run([sys.executable, prog, "compiled"], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        assert r.stdout == plain.stdout
     (folder,) = run_folders(out)
     check_invariants(read(dump_of(folder)))
