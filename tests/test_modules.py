@@ -601,12 +601,20 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
         assert traced["breaks"] == plain["breaks"] == 0, (traced, plain)
     assert "global hooks on modules" not in r.stderr and "does not know how to trace" not in r.stderr, r.stderr[-2000:]
     (folder,) = run_folders(out)
-    check_invariants(read(dump_of(folder)))
+    df = read(dump_of(folder))
+    check_invariants(df)
     with open(os.path.join(folder, "analysis", "decompose.json")) as f:
         mods = json.load(f)["modules"]["cpu"]
-    # the table is at the step of the highest peak: step 1 here, where its gradients were freed
-    # before it was written (held); inductor's compiled optimizer step peaks in step 2
-    assert mods["step"] == 1 or (how, backend) == ("optimizer", "inductor"), mods["step"]
+    # the table is at the step of the highest peak, the first of equal ones (the dump's own ``used``):
+    # step 1 for the compiled models, where its gradients were freed before it was written (held);
+    # a compiled optimizer step peaks a few KB higher from step 2 (inductor; aot_eager on the
+    # dispatch-mode source)
+    import polars as pl
+    peaks = (df.filter(pl.col("event").is_in(["MALLOC", "FREE"]) & (pl.col("event_type") == "PTA"))
+             .group_by("step").agg(pl.col("used").max()).sort("step").rows())
+    top = max(u for _, u in peaks)
+    assert mods["step"] == next(st for st, u in peaks if u == top) and mods["peak"] == top, (mods["step"], peaks)
+    assert mods["step"] == 1 or how == "optimizer", mods["step"]
     by = {m["module"]: m for m in mods["modules"]}
     assert not any("_orig_mod" in p or "OptimizedModule" in p for p in by), sorted(by)
     for path, (nbytes, count) in plain["layers"].items():  # Adam: two moments, a float step counter each
@@ -681,7 +689,8 @@ def test_a_compiled_model_over_a_stop_start_gap_on_either_source(tmp_path, sourc
     if "watch" in extra:  # the watched weight changed at each traced optimizer step, by its declared write
         with open(os.path.join(folder, "analysis", "watch.json")) as f:
             (w,) = json.load(f)["watched"]
-        assert w["name"] == "head.weight" and w["stomps"] == 0 and w["changes"] == 4 - (2 if "gap" in extra else 0), w
+        # (stopped for the second of the 4 iterations only: tracing starts again before the third)
+        assert w["name"] == "head.weight" and w["stomps"] == 0 and w["changes"] == 4 - (1 if "gap" in extra else 0), w
     with open(os.path.join(folder, "analysis", "decompose.json")) as f:
         mods = json.load(f)["modules"]["cpu"]
     by = {m["module"]: m for m in mods["modules"]}

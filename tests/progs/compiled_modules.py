@@ -1,6 +1,6 @@
 """A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
 (``inplace``), a compiled loss function calling the model (``function``), or an eager model whose
-optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for steps 1-2) and ``watch`` (a block watched) after.
+optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for step 2 of the 4) and ``watch`` (a block watched) after.
 Prints each loss exactly, what Dynamo made of it (graphs, calls captured, graph breaks) and the
 bytes and the number of parameters of each block by the path msmemscope names it with (root class + named_modules()),
 so that a traced run can be checked against a plain one."""
