@@ -277,7 +277,11 @@ int64_t used_bytes = 0, peak_bytes = 0, next_aid = 0;
 size_t drain_at = 1 << 16;            // records before the op exit asks Python to drain
 PyObject* on_full = nullptr;          // Python callable: drain now
 at::CallbackHandle handle = 0;
-int alloc_priority = 100;
+// c10 keeps an allocator set with a priority at least the current one's, and the priority is a
+// uint8_t: the highest, every time, so that each install and restore takes. (A counter raised at
+// each set wrapped to 0 after ~155 sets in a process, and from then on the wrapper was silently
+// not installed: no allocation recorded, tests/test_native_source.py.)
+constexpr uint8_t kAllocPriority = 255;
 
 thread_local int nest = 0;         // RecordFunctions (FUNCTION scope) open on this thread
 thread_local int top_nest = 0;     // the nesting level of the top-level op, 0 when none runs
@@ -785,7 +789,7 @@ void detach(bool keep_allocator = false) {
     handle = 0;
   }
   if (!keep_allocator && c10::GetCPUAllocator() == &tracing_allocator)
-    c10::SetCPUAllocator(tracing_allocator.inner, ++alloc_priority);
+    c10::SetCPUAllocator(tracing_allocator.inner, kAllocPriority);
 }
 
 }  // namespace
@@ -812,7 +816,7 @@ void install(int64_t drain_rows, py::object full_callback, bool access, int dept
     pthread_atfork(&before_fork, &after_fork_parent, &after_fork_child);
   }
   if (c10::GetCPUAllocator() != &tracing_allocator)
-    c10::SetCPUAllocator(&tracing_allocator, ++alloc_priority);
+    c10::SetCPUAllocator(&tracing_allocator, kAllocPriority);
   if (handle != 0 && with_io != access) {
     at::removeCallback(handle);
     handle = 0;
