@@ -62,10 +62,21 @@ def test_pool_terminate_never_hangs(out_dir, ctx):
     assert r.stdout.split() == ["28.0", "done"]
     folders = run_folders(out_dir)
     assert folders
+    whole = 0
     for f in folders:
-        df = read(dump_of(f))
+        try:
+            df = read(dump_of(f))
+        except Exception as e:
+            # a process that terminate() killed while its trace was being set up (forkserver: ~1
+            # run in 6) leaves its header and config and nothing recorded: the readers say so in
+            # one line (and `summary` lists it as that rank's error), never a torn dump
+            assert "nothing was recorded" in str(e), e
+            assert config_of(f)["pid"]
+            continue
         check_invariants(df)
         assert df["id"].to_list() == list(range(1, df.height + 1))
+        whole += 1
+    assert whole >= 1  # the workers that ran the map wrote whole dumps
 
 
 def _launcher_group(args):
