@@ -15,20 +15,13 @@ had consumed then (``ENDS [(step, last STEP row), ...]``)."""
 import sys
 import threading
 
-import torch
-from torch import nn
-
 import msmemscope
+from two_models import two_models
 from msmemscope import capture
 
 out, analysis, order, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 msmemscope.config(output=out, analysis=analysis, collect_mode="immediate")
-models = []
-for i in range(2):
-    torch.manual_seed(i)
-    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    models.append((m, torch.optim.Adam(m.parameters(), lr=1e-2)))
-x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+models, x = two_models()
 losses = {}
 go = [threading.Event() for _ in range(4)]
 

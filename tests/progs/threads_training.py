@@ -8,19 +8,12 @@ Prints both threads' final losses."""
 import sys
 import threading
 
-import torch
-from torch import nn
-
 import msmemscope
+from two_models import two_models
 
 sys.setswitchinterval(1e-6 if sys.argv[1] == "steps" else 1e-5)
 what, count = sys.argv[1], int(sys.argv[2])
-models = []
-for i in range(2):
-    torch.manual_seed(i)
-    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    models.append((m, torch.optim.Adam(m.parameters(), lr=1e-2)))
-x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+models, x = two_models()
 losses = {}
 
 
