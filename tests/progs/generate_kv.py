@@ -1,7 +1,7 @@
 """Hugging Face generate on a GPT-2 built from a config (no download): the KV cache it keeps.
 argv[1]: ``train`` first takes one training step with AdamW (its step is a step boundary), so
 that generation runs in step 2; ``compiled``: the model's forward compiled whole
-(``fullgraph=True``, aot_eager) with a static cache, as transformers documents for fast
+(``fullgraph=True``, the eager backend: Dynamo only) with a static cache, as transformers documents for fast
 generation. Prints the tokens and, as JSON, the cache's bytes (from its tensors), positions, and
 bytes per position of one tensor, and for ``compiled`` Dynamo's graph breaks and graphs."""
 import json
@@ -23,7 +23,7 @@ model.eval()
 compiled = sys.argv[1:] == ["compiled"]
 extra = {}
 if compiled:
-    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
     extra = {"cache_implementation": "static"}
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
