@@ -39,6 +39,22 @@ def env_for_tests():
     return env
 
 
+def source_env(source, **extra):
+    """The tests' environment with the capture source forced (``native`` / ``python``) and ``extra``."""
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    env.update(extra)
+    return env
+
+
+def run_python(args, source, timeout=300, **extra):
+    """``python args`` under ``source_env``; it must exit 0. Returns the CompletedProcess."""
+    r = subprocess.run([sys.executable, *args], env=source_env(source, **extra), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
 def run_cli(args, cwd=None, timeout=600, env=None):
     """Run ``python -m msmemscope args`` and return the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "msmemscope", *args], cwd=cwd, env=env or env_for_tests(),

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import FSDP2_LAUNCHER, ROOT, fsdp2_launcher_run, check_invariants, threads_run, config_of, dump_of, env_for_tests, full, read, run_cli, run_folders
+from conftest import FSDP2_LAUNCHER, ROOT, run_python, source_env, fsdp2_launcher_run, check_invariants, threads_run, config_of, dump_of, full, read, run_cli, run_folders
 
 import subprocess
 
@@ -23,18 +23,7 @@ PROGS = os.path.join(ROOT, "tests", "progs")
 SOURCES = ["native", "python"]
 
 
-def _env(source, **extra):
-    env = env_for_tests()
-    env["MSMEMSCOPE_SOURCE"] = source
-    env.update(extra)
-    return env
-
-
-def _python(args, source, timeout=300, **extra):
-    r = subprocess.run([sys.executable, *args], env=_env(source, **extra), capture_output=True, text=True,
-                       timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+_env, _python = source_env, run_python
 
 
 def _rows(df, event, **where):

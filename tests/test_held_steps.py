@@ -5,24 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders
+from conftest import ROOT, check_invariants, dump_of, full, read, run_folders, run_python as _python
 
 PROGS = os.path.join(ROOT, "tests", "progs")
-
-
-def _python(args, source, timeout=300):
-    env = env_for_tests()
-    env["MSMEMSCOPE_SOURCE"] = source
-    r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 _ORDERS = ["numbered-main-first", "numbered-other-first", "optimizer"]
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import EXAMPLES, FULL, check_invariants, config_of, dump_of, env_for_tests, read, run_cli, run_folders
+from conftest import EXAMPLES, FULL, source_env, check_invariants, config_of, dump_of, env_for_tests, read, run_cli, run_folders
 
 from msmemscope.capture import native
 
@@ -16,11 +16,7 @@ needs_native = pytest.mark.skipif(native.load_module() is None,
                                 reason=f"native source not built: {native.why_not()}")
 
 
-def _env(source, **extra):
-    env = env_for_tests()
-    env["MSMEMSCOPE_SOURCE"] = source
-    env.update(extra)
-    return env
+_env = source_env
 
 
 def _run(out, args, source, **extra):

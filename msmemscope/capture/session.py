@@ -745,9 +745,7 @@ class Session:
         them out with step 1's."""
         self._facts_at_hold()
         ended = self.step_no
-        rows: list = []
-        self._device_step_end(ended, into=rows)
-        rows.append((Event.SYSTEM, System.STEP, NA, time_ns(), tid, self.op_device, None, {"step": ended}, None, None))
+        rows = self._boundary_rows(ended, time_ns(), tid)
         self.buf.extend(rows)
         held.later.append((ended, rows))
         self.step_no += 1
@@ -803,11 +801,15 @@ class Session:
         return held.cut
 
     def _held_cut(self, held):
-        """The rows that end a held step 1: the device's figures, then its STEP row."""
-        cut = []
-        self._device_step_end(1, into=cut)
-        cut.append((Event.SYSTEM, System.STEP, NA, held.ts, held.tid, self.op_device, None, {"step": 1}, None, None))
-        return cut
+        """The rows that end a held step 1."""
+        return self._boundary_rows(1, held.ts, held.tid)
+
+    def _boundary_rows(self, step, ts, tid):
+        """The rows that end ``step`` where its boundary is held: the device's figures, then its STEP row."""
+        rows: list = []
+        self._device_step_end(step, into=rows)
+        rows.append((Event.SYSTEM, System.STEP, NA, ts, tid, self.op_device, None, {"step": step}, None, None))
+        return rows
 
     def _flush_around_held(self, drain):
         """A flush while step 1's boundary is held (the buffer passed FLUSH_ROWS: a first step of
