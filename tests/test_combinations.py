@@ -241,9 +241,13 @@ def _held_run(tmp_path, source, numbering, rows, extra, options=("--analysis=lea
     return per, ends, printed
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("numbering,early", [("optimizer", False), ("api", False), ("optimizer", "early"),
-                                             ("optimizer", "gap"), ("api", "gap")])
+_HELD_ORDERS = [("optimizer", False), ("api", False), ("optimizer", "early"), ("optimizer", "gap"), ("api", "gap")]
+
+
+# the short form: each way of numbering and flushing once, the sources taking turns (make test's time)
+@pytest.mark.parametrize("source,numbering,early", full(
+    [(SOURCES[i % 2], n, e) for i, (n, e) in enumerate(_HELD_ORDERS)],
+    [(s, n, e) for n, e in _HELD_ORDERS for s in SOURCES]))
 def test_flushes_while_the_first_step_is_held_keep_each_row_in_its_step(tmp_path, source, numbering, early):
     """Step 1's boundary is held from the first optimizer step until the program shows how it
     numbers its steps. Flushes in that time (FLUSH_ROWS = 64: several a step) write only the rows
@@ -267,14 +271,22 @@ def test_flushes_while_the_first_step_is_held_keep_each_row_in_its_step(tmp_path
     assert ends == ends0 and sorted(ends)[:5] == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("options", [
-    ("--steps=2,3",),                                     # only some steps recorded: the flags follow the hold
-    ("--analysis=inefficient",),                          # access and launch events, the inefficient fold
-    ("--watch=torch._ops.aten.relu.default,torch._ops.aten.threshold_backward.default",
-     "--analysis=leaks,decompose"),                       # watch: a handover to the dispatch-mode source
-    ("--call-stack=python:5", "--analysis=leaks,oom"),    # stacks in the rows, the OOM analysis's hooks
-], ids=["steps", "inefficient", "watch", "stacks-oom"])
+_HELD_OPTIONS = {
+    "steps": ("--steps=2,3",),                            # only some steps recorded: the flags follow the hold
+    "inefficient": ("--analysis=inefficient",),           # access and launch events, the inefficient fold
+    "watch": ("--watch=torch._ops.aten.relu.default,torch._ops.aten.threshold_backward.default",
+              "--analysis=leaks,decompose"),              # watch: a handover to the dispatch-mode source
+    "stacks-oom": ("--call-stack=python:5", "--analysis=leaks,oom"),  # stacks in the rows, the OOM analysis's hooks
+}
+
+
+# the short form: each option once, the sources taking turns (watch hands over to the dispatch-mode
+# source, so it runs on the native one)
+@pytest.mark.parametrize("source,options", full(
+    [("python", _HELD_OPTIONS["steps"]), ("native", _HELD_OPTIONS["inefficient"]),
+     ("native", _HELD_OPTIONS["watch"]), ("python", _HELD_OPTIONS["stacks-oom"])],
+    [(s, o) for o in _HELD_OPTIONS.values() for s in SOURCES]),
+    ids=lambda v: v if isinstance(v, str) else next(k for k, o in _HELD_OPTIONS.items() if o == v))
 def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, source, options):
     """The held first step's flushes (FLUSH_ROWS = 64) with other options on: every step has the rows
     it has with the default bound, every dump keeps its invariants (_held_run)."""
