@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import FULL, check_invariants, full, dump_of, env_for_tests, read, run_cli, run_folders
 
@@ -617,12 +618,90 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
     assert mods["step"] == 1 or how == "optimizer", mods["step"]
     by = {m["module"]: m for m in mods["modules"]}
     assert not any("_orig_mod" in p or "OptimizedModule" in p for p in by), sorted(by)
+    # the model owns what its compiled call makes: our hooks run eagerly around torch.compile(model)'s
+    # OptimizedModule, and around model.compile()'s call (EagerAround; before, no hook of ours ran for
+    # it: no activation, forward or backward peak of the model's, and aot_eager's graph a root of its own)
+    assert not any(p.split(".")[0] == "GraphModule" for p in by), sorted(by)
+    if how != "function":
+        net = by["Net"]
+        assert net["held"]["activations"] > 0 and net["forward_peak"] and net["backward_peak"], net
+        assert by.get("(outside modules)", {"held": {}})["held"].get("activations", 0) == 0, by["(outside modules)"]
     for path, (nbytes, count) in plain["layers"].items():  # Adam: two moments, a float step counter each
         at = by[path]["at_peak"]
         grads = nbytes if mods["step"] == 1 else at["gradients"]  # step 2's peak comes inside backward
         assert (at["parameters"], at["gradients"], at["optimizer_state"]) == (nbytes, grads, 2 * nbytes + 4 * count), \
             (path, at)
         assert 0 < at["gradients"] <= nbytes, (path, at)
+
+
+def test_a_model_compiled_in_place_before_a_python_api_start_is_attributed_as_torch_compile_model(tmp_path):
+    """model.compile() before msmemscope.start() (Python API, decompose): the session's first start
+    finds the live modules compiled in place and runs our hooks around their calls, so the module
+    table is the one of the same program with torch.compile(model), module for module and byte for
+    byte; before, no hook of ours ran for the model (its activations, its forward and backward peaks
+    were nobody's) and aot_eager's graph was a root of its own."""
+    tables = {}
+    for how in ("inplace", "module"):
+        env = env_for_tests()
+        env["COMPILED_OUT"] = str(tmp_path / how)
+        r = subprocess.run([sys.executable, COMPILED, "aot_eager", how, "api"], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (folder,) = run_folders(tmp_path / how)
+        check_invariants(read(dump_of(folder)))
+        with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+            tables[how] = json.load(f)["modules"]["cpu"]
+    assert tables["inplace"] == tables["module"]
+    net = next(m for m in tables["inplace"]["modules"] if m["module"] == "Net")
+    assert net["held"]["activations"] > 0 and net["forward_peak"] and net["backward_peak"], net
+
+
+def test_an_in_place_compiled_call_runs_our_hooks_eagerly_only_while_they_are_on():
+    """nn.Module.compile is ours while our global hooks are on: the call it compiles gets our hooks
+    around it, eagerly (inside, Dynamo sees them as no-ops), the post-hook also where the call raises;
+    once our hooks are removed a wrapped call is torch's alone, and at the session's end torch's
+    compile is back."""
+    from torch import nn
+
+    from msmemscope.capture import modules as M
+    M.release_compile()  # an in-process tracker of an earlier test that no session's end released
+    torch_compile = nn.Module.__dict__["compile"]
+    assert torch_compile.__module__ == "torch.nn.modules.module"
+    calls = []
+    handles = M.add_global_module_hooks("test", lambda m, a: calls.append(("pre", type(m).__name__)),
+                                        lambda m, a, o: calls.append(("post", type(m).__name__, o is None)))
+    try:
+        assert nn.Module.__dict__["compile"] is not torch_compile
+        torch.manual_seed(0)
+        lin, x = nn.Linear(4, 3), torch.randn(2, 4)
+        want = lin(x)
+        calls.clear()
+        lin.compile(backend="eager")
+        assert isinstance(lin._compiled_call_impl, M.EagerAround)
+        assert torch.equal(lin(x), want)
+        assert calls == [("pre", "Linear"), ("post", "Linear", False)], calls
+        calls.clear()
+        with pytest.raises(RuntimeError):
+            lin(torch.randn(2, 5))  # the wrong width: the compiled call raises
+        assert calls == [("pre", "Linear"), ("post", "Linear", True)], calls
+        M.remove_global_module_hooks("test", handles)
+        # a stop/start gap keeps it: a model compiled in the gap gets our hooks once they are on again
+        assert nn.Module.__dict__["compile"] is not torch_compile
+        later = nn.Linear(4, 2)
+        later.compile(backend="eager")
+        calls.clear()
+        later(x)
+        assert calls == []
+        handles = M.add_global_module_hooks("test", lambda m, a: calls.append(("pre", type(m).__name__)),
+                                            lambda m, a, o: calls.append(("post", type(m).__name__, o is None)))
+        later(x)
+        assert calls == [("pre", "Linear"), ("post", "Linear", False)], calls
+    finally:
+        M.remove_global_module_hooks("test", handles)
+        M.release_compile()  # the session's end
+    assert nn.Module.__dict__["compile"] is torch_compile
+    calls.clear()
+    assert torch.equal(lin(x), want) and calls == []
 
 
 def test_the_compile_warning_is_hidden_only_while_our_hooks_are_on_and_the_program_has_none():

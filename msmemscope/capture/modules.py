@@ -185,12 +185,94 @@ def hide_compile_warning(holder, hide: bool) -> None:
             getattr(warnings, "_filters_mutated", lambda: None)()  # the caches of the old filters
 
 
+# ``model.compile()`` (in place) compiles the module's whole call, the global hooks' calls included:
+# ours run there as no-ops (eager_only), so none ran for the model, its activations went to
+# "(outside modules)" and the backend's graph was met as a root of its own. While our hooks are on,
+# an in-place compiled call is wrapped so that they run eagerly around it, as torch runs them around
+# ``torch.compile(model)``'s OptimizedModule.
+_around: dict = {}   # holder -> (pre, post): our global hooks, called around an in-place compiled call
+_compile_of_torch = None  # nn.Module.compile while ours stands in for it
+
+
+class EagerAround:
+    """A module's in-place compiled call with our global hooks around it, eagerly: torch's own call
+    where Dynamo traces it or no hook of ours is on. Holds the module weakly (the module holds it)."""
+    __slots__ = ("module", "compiled", "__weakref__")
+
+    def __init__(self, module, compiled):
+        self.module, self.compiled = weakref.ref(module), compiled
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or not _around:
+            return self.compiled(*args, **kwargs)
+        module = self.module()
+        hooks = list(_around.values())
+        for pre, _ in hooks:
+            pre(module, args)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except BaseException:
+            for _, post in hooks:  # as torch calls an ``always_call`` hook: no result
+                post(module, args, None)
+            raise
+        for _, post in hooks:
+            post(module, args, out)
+        return out
+
+
+def hooks_around_compiled(module) -> None:
+    """Run our hooks around ``module``'s call if it was compiled in place (``model.compile()``),
+    also where that happened before our hooks were on (a model found from its optimizer)."""
+    try:
+        call = module.__dict__.get("_compiled_call_impl")
+        if call is not None and not isinstance(call, EagerAround):
+            module._compiled_call_impl = EagerAround(module, call)
+    except Exception:
+        pass
+
+
+def _wrap_compiled_in_place() -> None:
+    """The live modules compiled in place get our wrapper (once, at a Python-API session's first start:
+    one walk of the objects the garbage collector tracks)."""
+    import gc
+    module = torch.nn.Module
+    try:
+        for o in gc.get_objects():
+            if issubclass(type(o), module) and o.__dict__.get("_compiled_call_impl") is not None:
+                hooks_around_compiled(o)
+    except Exception:
+        pass
+
+
+def _compile_in_place(self, *args, **kwargs):
+    _compile_of_torch(self, *args, **kwargs)
+    hooks_around_compiled(self)
+
+
+def _wrap_compile(on: bool) -> None:
+    """nn.Module.compile gives our wrapper to the calls it compiles from our first hooks to the session's
+    end (a model compiled in a stop/start gap is one the hooks meet again after start())."""
+    global _compile_of_torch
+    nn = torch.nn.Module
+    if on and _compile_of_torch is None:
+        _compile_of_torch = nn.__dict__.get("compile")
+        if _compile_of_torch is not None:
+            nn.compile = _compile_in_place
+    elif not on and _compile_of_torch is not None:
+        if nn.__dict__.get("compile") is _compile_in_place:  # unless the program put its own there since
+            nn.compile = _compile_of_torch
+        _compile_of_torch = None
+
+
 def add_global_module_hooks(holder, pre, post) -> list:
     """Our global forward pre- and post-hooks (the post-hook also where the forward raises, where
     torch has ``always_call``), as no-ops where Dynamo traces them (``eager_only``), torch's warning
-    of global hooks hidden while they are on; the handles, for ``remove_global_module_hooks``."""
+    of global hooks hidden while they are on; the handles, for ``remove_global_module_hooks``.
+    They also run around the calls of modules compiled in place (``EagerAround``)."""
     from torch.nn.modules import module as nn_module
     hide_compile_warning(holder, True)
+    _around[holder] = (pre, post)
+    _wrap_compile(True)
     pre, post = eager_only(pre), eager_only(post)
     handles = [nn_module.register_module_forward_pre_hook(pre)]
     try:
@@ -206,6 +288,13 @@ def remove_global_module_hooks(holder, handles: list) -> None:
         h.remove()
     handles.clear()
     hide_compile_warning(holder, False)
+    _around.pop(holder, None)  # nn.Module.compile stays ours over a stop/start gap: release_compile
+
+
+def release_compile() -> None:
+    """The session ended: nn.Module.compile is torch's again (the calls wrapped stay torch's alone)."""
+    if not _around:
+        _wrap_compile(False)
 
 
 def compiled_original(module):
@@ -356,6 +445,7 @@ class ModuleTracker:
         # such an answer covers
         self.at_step, self._answered_upto = None, {}  # the last id answered, per thread (its roots)
         self._roots_found_for = weakref.WeakSet()     # optimizers whose models were looked for
+        self._scanned = False                         # the live modules looked at for in-place compiles
         self._root_looks = 0                          # how many (a program making an optimizer a step)
 
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
@@ -373,6 +463,10 @@ class ModuleTracker:
         self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
         pre, post = (self.nat.mt_pre, self.nat.mt_post) if self.nat is not None else (self._pre, self._post)
         self._handles.extend(add_global_module_hooks(self, pre, post))
+        if not getattr(self.s, "launched", True) and not self._scanned:
+            # a Python-API session starts after the program made (and maybe compiled) its model
+            self._scanned = True
+            _wrap_compiled_in_place()
         if self.nat is not None:
             self.nat.mt_set_on(bool(getattr(self.s, "active", True)))
         return self
@@ -571,6 +665,7 @@ class ModuleTracker:
             if id(m) in inner or compiled_original(m) is not None or self.paths.get(m) is not None:
                 continue
             if any(id(p) in params for p in m.parameters()):
+                hooks_around_compiled(m)  # compiled in place before our hooks were on
                 self._name(m)
                 self._tree = None
 

@@ -105,6 +105,16 @@ class _HeldStep:
         self.steps = {tid: 1}
 
 
+def _release_compile():
+    """nn.Module.compile back to torch's where module attribution or owner labels wrapped it."""
+    mods = sys.modules.get("msmemscope.capture.modules")
+    if mods is not None:
+        try:
+            mods.release_compile()
+        except Exception:
+            pass
+
+
 def _timestamp() -> str:
     return time.strftime("%Y%m%d%H%M%S")
 
@@ -1134,6 +1144,7 @@ class Session:
             self.closed = True
             self.active = False
             self._update_flags()  # the native source records nothing more (frees included)
+            _release_compile()
             try:
                 self.writer.close()
             except Exception as e:
@@ -1254,6 +1265,7 @@ class Session:
         self.active = False
         self.closed = True
         self._update_flags()
+        _release_compile()
         self.buf = []
         self.pieces = []
         self.writer.abort()

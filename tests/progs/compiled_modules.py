@@ -1,10 +1,13 @@
 """A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
 (``inplace``), a compiled loss function calling the model (``function``), or an eager model whose
-optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for step 2 of the 4) and ``watch`` (a block watched) after.
+optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for step 2 of the 4) and ``watch`` (a block watched) after;
+``api`` (traced through the Python API with --analysis=decompose into $COMPILED_OUT, started once
+the model is compiled).
 Prints each loss exactly, what Dynamo made of it (graphs, calls captured, graph breaks) and the
 bytes and the number of parameters of each block by the path msmemscope names it with (root class + named_modules()),
 so that a traced run can be checked against a plain one."""
 import json
+import os
 import sys
 
 import torch
@@ -48,6 +51,10 @@ elif how == "function":
     run = torch.compile(lambda x: model(x), backend=backend)
 else:
     run = model
+if "api" in sys.argv[3:]:
+    import msmemscope
+    msmemscope.config(analysis="decompose", output=os.environ["COMPILED_OUT"])
+    msmemscope.start()
 if watch:
     from msmemscope import watcher
     watcher.watch(model.head.weight, name="head.weight")
