@@ -565,11 +565,11 @@ def _compiled_run(args, env, cli=None):
     return r, losses, json.loads(r.stdout.split("DYNAMO ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("how,backend,source", [(h, b, s) for h in ("module", "inplace", "function", "optimizer")
+@pytest.mark.parametrize("how,backend,source", [(h, b, s) for h in ("module", "inplace", "blocks", "function", "optimizer")
                                                 for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
                                                 for s in ("native", "python")
                                                 if FULL or (h, s) in (("inplace", "native"), ("optimizer", "native"),
-                                                                      ("inplace", "python"))])
+                                                                      ("blocks", "python"))])
 def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend, source):
     """torch.compile with --analysis=decompose (native source). Our global module hooks run inside
     the compiled code only as no-ops (eager_only): Dynamo made a graph break of each module call
@@ -626,6 +626,10 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
         net = by["Net"]
         assert net["held"]["activations"] > 0 and net["forward_peak"] and net["backward_peak"], net
         assert by.get("(outside modules)", {"held": {}})["held"].get("activations", 0) == 0, by["(outside modules)"]
+    if how in ("blocks", "optimizer"):  # each block runs its own hooks: its activations are its own
+        acts = [by[f"Net.blocks.{i}"]["held"]["activations"] for i in (0, 1)]
+        assert acts[0] == acts[1] > 0 and by["Net.blocks"]["held"]["activations"] == sum(acts), acts
+        assert all(by[f"Net.blocks.{i}"]["forward_peak"] for i in (0, 1))
     for path, (nbytes, count) in plain["layers"].items():  # Adam: two moments, a float step counter each
         at = by[path]["at_peak"]
         grads = nbytes if mods["step"] == 1 else at["gradients"]  # step 2's peak comes inside backward

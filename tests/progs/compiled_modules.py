@@ -1,5 +1,5 @@
 """A model trained through torch.compile: ``torch.compile(model)`` (``module``), ``model.compile()``
-(``inplace``), a compiled loss function calling the model (``function``), or an eager model whose
+(``inplace``), ``block.compile()`` of each block (``blocks``), a compiled loss function calling the model (``function``), or an eager model whose
 optimizer step is compiled (``optimizer``), with backend argv[1]; ``gap`` (tracing stopped for step 2 of the 4) and ``watch`` (a block watched) after;
 ``api`` (traced through the Python API with --analysis=decompose into $COMPILED_OUT, started once
 the model is compiled).
@@ -46,6 +46,10 @@ if how == "module":
     run = torch.compile(model, backend=backend)
 elif how == "inplace":
     model.compile(backend=backend)
+    run = model
+elif how == "blocks":  # each block compiled in place (as torchtitan compiles a transformer's blocks)
+    for b in model.blocks:
+        b.compile(backend=backend)
     run = model
 elif how == "function":
     run = torch.compile(lambda x: model(x), backend=backend)
