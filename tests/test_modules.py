@@ -620,8 +620,10 @@ def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_pat
     assert not any("_orig_mod" in p or "OptimizedModule" in p for p in by), sorted(by)
     # the model owns what its compiled call makes: our hooks run eagerly around torch.compile(model)'s
     # OptimizedModule, and around model.compile()'s call (EagerAround; before, no hook of ours ran for
-    # it: no activation, forward or backward peak of the model's, and aot_eager's graph a root of its own)
-    assert not any(p.split(".")[0] == "GraphModule" for p in by), sorted(by)
+    # it: no activation, forward or backward peak of the model's, and aot_eager's graph a root of its
+    # own). A graph aot_eager runs outside any forward (the compiled optimizer step, the compiled
+    # function) is no module of the program: it was a root "<lambda>" with the step's temporaries
+    assert {p.split(".")[0] for p in by} <= {"Net", "(outside modules)"}, sorted(by)
     if how != "function":
         net = by["Net"]
         assert net["held"]["activations"] > 0 and net["forward_peak"] and net["backward_peak"], net

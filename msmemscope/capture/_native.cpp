@@ -1993,6 +1993,11 @@ bool on_grads(const std::vector<PyObject*>& tensors, int32_t path, bool all) {
   return true;
 }
 
+// path_of's answer for a module call that is not the program's (a backend's graph run where no
+// forward runs: a compiled optimizer step under aot_eager): the hooks do nothing for it, not even
+// the forwards' depth (it is no forward)
+constexpr int32_t NOT_A_MODULE = -3;
+
 // the path id of a module, named by Python the first time (parent: the innermost forward's path)
 int32_t path_of(PyObject* module, bool may_name) {
   auto it = known.find(module);
@@ -2018,13 +2023,13 @@ int32_t path_of(PyObject* module, bool may_name) {
   PyObject* r = has_parent ? PyObject_CallFunction(namer, "Os", module, parent.c_str())
                            : PyObject_CallFunctionObjArgs(namer, module, Py_None, nullptr);
   if (r == nullptr) return -2;
-  const char* text = PyUnicode_AsUTF8(r);
-  if (text == nullptr) {
-    Py_DECREF(r);
-    return -2;
-  }
-  int32_t id;
-  {
+  int32_t id = NOT_A_MODULE;  // the namer's None: kept, so that later calls skip it at once
+  if (r != Py_None) {
+    const char* text = PyUnicode_AsUTF8(r);
+    if (text == nullptr) {
+      Py_DECREF(r);
+      return -2;
+    }
     std::lock_guard<std::mutex> lk(mt_mu);
     id = intern_path_locked(text);
   }
@@ -2055,6 +2060,8 @@ PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n < 2 || !on.load(std::memory_order_relaxed)) Py_RETURN_NONE;
   try {
     PyObject* module = a[0];
+    int32_t path = path_of(module, true);
+    if (path == NOT_A_MODULE) Py_RETURN_NONE;
     if (depth == 0) {
       fwd_first_aid = last_alloc_id() + 1;
       if (on_root != nullptr) {
@@ -2064,7 +2071,6 @@ PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
       }
     }
     ++depth;
-    int32_t path = path_of(module, true);
     if (path < 0) {
       PyErr_Clear();
       Py_RETURN_NONE;
@@ -2089,8 +2095,9 @@ PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
 PyObject* mt_post(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n < 3) Py_RETURN_NONE;
   try {
-    if (depth > 0) --depth;
     int32_t path = path_of(a[0], false);
+    if (path == NOT_A_MODULE) Py_RETURN_NONE;
+    if (depth > 0) --depth;
     if (path < 0) {
       PyErr_Clear();
       Py_RETURN_NONE;

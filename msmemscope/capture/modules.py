@@ -519,6 +519,12 @@ class ModuleTracker:
             p = f"{parent}.{cls}".translate(_BAD)
             self.paths[module] = p
             return p
+        if _is_compiled_graph(module):
+            # a backend's graph run where no forward of the program runs: a compiled optimizer step
+            # or function (aot_eager), not a module of the program; its allocations are nobody's
+            # ("(outside modules)"), as under a backend that runs no module (inductor). None: the
+            # hooks do nothing for it (C++: a path of -3, kept)
+            return None
         orig = compiled_original(module)
         if orig is not None:  # torch.compile(model): named as the model itself, and its tree too
             p = self.paths.get(orig)
@@ -678,6 +684,8 @@ class ModuleTracker:
                 st = self.stacks.get(_get_ident())
                 fwd = [e for e in st if e[1] == FORWARD] if st else None
                 p = self._name(module, fwd[-1][0] if fwd else None)
+                if p is None:  # not the program's module (a root-level compiled graph)
+                    return
             in_bw = _graph_task_id() != -1
             # a forward run again inside backward (activation checkpointing) serves the backward
             self._push(p, BACKWARD if in_bw else FORWARD)

@@ -38,6 +38,7 @@ import torch
 from ..after_import import after_import
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event, category_of
 from . import native
+from .modules import _is_compiled_graph
 
 #: the module whose all-gather and reduce-scatter the labeller wraps (FSDP2, torch >= 2.4)
 FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
@@ -311,6 +312,8 @@ class Labeler:
 
     def _fwd_pre(self, module, args):
         if self.depth == 0:
+            if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
+                return
             self._add_root(module)
             self.fwd_first_aid = self.s.dispatch.next_alloc + 1
         self.depth += 1
@@ -817,6 +820,8 @@ class NativeLabeler(Labeler):
 
     def _fwd_pre(self, module, args):
         if self.depth == 0:
+            if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
+                return
             self._add_root(module)
             self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
         self.depth += 1
