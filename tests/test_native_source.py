@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 
 import pytest
@@ -554,3 +555,63 @@ def test_the_allocator_wrapper_is_installed_by_every_session_of_a_process(tmp_pa
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "MISSED [] 0", r.stdout[-500:]
+
+
+GC_UNDER_LOCK = r"""
+import gc, sys, torch
+from msmemscope.capture import native
+m = native.load_module()
+assert m is not None
+x = torch.empty(64)   # a counted block: its address for counted_block
+addr = x.data_ptr()
+
+
+class Cycle:
+    pass
+
+
+calls = 0
+for fn in (m.counters, lambda: m.account(0), lambda: m.counted_block(addr)):
+    for _ in range(20):
+        gc.disable()
+        c = Cycle()
+        c.me, c.t = c, torch.empty(4096)   # garbage only the collector frees, holding a counted block
+        del c
+        # no 2-tuple left on CPython's free list: the answer's tuple is made anew
+        pairs = [(i, -i) for i in range(4000)]
+        gc.set_threshold(1)
+        gc.enable()                        # the next tracked object made runs the collector:
+        fn()                               # the tuple of its answer, which frees the block
+        del pairs
+        gc.set_threshold(700)
+        calls += 1
+print("ok", calls, flush=True)
+"""
+
+
+@needs_native
+def test_a_block_freed_by_the_collector_inside_a_native_call_never_deadlocks(tmp_path):
+    """counters(), account() and counted_block() made their answer's tuple while holding the
+    recorder's lock; making it can run the collector, which can free a tensor, whose free takes
+    that lock: the thread deadlocked itself (a two-thread training hung so at a flush, every thread
+    with it). Each call here runs the collector on garbage holding a counted block, 20 times;
+    before, the first call hung."""
+    prog = tmp_path / "gc_under_lock.py"
+    prog.write_text(GC_UNDER_LOCK)
+    import signal
+    import subprocess
+    out = tmp_path / "out"
+    # its own process group, killed whole on a hang (the program would keep the pipes open)
+    p = subprocess.Popen([sys.executable, "-m", "msmemscope", "--output", str(out), sys.executable, str(prog)],
+                         env=source_env("native"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail("the traced program hung (a lock held while the collector ran)")
+    assert p.returncode == 0, stderr[-3000:]
+    assert stdout.split() == ["ok", "60"], stdout
+    (folder,) = run_folders(out)
+    check_invariants(read(dump_of(folder)))

@@ -1334,11 +1334,19 @@ void reset() {
 
 // After the handover the dispatch-mode source's blocks share the bytes-in-use counter:
 // (used after the change, its time), taken together so that rows order by time.
+// No Python object is made while ``mu`` is held, here or anywhere: making one may run the
+// collector, which may free a tensor, whose free takes ``mu`` in traced_delete (a thread
+// deadlocked itself so in counters(), and every other thread with it, at the first free).
 py::tuple account(int64_t delta) {
-  std::lock_guard<std::mutex> g(mu);
-  used_bytes += delta;
-  if (used_bytes > peak_bytes) peak_bytes = used_bytes;
-  return py::make_tuple(used_bytes, now_ns());
+  int64_t used, ts;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    used_bytes += delta;
+    if (used_bytes > peak_bytes) peak_bytes = used_bytes;
+    used = used_bytes;
+    ts = now_ns();
+  }
+  return py::make_tuple(used, ts);
 }
 
 // A step boundary recorded among the records (aid: the step that ended), so that a boundary
@@ -1351,10 +1359,15 @@ void step_end(int64_t step) {
 
 // (alloc_id, size) of the counted block starting at this address, or None
 py::object counted_block(uint64_t addr) {
-  std::lock_guard<std::mutex> g(mu);
-  const Block* b = live.find((void*)addr);
-  if (b == nullptr || !b->counted) return py::none();
-  return py::make_tuple(b->aid, b->size);
+  int64_t aid, size;
+  {
+    std::lock_guard<std::mutex> g(mu);  // no Python object made under it (account)
+    const Block* b = live.find((void*)addr);
+    if (b == nullptr || !b->counted) return py::none();
+    aid = b->aid;
+    size = b->size;
+  }
+  return py::make_tuple(aid, size);
 }
 
 // the data pointer of a CPU tensor's storage, nullptr: none (no storage, another device, a
@@ -1401,8 +1414,13 @@ py::list block_ids(py::sequence tensors) {
 
 // (bytes in use, peak) of the blocks allocated while recording
 py::tuple counters() {
-  std::lock_guard<std::mutex> g(mu);
-  return py::make_tuple(used_bytes, peak_bytes);
+  int64_t used, peak;
+  {
+    std::lock_guard<std::mutex> g(mu);  // no Python object made under it (account)
+    used = used_bytes;
+    peak = peak_bytes;
+  }
+  return py::make_tuple(used, peak);
 }
 
 void reset_peak() {
@@ -1763,6 +1781,22 @@ bool callback_queued = false;         // the end-of-backward callback of this pa
 // depth of forwards running, and the first allocation id of the outermost one
 int depth = 0;
 int64_t fwd_first_aid = -1;
+// the forwards running on this thread (its roots: on_root); reset with ``depth`` (a new epoch: the
+// other threads' counts are theirs to drop when they next look)
+std::atomic<uint32_t> depth_epoch{0};
+thread_local struct { uint32_t epoch = 0; int n = 0; } thread_forwards;
+inline int& thread_depth() {
+  uint32_t e = depth_epoch.load(std::memory_order_relaxed);
+  if (thread_forwards.epoch != e) {
+    thread_forwards.epoch = e;
+    thread_forwards.n = 0;
+  }
+  return thread_forwards.n;
+}
+inline void reset_depth() {
+  depth = 0;
+  depth_epoch.fetch_add(1, std::memory_order_relaxed);
+}
 std::vector<int64_t>& saved_aids = *new std::vector<int64_t>();  // blocks saved for backward since the last take
 
 // GIL-guarded
@@ -2062,15 +2096,15 @@ PyObject* mt_pre(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyObject* module = a[0];
     int32_t path = path_of(module, true);
     if (path == NOT_A_MODULE) Py_RETURN_NONE;
-    if (depth == 0) {
-      fwd_first_aid = last_alloc_id() + 1;
-      if (on_root != nullptr) {
-        PyObject* r = PyObject_CallFunctionObjArgs(on_root, module, nullptr);
-        if (r == nullptr) PyErr_Clear();
-        Py_XDECREF(r);
-      }
-    }
+    if (depth == 0) fwd_first_aid = last_alloc_id() + 1;
     ++depth;
+    // a root on this thread, whatever other threads run: a model run by a second thread while the
+    // first was inside a forward was never the labeller's root (its weights were temporaries)
+    if (thread_depth()++ == 0 && on_root != nullptr) {
+      PyObject* r = PyObject_CallFunctionObjArgs(on_root, module, nullptr);
+      if (r == nullptr) PyErr_Clear();
+      Py_XDECREF(r);
+    }
     if (path < 0) {
       PyErr_Clear();
       Py_RETURN_NONE;
@@ -2098,6 +2132,7 @@ PyObject* mt_post(PyObject*, PyObject* const* a, Py_ssize_t n) {
     int32_t path = path_of(a[0], false);
     if (path == NOT_A_MODULE) Py_RETURN_NONE;
     if (depth > 0) --depth;
+    if (thread_depth() > 0) --thread_depth();
     if (path < 0) {
       PyErr_Clear();
       Py_RETURN_NONE;
@@ -2187,7 +2222,7 @@ void mt_labeller(py::object on_root_, py::object pack_py_) {
 
 void mt_set_on(bool v) {
   on = v;
-  if (!v) depth = 0;
+  if (!v) reset_depth();
 }
 
 // a leaf's multi-grad hook fired (Python): its module's backward begins or ends on this thread
@@ -2210,7 +2245,7 @@ void mt_close_all() {
       kv.second.stack.clear();
       mark_locked(kv.second, ts, -1);
     }
-  depth = 0;
+  reset_depth();
 }
 
 PyObject* state_obj(int32_t s) {  // borrowed; the (path, phase) tuple of a state, None for -1
@@ -2297,7 +2332,7 @@ void mt_reset() {
   std::lock_guard<std::mutex> g(mt_mu);
   threads.clear();
   callback_queued = false;
-  depth = 0;
+  reset_depth();
 }
 
 void add_to(py::module_& m) {

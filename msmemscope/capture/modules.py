@@ -53,14 +53,28 @@ def wanted(opts) -> bool:
 
 
 def ran_here(thread_of, objs) -> list:
-    """Of these root modules or optimizers, those this thread ran last (or that no thread is known
-    for in ``thread_of``): the only ones whose gradients a walk from this thread reads. Another
-    thread's backward sets them without the GIL, and ``p.grad = None`` releases the GIL while the
-    old gradient is destroyed, so a read from here could meet a tensor being freed (two threads
-    training two models crashed so)."""
+    """Of these root modules or optimizers, those this thread ran last, that no thread is known for
+    in ``thread_of``, or whose thread has ended: the only ones whose gradients a walk from this
+    thread reads. Another live thread's backward sets them without the GIL, and ``p.grad = None``
+    releases the GIL while the old gradient is destroyed, so a read from here could meet a tensor
+    being freed (two threads training two models crashed so). A thread that ended sets nothing:
+    without it, the models of worker threads that had ended by the last flush (the session's end)
+    were walked by no thread, and their weights were temporaries "(outside modules)"."""
     me = _get_ident()
     get = thread_of.get
-    return [o for o in objs if get(o, me) == me]
+    out, alive = [], None
+    for o in objs:
+        t = get(o, me)
+        if t != me:
+            if alive is None:
+                # every thread with a Python thread state now. Only the ids are kept: the frames
+                # (this one among them) would make a cycle that keeps every thread's locals, their
+                # tensors too, until the collector frees them wherever it next runs
+                alive = set(sys._current_frames())
+            if t in alive:
+                continue
+        out.append(o)
+    return out
 
 
 def all_threads(by_thread: dict) -> dict:

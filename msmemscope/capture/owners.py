@@ -180,6 +180,7 @@ class Labeler:
         self.info: dict = {}                 # alloc_id -> Info
         self.depth = 0
         self.fwd_first_aid = None            # first allocation id of the running outermost forward
+        self._thread_depth = {}              # tid -> forwards running on that thread (its roots)
         self.updates = 0
         self.flushed_upto = 0                # MALLOC rows of allocation ids up to this one are written
         self._handles = []
@@ -233,6 +234,7 @@ class Labeler:
         remove_global_module_hooks(self, getattr(self, "_mod_handles", []))
         self._mod_handles = []
         self.depth = 0
+        self._thread_depth = {}
         if self._tree_handle is not None:
             self._tree_handle.remove()
             self._tree_handle = None
@@ -314,13 +316,27 @@ class Labeler:
         if self.depth == 0:
             if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
                 return
-            self._add_root(module)
             self.fwd_first_aid = self.s.dispatch.next_alloc + 1
         self.depth += 1
+        # a root on this thread, whatever other threads run (a second thread's model, begun while the
+        # first was inside a forward, was never a root: its weights were temporaries)
+        td = self._thread_depth
+        me = threading.get_ident()
+        n = td.get(me, 0)
+        td[me] = n + 1
+        if n == 0:
+            self._add_root(module)
 
     def _fwd_post(self, module, args, out):
         if self.depth > 0:
             self.depth -= 1
+        td = self._thread_depth
+        me = threading.get_ident()
+        n = td.get(me, 0)
+        if n > 1:
+            td[me] = n - 1
+        elif n:
+            del td[me]
 
     def _opt_pre(self, opt, args, kwargs):
         self.optimizers.add(opt)
@@ -822,9 +838,16 @@ class NativeLabeler(Labeler):
         if self.depth == 0:
             if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
                 return
-            self._add_root(module)
             self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
         self.depth += 1
+        # a root on this thread, whatever other threads run (a second thread's model, begun while the
+        # first was inside a forward, was never a root: its weights were temporaries)
+        td = self._thread_depth
+        me = threading.get_ident()
+        n = td.get(me, 0)
+        td[me] = n + 1
+        if n == 0:
+            self._add_root(module)
 
     def _opt_post(self, opt, args, kwargs):
         self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
