@@ -232,12 +232,20 @@ def out_dir(tmp_path):
     return d
 
 
+_THREADS_PLAIN: dict = {}  # args -> the plain run's stdout (the cases of a file share it: one worker runs them)
+
+
 def threads_run(tmp_path, args, env, options):
     """tests/progs/threads_training.py ``args`` plain and traced with ``options``: (run folder, its
-    dump, invariants checked), the traced program's losses the plain one's."""
+    dump, invariants checked), the traced program's losses the plain one's (the plain run made once
+    per test process for the same ``args``: it traces nothing, whatever the source)."""
     prog = os.path.join(ROOT, "tests", "progs", "threads_training.py")
-    plain = subprocess.run([sys.executable, prog, *args], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    key = tuple(args)
+    if key not in _THREADS_PLAIN:
+        plain = subprocess.run([sys.executable, prog, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert plain.returncode == 0, plain.stderr[-2000:]
+        _THREADS_PLAIN[key] = plain
+    plain = _THREADS_PLAIN[key]
     out = tmp_path / "out"
     r = run_cli([*options, "--output", str(out), sys.executable, prog, *args], env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -568,8 +568,7 @@ def _compiled_run(args, env, cli=None):
 @pytest.mark.parametrize("how,backend,source", [(h, b, s) for h in ("module", "inplace", "blocks", "function", "optimizer")
                                                 for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
                                                 for s in ("native", "python")
-                                                if FULL or (h, s) in (("inplace", "native"), ("optimizer", "native"),
-                                                                      ("blocks", "python"))])
+                                                if FULL or (h, s) in (("optimizer", "python"), ("blocks", "native"))])
 def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend, source):
     """torch.compile with --analysis=decompose (native source). Our global module hooks run inside
     the compiled code only as no-ops (eager_only): Dynamo made a graph break of each module call
