@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import FULL as LONG
 from conftest import (EXAMPLES, ROOT, TRANSFORMER_SMALL, check_invariants, dump_of, env_for_tests, plain_transformer,
                       read, run_cli, run_folders, threads_run)
 
@@ -431,11 +432,13 @@ def test_a_write_by_compiled_code_is_said_to_be_likely_its_own(tmp_path, out_dir
     change is an untraced one. It is reported as such, with the hint that compiled code runs in
     this program (``compiled_code``), not as an op's stomp; the program's result is the plain one."""
     script = write(tmp_path, "compiled_write.py", COMPILED_WRITE)
-    plain = subprocess.run([sys.executable, script], env=env_for_tests(), capture_output=True, text=True,
-                           timeout=300)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    if LONG:  # the plain run (a second inductor compile) in the long form; its result is the same sum
+        plain = subprocess.run([sys.executable, script], env=env_for_tests(), capture_output=True, text=True,
+                               timeout=300)
+        assert plain.returncode == 0, plain.stderr[-2000:]
+        assert plain.stdout.splitlines()[-1] == "sum 72.0"
     p = check(run_cli(["-o", str(out_dir), script]))
-    assert p.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1] == "sum 72.0"
+    assert p.stdout.splitlines()[-1] == "sum 72.0"
     check_invariants(read(dump_of(one_run(out_dir))))
     rep = watch_json(one_run(out_dir))
     assert [(c["kind"], c["op"]) for c in rep["changes"]] == [("write", "aten.add_.Tensor"), ("untraced", None)]
