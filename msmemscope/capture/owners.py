@@ -316,7 +316,7 @@ class Labeler:
         if self.depth == 0:
             if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
                 return
-            self.fwd_first_aid = self.s.dispatch.next_alloc + 1
+            self.fwd_first_aid = self._next_alloc_id()
         self.depth += 1
         # a root on this thread, whatever other threads run (a second thread's model, begun while the
         # first was inside a forward, was never a root: its weights were temporaries)
@@ -326,6 +326,10 @@ class Labeler:
         td[me] = n + 1
         if n == 0:
             self._add_root(module)
+
+    def _next_alloc_id(self):
+        """The allocation id the next block gets (the first of an outermost forward)."""
+        return self.s.dispatch.next_alloc + 1
 
     def _fwd_post(self, module, args, out):
         if self.depth > 0:
@@ -834,20 +838,8 @@ class NativeLabeler(Labeler):
             inf = self.info[aid] = Info()
         return inf
 
-    def _fwd_pre(self, module, args):
-        if self.depth == 0:
-            if _is_compiled_graph(module):  # a backend's graph run outside any forward: not a forward
-                return
-            self.fwd_first_aid = self.nat.m.last_alloc_id() + 1
-        self.depth += 1
-        # a root on this thread, whatever other threads run (a second thread's model, begun while the
-        # first was inside a forward, was never a root: its weights were temporaries)
-        td = self._thread_depth
-        me = threading.get_ident()
-        n = td.get(me, 0)
-        td[me] = n + 1
-        if n == 0:
-            self._add_root(module)
+    def _next_alloc_id(self):
+        return self.nat.m.last_alloc_id() + 1
 
     def _opt_post(self, opt, args, kwargs):
         self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
