@@ -14,7 +14,7 @@ import time
 import polars as pl
 import pytest
 
-from conftest import check_invariants, dump_of, env_for_tests, read, run_folders
+from conftest import check_invariants, dump_of, env_for_tests, full, read, run_folders
 from msmemscope.capture import native
 from msmemscope.analysis.decompose import EVENTS, MODULE_COLUMNS_READ, module_table, summarize
 from msmemscope.io.reader import read_dump
@@ -86,7 +86,7 @@ def inefficient_of(folder):
     return res
 
 
-@pytest.mark.parametrize("analysis", ["leaks", "leaks,inefficient"])
+@pytest.mark.parametrize("analysis", full(["leaks,inefficient"], ["leaks", "leaks,inefficient"]))
 def test_shared_flushes_give_the_findings_and_dump_of_a_flush_per_step(tmp_path, analysis):
     got = {}
     for name, flush_s in (("shared", 0.5), ("each", 0)):
@@ -185,9 +185,11 @@ print(json.dumps({"flushes": capture.current()._flushes, "steps": steps}))
 """
 
 
-@pytest.mark.parametrize("analysis,watch,steps", [("leaks,decompose", "", ""), ("decompose", "", ""),
-                                                  ("leaks,decompose", "watch", ""),
-                                                  ("leaks,decompose", "", "3,9,10,11,20")])
+# make test: decompose alone with only some steps recorded (the full run has each apart)
+@pytest.mark.parametrize("analysis,watch,steps", full(
+    [("leaks,decompose", "", ""), ("leaks,decompose", "watch", ""), ("decompose", "", "3,9,10,11,20")],
+    [("leaks,decompose", "", ""), ("decompose", "", ""), ("leaks,decompose", "watch", ""),
+     ("leaks,decompose", "", "3,9,10,11,20"), ("decompose", "", "3,9,10,11,20")]))
 def test_decompose_with_shared_flushes_labels_as_a_flush_per_step(tmp_path, analysis, watch, steps):
     """--analysis=decompose on the native source: boundaries share flushes too, with the owners and
     owning modules kept at each step end (a gradient the next step frees, a block that becomes a
