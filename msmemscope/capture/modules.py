@@ -245,15 +245,19 @@ def hooks_around_compiled(module) -> None:
         pass
 
 
-def _wrap_compiled_in_place() -> None:
-    """The live modules compiled in place get our wrapper (once, at a Python-API session's first start:
-    one walk of the objects the garbage collector tracks)."""
+def _live_modules() -> list:
+    """Every live nn.Module (one walk of the objects the garbage collector tracks; by type: isinstance
+    would read __class__, which some objects warn on)."""
     import gc
     module = torch.nn.Module
+    return [o for o in gc.get_objects() if issubclass(type(o), module)]
+
+
+def _wrap_compiled_in_place() -> None:
+    """The live modules compiled in place get our wrapper (once, at a Python-API session's first start)."""
     try:
-        for o in gc.get_objects():
-            if issubclass(type(o), module) and o.__dict__.get("_compiled_call_impl") is not None:
-                hooks_around_compiled(o)
+        for m in _live_modules():
+            hooks_around_compiled(m)
     except Exception:
         pass
 
@@ -677,9 +681,7 @@ class ModuleTracker:
                 params.difference_update(id(p) for p in m.parameters(recurse=False))
         if not params:
             return
-        import gc
-        module = torch.nn.Module  # by type: isinstance would read __class__, which some objects warn on
-        mods = [o for o in gc.get_objects() if issubclass(type(o), module)]
+        mods = _live_modules()
         inner = {id(c) for m in mods for c in m.children()}
         for m in mods:
             if id(m) in inner or compiled_original(m) is not None or self.paths.get(m) is not None:
