@@ -235,10 +235,11 @@ def out_dir(tmp_path):
 _THREADS_PLAIN: dict = {}  # args -> the plain run's stdout (the cases of a file share it: one worker runs them)
 
 
-def threads_run(tmp_path, args, env, options):
+def threads_run(tmp_path, args, env, options, stdout=None):
     """tests/progs/threads_training.py ``args`` plain and traced with ``options``: (run folder, its
     dump, invariants checked), the traced program's losses the plain one's (the plain run made once
-    per test process for the same ``args``: it traces nothing, whatever the source)."""
+    per test process for the same ``args``: it traces nothing, whatever the source). The traced
+    run's stdout is appended to the list ``stdout`` if one is given."""
     prog = os.path.join(ROOT, "tests", "progs", "threads_training.py")
     key = tuple(args)
     if key not in _THREADS_PLAIN:
@@ -250,6 +251,8 @@ def threads_run(tmp_path, args, env, options):
     r = run_cli([*options, "--output", str(out), sys.executable, prog, *args], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
+    if stdout is not None:
+        stdout.append(r.stdout)
     (folder,) = run_folders(out)
     df = read(dump_of(folder))
     check_invariants(df)

@@ -454,20 +454,27 @@ def test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes(t
     to the dispatch mode followed only the watching thread (the first one's ops and new blocks left
     the dump; ~130 stomps 'outside any traced op'); on both, a change made by one thread's op inside
     another thread's op was blamed on the latter (~25 stomps)."""
+    out = []
     folder, df = threads_run(tmp_path, ["watch", "150"], {**env_for_tests(), "MSMEMSCOPE_SOURCE": source},
-                             ["--analysis=leaks"])
+                             ["--analysis=leaks"], stdout=out)
     rep = watch_json(folder)
     (w,) = rep["watched"]
     assert w["stomps"] == 0 and not rep["stomps"], rep["stomps"][:3]
     writes = [c for c in rep["changes"] if c["kind"] == "write"]
-    assert len(writes) >= 50 and {c["op"] for c in writes} <= {"aten.addcdiv_.default", "aten._foreach_addcdiv_.Scalar",
-                                                               "aten._foreach_addcdiv_.ScalarList", "aten.add_.Tensor"}, \
+    assert {c["op"] for c in writes} <= {"aten.addcdiv_.default", "aten._foreach_addcdiv_.Scalar",
+                                         "aten._foreach_addcdiv_.ScalarList", "aten.add_.Tensor"}, \
         sorted({c["op"] for c in writes})
     assert len({c["tid"] for c in writes}) == 1  # the optimizer's thread, the one that trains the model
+    # one write for each of that optimizer's steps after the watch began: at least the steps it took
+    # after watch() returned, at most those after it was asked for (where the first thread was
+    # then depends on the scheduler, so no constant; one step less: its count is taken after its
+    # optimizer step). Before: a write that another thread's op saw first was never reported.
+    asked, returned = (int(v) for v in out[0].split("WATCHED", 1)[1].split()[:2])
+    assert 150 - returned - 1 <= len(writes) <= 150 - asked and 150 - returned >= 10, (len(writes), asked, returned)
     import polars as pl
     launches = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") == writes[0]["tid"]))
     # its ops are in the dump after the watch began (each step of it: ~40 launch rows)
-    assert launches.filter(pl.col("step") > writes[0]["step"]).height >= 40 * 50, launches.height
+    assert launches.filter(pl.col("step") > writes[0]["step"]).height >= 40 * (len(writes) - 1), launches.height
 
 
 OWN_PROFILER = """

@@ -378,6 +378,10 @@ class WatchEngine:
                     writes, others = self._other_threads(tid, st, e)
                     if not writes:  # else that op's own after() reports its declared write
                         self._untraced(e, short, call, others)
+                        # reported: not again by the next op to begin, nor by the after() of an
+                        # op of another thread that began before the change
+                        e.reported += 1
+                        e.last = cs
                 self._dump(e, st, short, call, tid, "before", cs)
                 checked.append((e, cs, e.reported))
             self.tls.pending = (name, call, checked, opener, closer)
@@ -421,14 +425,16 @@ class WatchEngine:
                 e.last_op = f"{short}#{call}"
                 # (a change another thread's op check reported since this op began is that one's)
                 if a != b and not seen_by_other:
-                    e.reported += 1
                     lo = st.data_ptr() + e.offset
                     declared = self._declared(func, args, kwargs, out, lo, lo + e.length)
                     others = ()
                     if not declared:
                         writes, others = self._other_threads(tid, st, e)
                         if writes:
-                            continue  # that thread's op writes it: its own after() reports the write
+                            # that thread's op writes it: its own after() reports the write (so
+                            # this is no report: counted as one, the writer took it for reported)
+                            continue
+                    e.reported += 1
                     self._changed(e, name, short, call, tid, b, a, declared, others)
                 if e.dump_nums and e.dumps >= e.dump_nums:
                     self._stop(e, f"reached dump_nums={e.dump_nums}")

@@ -3,8 +3,9 @@ can. argv[1] is what else happens, argv[2] a count:
 - ``steps N``: each thread takes N steps (every optimizer step of either ends a step);
 - ``gaps N``: the main thread stops and starts tracing N times each while the other trains;
 - ``watch N``: N steps each; at its 50th the second thread watches the first model's weight, which
-  the first thread's optimizer updates at every step.
-Prints both threads' final losses."""
+  the first thread's optimizer updates at every step; prints how many steps the first thread had
+  taken when the watch was asked for and when it returned.
+Prints both threads' final losses last."""
 import sys
 import threading
 
@@ -15,17 +16,21 @@ sys.setswitchinterval(1e-6 if sys.argv[1] == "steps" else 1e-5)
 what, count = sys.argv[1], int(sys.argv[2])
 models, x = two_models()
 losses = {}
+taken, watched = [0, 0], []
 
 
 def train(i, n, watch_at=None):
     m, opt = models[i]
     for k in range(n):
         if k == watch_at:
+            asked = taken[0]
             msmemscope.watcher.watch(models[0][0][0].weight, name="first.weight")
+            watched.append((asked, taken[0]))
         opt.zero_grad(set_to_none=True)
         loss = m(x).square().mean()
         loss.backward()
         opt.step()
+        taken[i] += 1
     losses[i] = loss.item().hex()
 
 
@@ -40,4 +45,6 @@ else:
     worker.start()
     train(0, count)
 worker.join()
+if watched:
+    print("WATCHED", *watched[0])
 print("LOSSES", losses[0], losses[1])
