@@ -53,16 +53,26 @@ def wanted(opts) -> bool:
 
 
 def ran_here(thread_of, objs) -> list:
+    return by_thread(thread_of, objs)[0]
+
+
+def by_thread(thread_of, objs) -> tuple:
     """Of these root modules or optimizers, those this thread ran last, that no thread is known for
     in ``thread_of``, or whose thread has ended: the only ones whose gradients a walk from this
     thread reads. Another live thread's backward sets them without the GIL, and ``p.grad = None``
     releases the GIL while the old gradient is destroyed, so a read from here could meet a tensor
     being freed (two threads training two models crashed so). A thread that ended sets nothing:
     without it, the models of worker threads that had ended by the last flush (the session's end)
-    were walked by no thread, and their weights were temporaries "(outside modules)"."""
+    were walked by no thread, and their weights were temporaries "(outside modules)".
+
+    ``by_thread``: (those, the others: run last by another thread still alive). Of the others a walk
+    from here reads only the parameters and buffers (``weights_of``): the modules hold them, and no
+    thread changes which they are without the GIL. Without that, the models of worker threads
+    that outlive every step end and flush of another thread (a serving loop that steps on the
+    main thread) were weights to nobody until those threads ended."""
     me = _get_ident()
     get = thread_of.get
-    out, alive = [], None
+    out, others, alive = [], [], None
     for o in objs:
         t = get(o, me)
         if t != me:
@@ -72,9 +82,22 @@ def ran_here(thread_of, objs) -> list:
                 # tensors too, until the collector frees them wherever it next runs
                 alive = set(sys._current_frames())
             if t in alive:
+                others.append(o)
                 continue
         out.append(o)
-    return out
+    return out, others
+
+
+def weights_of(modules):
+    """(module, tensor) for each parameter and buffer the modules register themselves (no
+    gradient: see ``by_thread``)."""
+    for sub in modules:
+        for p in list(sub._parameters.values()):
+            if p is not None:
+                yield sub, p
+        for bf in list(sub._buffers.values()):
+            if bf is not None:
+                yield sub, bf
 
 
 def all_threads(by_thread: dict) -> dict:
@@ -820,15 +843,26 @@ class ModuleTracker:
         tree = self._module_tree()
         # one lookup per root, not per module
         roots = [r for r in (ref() for ref in self._tree_root_refs) if r is not None]
-        mine = {id(r) for r in ran_here(self.thread_of, roots)}
+        mine, others = by_thread(self.thread_of, roots)
+        theirs = ()
         if len(mine) == len(roots) == len(self._tree_root_refs):  # one thread runs them all, none gone
             tree = [(path, ref()) for path, ref, _ in tree]
         else:
+            mine, others = {id(r) for r in mine}, {id(r) for r in others}
+            theirs = [(path, ref()) for path, ref, root in tree if id(root()) in others]
             tree = [(path, ref()) for path, ref, root in tree if id(root()) in mine]
         opts = ran_here(self.thread_of, list(self.optimizers))
-        if not (tree or opts):
+        if not (tree or opts or theirs):
             return {}
-        got = self._owned_by_thread[_get_ident()] = self._walk_owned(tree, opts)
+        got = self._walk_owned(tree, opts) if tree or opts else {}
+        if theirs:  # the parameters and buffers of the models other live threads run
+            paths = {id(sub): path for path, sub in theirs if sub is not None}
+            pairs = list(weights_of(sub for _, sub in theirs if sub is not None))
+            got = dict(got)
+            for aid, (sub, _) in zip(self._alloc_ids([t for _, t in pairs]), pairs):
+                if aid is not None and aid not in got:
+                    got[aid] = (paths[id(sub)], "weight")
+        self._owned_by_thread[_get_ident()] = got
         return got
 
     def _answer_new(self, earlier):

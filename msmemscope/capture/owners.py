@@ -364,8 +364,11 @@ class Labeler:
     def _emit_owner(self, aid, owner):
         """An OWNER row for a block whose MALLOC row is written (none where MALLOC rows are not).
         Module attribution (where on) gives it the module owning the block at the step end or flush
-        that writes it (``ModuleTracker``)."""
-        if not self.s.emit_alloc:
+        that writes it (``ModuleTracker``). Also while nothing new is recorded (the flush of a
+        stop(), the session's end, a step that --steps leaves out): the block's MALLOC row is in the
+        dump all the same (only counted blocks are labelled), and a walk at that flush may be the
+        first to reach it (the model of a worker thread walked once the thread has ended)."""
+        if not self.s.want_alloc:
             return
         self.updates += 1
         row = {"allocation_id": aid, "owner": owner}
@@ -472,8 +475,11 @@ class Labeler:
                 if register and k not in s.live:
                     s.block_of(p, "optimizer.step")
 
-        roots = self._mine(list(self.roots))
+        from .modules import by_thread, weights_of
+        roots, others = by_thread(self.thread_of, list(self.roots))
         walk_live_objects(roots, self._mine(list(self.optimizers)), add, self._trees(roots))
+        for _, t in weights_of(m for mods in self._trees(others) for m in mods):
+            add(t, WEIGHT)  # other live threads' models: their parameters and buffers only
         return out
 
     def take_owned(self):
@@ -482,9 +488,10 @@ class Labeler:
         self._owned_read = True
         return self.owned
 
-    def _owning_modules(self, roots):
+    def _owning_modules(self, roots, others=()):
         """id(storage) -> path of the module that registers the parameter or buffer (its gradient and
-        its optimizer state go with it); only while module attribution is on."""
+        its optimizer state go with it); only while module attribution is on. ``others``: roots
+        other live threads run, whose parameters and buffers only are read (``by_thread``)."""
         tracker = getattr(self.s, "modules", None)
         if tracker is None:
             return {}
@@ -492,8 +499,8 @@ class Labeler:
         by_param = {}
         # and the models module attribution found from their optimizer (model.compile(), compiled
         # functions: no forward hook of ours runs for them), that this thread ran
-        from .modules import _is_compiled_graph, ran_here
-        seen = {id(m) for m in roots}
+        from .modules import _is_compiled_graph, ran_here, weights_of
+        seen = {id(m) for m in roots} | {id(m) for m in others}
         found = [m for m in (ref() for ref in list(tracker.roots.values()))
                  if m is not None and id(m) not in seen and not _is_compiled_graph(m)]
         roots = list(roots) + ran_here(tracker.thread_of, found)
@@ -542,6 +549,12 @@ class Labeler:
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
                         add(v, path)
+        for m in others:
+            root = tracker.path_of(m)
+            for name, sub in m.named_modules():
+                path = tracker.paths.get(sub) or (f"{root}.{name}" if name else root)
+                for _, t in weights_of((sub,)):
+                    add(t, path)
         return out
 
     def resolve(self, register=False):
@@ -576,7 +589,8 @@ class Labeler:
         # the program: two threads each training a model)
         live = dict(s.live)
         try:
-            mods = self._owning_modules(self._mine(list(self.roots)))
+            from .modules import by_thread
+            mods = self._owning_modules(*by_thread(self.thread_of, list(self.roots)))
         except Exception:
             mods = {}
         found = {b.alloc_id: mods[k] for k, b in live.items() if k in mods} if mods else {}
@@ -893,11 +907,17 @@ class NativeLabeler(Labeler):
         """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
         tensors' blocks are looked up in one C++ call, and where it can the walk itself is C++
         (``live_categories``: plain tensors, no FSDP2; this walk is its reference)."""
-        from .modules import all_threads
-        roots, opts = self._mine(list(self.roots)), self._mine(list(self.optimizers))
+        from .modules import all_threads, by_thread, weights_of
+        (roots, others), opts = by_thread(self.thread_of, list(self.roots)), self._mine(list(self.optimizers))
         if roots or opts:
             self._cats_by_thread[threading.get_ident()] = self._walk_live(roots, opts)
-        return all_threads(self._cats_by_thread)
+        got = all_threads(self._cats_by_thread)
+        if others:  # other live threads' models: their parameters and buffers, below their own walks
+            tensors = [p for _, t in weights_of(m for mods in self._trees(others) for m in mods)
+                       for p in plain_tensors(t)]
+            theirs = {aid: (WEIGHT, ()) for aid in self.nat.block_ids(tensors) if aid >= 0}
+            got = {**theirs, **got}
+        return got
 
     def _walk_live(self, roots, opts):
         if self._walk is not None:
