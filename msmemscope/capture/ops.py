@@ -53,7 +53,7 @@ class OpTracer(TorchDispatchMode):
     def _should_skip_dynamo(cls):
         # No per-call torch._disable_dynamo wrapper (~1 us an op, a fifth of the cost of an empty
         # mode): Dynamo is kept out of this frame and everything it calls by a flag on the code
-        # object instead (_keep_dynamo_out).
+        # object instead (keep_dynamo_out).
         return False
 
     @classmethod
@@ -189,11 +189,12 @@ class OpTracer(TorchDispatchMode):
         return out
 
 
-def _keep_dynamo_out(code) -> bool:
+def keep_dynamo_out(code) -> bool:
     """Tell Dynamo never to compile ``code`` nor any frame it calls. The flag lives in torch's C
     module, so setting it imports nothing. Without it a torch.compile'd function that runs under
     tracing would have Dynamo try to compile the tracer itself (inside __torch_dispatch__ the mode
-    is off the stack, so Dynamo's own "a dispatch mode is active" skip does not apply)."""
+    is off the stack, so Dynamo's own "a dispatch mode is active" skip does not apply), and our
+    flush when the native source calls it from an op inside compiled code (session.py)."""
     try:
         from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
         set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
@@ -202,7 +203,7 @@ def _keep_dynamo_out(code) -> bool:
         return False
 
 
-if not _keep_dynamo_out(OpTracer.__torch_dispatch__.__code__):
+if not keep_dynamo_out(OpTracer.__torch_dispatch__.__code__):
     # a torch without the flag: fall back to the wrapper
     OpTracer._should_skip_dynamo = classmethod(lambda cls: True)
     OpTracer.__torch_dispatch__ = torch._disable_dynamo(OpTracer.__dict__["__torch_dispatch__"], recursive=True)

@@ -39,6 +39,7 @@ from ..io.writers import open_writer
 from ..options import Options
 from . import backends, stacks
 from .dispatch import DispatchSource
+from .ops import keep_dynamo_out
 from .source import Flags
 
 log = logging.getLogger("msmemscope")
@@ -1296,3 +1297,12 @@ class Session:
         self.pieces = []
         self._update_flags()
         self.writer.forget()  # the parent's writer process is the parent's
+
+
+# The ways into the session from inside the program's code: a compiled function (torch.compile)
+# can be running when the native source's op exit asks for a flush, a signal arrives or a hook
+# ends a step. Dynamo would try to compile our frames there (warnings on the program's stderr,
+# compile time, graphs of our code); these and all they call run as plain Python instead.
+for _fn in (Session._source_full, Session.flush, Session.step, Session.stop, Session.close, Session._on_sigterm):
+    keep_dynamo_out(_fn.__code__)
+del _fn

@@ -2,8 +2,9 @@
 program whose buffer is flushed every 64 rows; the handler allocates and keeps tensors (it runs
 between bytecodes, often inside a flush; the native source drains every 64 records too). With
 ``term`` as argv[2], a SIGTERM comes mid-run; with ``opt``, the steps are the optimizer's (no
-msmemscope.step(): step 1's boundary is held until the second, through many flushes); argv[3],
-the analyses (default: leaks).
+msmemscope.step(): step 1's boundary is held until the second, through many flushes); with
+``compile``, the model is compiled in place (aot_eager), so the flushes the native source asks for
+come from ops inside compiled code; argv[3], the analyses (default: leaks).
 
 Prints the losses, how many signals the handler took and the bytes it still holds."""
 import json
@@ -45,6 +46,8 @@ def main():
             s.native.set_drain_at(64)  # the native source's records count against it too
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    if mode == "compile":
+        model.compile(backend="aot_eager")
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(16, 32)
     done = threading.Event()
