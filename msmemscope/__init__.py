@@ -14,6 +14,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import options as _options
+from .capture.eager import eager_api
 from .options import OptionError
 
 _config = None
@@ -129,6 +130,9 @@ def step():
 
 
 from .capture.marks import RecordFunction, mark, range_end, range_start  # noqa: E402
+
+# inside compiled code (a compiled training step that ends its step): called, never traced
+start, stop, step = (eager_api(f) for f in (start, stop, step))
 
 
 def _wire_session(session):

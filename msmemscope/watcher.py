@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from .capture.eager import eager_api
+
 __all__ = ["watch", "remove"]
 
 log = logging.getLogger("msmemscope")
@@ -54,6 +56,7 @@ def _check_int(what, v, minimum):
     return v
 
 
+@eager_api  # inside compiled code: called with the real tensor, never traced
 def watch(target, *, length=None, name=None, dump_nums=None):
     """Start watching a tensor's memory, or ``length`` bytes at address ``target``."""
     global _count
@@ -82,6 +85,7 @@ def watch(target, *, length=None, name=None, dump_nums=None):
     return None
 
 
+@eager_api
 def remove(target, *, length=None):
     """Stop watching a tensor (or the ``length`` bytes at address ``target``)."""
     if length is not None:

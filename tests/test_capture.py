@@ -201,6 +201,58 @@ def test_torch_compile_under_tracing(out_dir, tmp_path, source):
     assert df.filter(pl.col("event_type") == "STEP").height == 3
 
 
+COMPILED_STEP = """
+import torch, msmemscope
+from torch import nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.randn(4, 32)
+
+@torch.compile(backend="aot_eager")
+def train_step(x):
+    msmemscope.mark("step begins")
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    msmemscope.step()
+    return loss
+
+for i in range(4):
+    print("loss", round(train_step(x).item(), 5))
+from torch._dynamo.utils import counters
+for reason in counters["graph_break"]:
+    print("BREAK", reason.splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("source", full(["native"], ["python", "native"]))
+def test_our_api_inside_a_compiled_training_step_is_called_never_traced(out_dir, tmp_path, source):
+    """A compiled training step that marks its start and ends its step (msmemscope.mark() and
+    msmemscope.step() inside torch.compile'd code): the plain run's losses, each mark in its step,
+    and the calls are a silent break each (torch._dynamo.disable). Before: Dynamo traced into the
+    session and stopped at what it cannot trace: a warning on the program's stderr ("Dynamo does not
+    know how to trace the builtin ... drain" on the native source, time.time_ns on the other) and
+    breaks at our lock."""
+    script = tmp_path / "compiled_step.py"
+    script.write_text(COMPILED_STEP)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env_for_tests())
+    assert plain.returncode == 0, plain.stderr
+    r = run_cli(["-o", str(out_dir), str(script)], env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source})
+    assert r.returncode == 0, r.stderr
+    losses = [ln for ln in r.stdout.splitlines() if ln.startswith("loss")]
+    assert losses == [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")] and len(losses) == 4
+    assert "Dynamo does not know" not in r.stderr, r.stderr[-3000:]
+    breaks = [ln for ln in r.stdout.splitlines() if ln.startswith("BREAK")]
+    assert not [b for b in breaks if "does not know" in b or "context manager" in b], breaks
+    [folder] = run_folders(out_dir)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    rows = df.filter((pl.col("event") == "MSTX") | (pl.col("event_type") == "STEP")).select("event", "step").rows()
+    assert rows == [(e, k) for k in range(1, 5) for e in ("MSTX", "SYSTEM")], rows
+
+
 def test_dump_writer_process_and_its_fallback(out_dir, tmp_path):
     """The rows reach the same dump whether a writer process writes them (the default) or the
     traced process does (MSMEMSCOPE_WRITER=inline, or a writer process that cannot start)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 
+from .eager import eager_api
+
 _installed = False
 _tls = threading.local()
 
@@ -29,6 +31,7 @@ def _text(msg, api: str):
     return None
 
 
+@eager_api  # inside compiled code: called, never traced
 def mark(msg: str, stream=None) -> None:
     """``stream``: the original's device stream argument (``mstx.mark(msg, stream)``), accepted and
     not used (a mark is a point on the host timeline)."""
@@ -37,6 +40,7 @@ def mark(msg: str, stream=None) -> None:
         s.mark(msg)
 
 
+@eager_api
 def range_start(msg: str, stream=None) -> int:
     s = _session()
     if s is None or _text(msg, "range_start") is None:
@@ -44,6 +48,7 @@ def range_start(msg: str, stream=None) -> int:
     return s.range_start(msg)
 
 
+@eager_api
 def range_end(range_id: int) -> None:
     s = _session()
     if s is not None:

@@ -37,6 +37,7 @@ from time import time_ns
 import torch
 
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, EVENT_TYPE, TID, TS, Event
+from .eager import eager_or_skipped
 
 FORWARD, BACKWARD = "forward", "backward"
 ENV = "MSMEMSCOPE_MODULES"   # 1: attribute in any run; 0: never (default: with --analysis=decompose)
@@ -149,50 +150,6 @@ def eager_only(hook):
         if is_compiling():
             return None
         return hook(*args)
-    return eager_hook
-
-
-class _Skippable:
-    """An optimizer hook and its ``torch._dynamo.disable`` form (None until torch._dynamo is imported)."""
-    __slots__ = ("hook", "skipped", "__weakref__")
-
-    def __init__(self, hook):
-        self.hook, self.skipped = hook, None
-
-
-_to_arm = weakref.WeakSet()  # those waiting for the program's import of torch._dynamo
-_arming = None
-
-
-def _arm_all(dynamo):
-    for box in list(_to_arm):
-        box.skipped = dynamo.disable(box.hook)
-    _to_arm.clear()
-
-
-def eager_or_skipped(hook):
-    """An optimizer step hook that runs eagerly, never traced by Dynamo (a compiled optimizer step
-    traces its hooks around the step's own graph, and ours call what it cannot trace: a break and
-    a warning each, and the callees of a hook run eagerly after a break are compiled frame by
-    frame): called through ``torch._dynamo.disable`` once the program has imported torch._dynamo
-    (we never import it: ~1.3 s), a silent break at the step's head or tail, where its graph
-    ends anyway (the optimizer breaks there itself)."""
-    global _arming
-    box = _Skippable(hook)
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None and hasattr(dynamo, "disable"):
-        box.skipped = dynamo.disable(hook)
-    else:
-        _to_arm.add(box)
-        if _arming is None:
-            from ..after_import import after_import
-            _arming = after_import("torch._dynamo", _arm_all, "optimizer hooks inside compiled steps, process {pid}")
-
-    def eager_hook(*args):
-        skipped = box.skipped
-        # the disabled form wherever Dynamo is loaded: also where a compiled step runs this call
-        # eagerly after a break, whose callees Dynamo would otherwise try to compile one by one
-        return skipped(*args) if skipped is not None else hook(*args)
     return eager_hook
 
 

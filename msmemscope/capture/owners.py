@@ -208,7 +208,7 @@ class Labeler:
     def install(self):
         from torch.optim import optimizer as optim
         self._module_hooks()
-        from .modules import eager_or_skipped  # a compiled optimizer step traces them (see there)
+        from .eager import eager_or_skipped  # a compiled optimizer step traces them (see there)
         self._handles.append(optim.register_optimizer_step_pre_hook(eager_or_skipped(self._opt_pre)))
         self._handles.append(optim.register_optimizer_step_post_hook(eager_or_skipped(self._opt_post)))
         self._watch_tree()

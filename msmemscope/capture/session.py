@@ -1044,6 +1044,8 @@ class Session:
         self.system(System.START_TRACE)
         if not self.started_once:
             self.started_once = True
+            from .eager import arm_api
+            arm_api()  # msmemscope.step() and the rest, called from compiled code: eagerly
             from . import on_start
             for fn in list(on_start):  # sinks, framework hooks: registered from outside capture/
                 try:
@@ -1073,7 +1075,7 @@ class Session:
             self.labeler.resume()
         self.source.start()  # its flags were set by _update_flags() above
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        from .modules import eager_or_skipped
+        from .eager import eager_or_skipped
         self._hooks.append(register_optimizer_step_post_hook(eager_or_skipped(lambda *a: self.step("optimizer"))))
         if "traceback" in self.opts.events:  # the original's Python trace (capture/pytrace.py)
             from . import pytrace
