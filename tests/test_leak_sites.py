@@ -460,3 +460,41 @@ def test_check_leaks_without_marks_on_the_originals_dumps(name):
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["steps_ended"] == 0 and got["sites"] == [] and "lines" not in got
+
+
+def test_growth_rate_leaves_out_the_blocks_of_the_first_rise():
+    """A site whose first rise holds one-time blocks (the weights a model made with the op that
+    leaks) grows at the rate after it. Before: (68,384 B of weights + 5 x 5,000 B) / 5."""
+    v = _verdict([68384 + 5000 * i for i in range(6)])
+    assert v["bytes_per_step"] == 5000 and v["first_step"] == 1 and v["steps_growing"] == 6
+    v = _verdict([2500 + 5000 * i for i in range(6)])  # a leak that began inside step 1
+    assert v["bytes_per_step"] == 5000
+
+
+@pytest.mark.parametrize("how,source", [("in_backward", "native"), ("after", "python")] if not FULL else
+                         [(h, s) for h in ("in_backward", "after") for s in ("native", "python")])
+def test_a_leak_beside_the_weights_and_with_the_optimizer_in_backward(tmp_path, how, source):
+    """Six iterations keep 5,000 B each through torch.empty, the op that made the weights. With an
+    optimizer per parameter stepped inside the backward (``in_backward``), each backward's end ends
+    one step: 6 steps, not one for each of the 5 parameters' optimizers (30 before, and the leak
+    was growth of no step). In both forms the leak's site grows 5,000 B a step (15.2 KB before:
+    the weights' first rise counted)."""
+    prog = os.path.join(ROOT, "tests", "progs", "optimizer_in_backward.py")
+    import subprocess
+    import sys
+    plain = subprocess.run([sys.executable, prog, how], capture_output=True, text=True, env=env_for_tests())
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "out"
+    r = run_cli(["--analysis=leaks", "-o", str(out), sys.executable, prog, how],
+                env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("loss")] == plain.stdout.splitlines()
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    assert df.filter(pl.col("event_type") == "STEP").height == 6
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        sites = json.load(f)["sites"]
+    assert [(s["op"], s["bytes_per_step"]) for s in sites] == [("torch._ops.aten.empty.memory_format", 5000)], sites
+    assert "leak: +4.9 KB/step" in r.stderr
