@@ -478,14 +478,15 @@ def test_a_leak_beside_the_weights_and_with_the_optimizer_in_backward(tmp_path, 
     optimizer per parameter stepped inside the backward (``in_backward``), each backward's end ends
     one step: 6 steps, not one for each of the 5 parameters' optimizers (30 before, and the leak
     was growth of no step). In both forms the leak's site grows 5,000 B a step (15.2 KB before:
-    the weights' first rise counted)."""
+    the weights' first rise counted). With the decomposition, the gradients are gradients at the
+    steps' peaks."""
     prog = os.path.join(ROOT, "tests", "progs", "optimizer_in_backward.py")
     import subprocess
     import sys
     plain = subprocess.run([sys.executable, prog, how], capture_output=True, text=True, env=env_for_tests())
     assert plain.returncode == 0, plain.stderr
     out = tmp_path / "out"
-    r = run_cli(["--analysis=leaks", "-o", str(out), sys.executable, prog, how],
+    r = run_cli(["--analysis=leaks,decompose", "-o", str(out), sys.executable, prog, how],
                 env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source})
     assert r.returncode == 0, r.stderr[-3000:]
     assert [ln for ln in r.stdout.splitlines() if ln.startswith("loss")] == plain.stdout.splitlines()
@@ -498,3 +499,10 @@ def test_a_leak_beside_the_weights_and_with_the_optimizer_in_backward(tmp_path, 
         sites = json.load(f)["sites"]
     assert [(s["op"], s["bytes_per_step"]) for s in sites] == [("torch._ops.aten.empty.memory_format", 5000)], sites
     assert "leak: +4.9 KB/step" in r.stderr
+    # the gradients are gradients at each step's peak: all of them before the optimizer steps
+    # after the backward; with the optimizer in backward, those of the one layer whose parameters
+    # wait for their hooks (33,280 B at most: 128 x 64 x 4 + 128 x 4). Before, on the native
+    # source, these were temporaries: freed in the backward, before any walk
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        peaks = [st["peak"].get("PTA@gradient", 0) for st in json.load(f)["steps"][1:] if st.get("step")]
+    assert len(peaks) == 5 and all(0 < g <= 33280 if how == "in_backward" else g == 68384 for g in peaks), peaks

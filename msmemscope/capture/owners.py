@@ -857,6 +857,15 @@ class NativeLabeler(Labeler):
 
     def _opt_post(self, opt, args, kwargs):
         self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
+        try:
+            inside_backward = torch._C._current_graph_task_id() != -1
+        except Exception:
+            inside_backward = False
+        if inside_backward:
+            # the optimizer in backward (stepped from a post-accumulate-grad hook): its gradients
+            # are freed before any step end or flush walks them, so they are said to be
+            # gradients here, once each (before: temporaries at the backward's peak)
+            self.mark([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None], GRADIENT, ())
 
     def _pack(self, t):
         try:
