@@ -452,3 +452,45 @@ def test_attr_of_keeps_the_text_of_those_events_only(tmp_path, monkeypatch):
                     if keep is not None else None
                 if want is not None:
                     _same(want, cols, f"attr_of={attr_of} against the whole read")
+
+
+DEEP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(50)])
+opt = torch.optim.Adam(model.parameters(), foreach=False)
+x = torch.randn(16, 64)
+for i in range(150):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+print("loss", loss.item())
+"""
+
+
+def test_a_writer_that_falls_behind_drops_the_companion(tmp_path):
+    """A program of tiny ops (bench's 'deep' workload: ~600,000 rows a second) with the companion
+    on from its first row: the writer process cannot make columns of rows as fast as they come
+    (~2 us a row), so the pipe stays full and the program would wait on it (2.6x the plain
+    program with the companion, 1.7x without, BENCHMARKS.md). The writer drops the companion and
+    writes the text alone: no columns are left, the dump is whole, the program's output is the
+    plain run's."""
+    script = tmp_path / "deep.py"
+    script.write_text(DEEP)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env_for_tests())
+    env = {**env_for_tests(), "MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES": "0"}
+    env.pop("MSMEMSCOPE_COLUMN_CACHE", None)
+    out = tmp_path / "out"
+    r = run_cli([f"--output={out}", str(script)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
+    (path,) = R.find_dumps(str(out))
+    assert R.capture_parts(path) is None and not os.path.exists(C.folder_of(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = R.read_dump(path)
+    check_invariants(df)
+    assert df.filter(pl.col("event_type") == "STEP").height == 150

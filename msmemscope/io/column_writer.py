@@ -64,6 +64,7 @@ class ColumnWriter:
         self.pending_rows = 0
         self.seen = 0              # bytes of CSV text so far (until the companion starts)
         self.least = min_bytes()
+        self._dropping = False     # drop() came while the catch-up's thread ran
         try:  # rows of a part (tests make parts of a few rows)
             self.part_rows = max(1, int(os.environ.get("MSMEMSCOPE_COLUMN_PART_ROWS", PART_ROWS)))
         except ValueError:
@@ -107,6 +108,10 @@ class ColumnWriter:
                 # the frames keep being written, and their rows wait here for it to end
                 self._backlog.append((rows, first, pid, c_syms, ids))
                 if self._catcher.is_alive():
+                    return
+                if self._dropping:  # dropped meanwhile (drop): its rows are not made columns
+                    self._catcher.join()
+                    self._give_up()
                     return
                 self._end_catch_up()
                 return
@@ -195,6 +200,16 @@ class ColumnWriter:
             os.rmdir(self.folder)
         except OSError:
             pass
+
+    def drop(self) -> bool:
+        """Give the companion up because the writer process cannot keep up with the program
+        (io/spool.py ``serve``); True once it is off. Not while the catch-up's thread reads the
+        file (its end drops it, without making the rows that came meanwhile columns)."""
+        if self.state == "catching" and self._catcher.is_alive():
+            self._dropping = True
+            return False
+        self._give_up()
+        return True
 
     def _give_up(self) -> None:
         self.state = "off"
