@@ -481,7 +481,8 @@ def test_a_writer_that_falls_behind_drops_the_companion(tmp_path):
     script = tmp_path / "deep.py"
     script.write_text(DEEP)
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env_for_tests())
-    env = {**env_for_tests(), "MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES": "0"}
+    # the columns made slower still (0.5 s a frame): behind on any machine under any load
+    env = {**env_for_tests(), "MSMEMSCOPE_COLUMN_CACHE_MIN_BYTES": "0", "MSMEMSCOPE_COLUMN_SLOW_S": "0.5"}
     env.pop("MSMEMSCOPE_COLUMN_CACHE", None)
     out = tmp_path / "out"
     r = run_cli([f"--output={out}", str(script)], env=env)

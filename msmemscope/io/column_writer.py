@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from .columns import BUILD_ROWS, CATEGORICAL, MANIFEST, PART_ROWS, SCHEMA_NAMES, VERSION, _FIELD_OK, _FORMULA_START, _INTS, code_key, file_key, folder_of, min_bytes, read_manifest, template_attr
+
+
+try:  # tests only: seconds each batch's columns take more (a writer process that falls behind)
+    _SLOW_S = float(os.environ.get("MSMEMSCOPE_COLUMN_SLOW_S") or 0)
+except ValueError:
+    _SLOW_S = 0.0
 
 
 class _Unfit(Exception):
@@ -120,6 +127,8 @@ class ColumnWriter:
             self._give_up()
 
     def _add_rows(self, rows, first, pid, c_syms, ids) -> None:
+        if _SLOW_S:
+            time.sleep(_SLOW_S)
         import gc
         was = gc.isenabled()
         gc.disable()  # tuples of numbers and texts, no cycles: no collector passes over them

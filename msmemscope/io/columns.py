@@ -22,9 +22,10 @@ only counted. The write that passes it reads the CSV written so far once (the re
 and from then on each batch is turned into columns (one tuple per row in Python, then polars),
 in the writer process, never in the traced one. ``MSMEMSCOPE_COLUMN_CACHE=0`` turns it off.
 A writer process that falls behind the program (its pipe still half full after each of
-``spool.BEHIND_FRAMES`` frames in a row) drops the companion and writes the text alone: making
-columns is most of its work (~2 us a row), and a program of tiny ops makes rows faster than that
-(bench's ``deep`` workload: 2.6x the plain program with it, 1.9x once it is dropped).
+``spool.BEHIND_FRAMES`` frames in a row) drops the companion and writes the text alone, and one
+busy more than ``spool.BUSY_MAX`` of the time with the text alone never starts it: making columns
+is most of its work (~2 us a row), and a program of tiny ops makes rows faster than that
+(bench's ``deep`` workload: 2.6x the plain program with it, 1.8x without).
 """
 from __future__ import annotations
 

@@ -363,6 +363,7 @@ class _Nowhere:
 #: the writer process's naps while the pipe is empty, shortest and longest (seconds)
 NAP, NAP_MAX = 0.0005, 0.004
 BEHIND_FRAMES = 4  # frames in a row read with half the pipe still full: the writer process is behind
+BUSY_WINDOW_S, BUSY_MAX = 0.25, 0.25  # the writer's share of time writing, before the companion starts
 
 
 def _queued(fd: int) -> int:
@@ -465,7 +466,7 @@ def serve(argv) -> None:
             half_pipe = fcntl.fcntl(0, getattr(fcntl, "F_GETPIPE_SZ", 1032)) // 2
         except OSError:
             half_pipe = None
-        behind = 0
+        behind, busy, window = 0, 0.0, time.perf_counter()
         if extra.get("keep_steps"):
             from .bounded import BoundedWriter
             writer = BoundedWriter(writer, extra["keep_steps"])
@@ -480,19 +481,31 @@ def serve(argv) -> None:
             data = _read_exact(0, n, in_frame=True)
             if data is None:
                 break
+            t0 = time.perf_counter()
             frame = marshal.loads(data)
             first, pid, rows, c_syms = frame[:4]
             if len(frame) > 4:
                 rows = join_pieces(frame[4])
             writer.write(rows, first, pid, c_syms)
-            if text_writer.columns is not None and half_pipe is not None:
+            now = time.perf_counter()
+            busy += now - t0
+            columns = getattr(text_writer, "columns", None)  # (a db dump has none)
+            if columns is not None and now - window >= BUSY_WINDOW_S:
+                # before the companion starts: a writer busy more than BUSY_MAX of the time with
+                # the text alone would fall behind with the columns (~4x the text's work a row)
+                # and drop them below, after the catch-up's read of the whole file (wasted)
+                if columns.state == "waiting" and busy / (now - window) > BUSY_MAX:
+                    columns.drop()
+                    text_writer.columns = columns = None
+                busy, window = 0.0, now
+            if columns is not None and half_pipe is not None:
                 # the program's frames queue up: this process is the slower one, and the program
                 # waits on a full pipe. The companion's columns are most of its work here (~2 us
                 # a row against the CSV's ~0.5), so after BEHIND_FRAMES frames so it is dropped:
                 # the dump is read from its text. (The 'deep' bench workload: 2.6x the plain
                 # program with the companion on, 1.7x without.)
                 behind = behind + 1 if _queued(0) >= half_pipe else 0
-                if behind >= BEHIND_FRAMES and text_writer.columns.drop():
+                if behind >= BEHIND_FRAMES and columns.drop():
                     text_writer.columns = None
         writer.close()
     except Exception as e:
