@@ -506,3 +506,42 @@ def test_a_leak_beside_the_weights_and_with_the_optimizer_in_backward(tmp_path, 
     with open(os.path.join(folder, "analysis", "decompose.json")) as f:
         peaks = [st["peak"].get("PTA@gradient", 0) for st in json.load(f)["steps"][1:] if st.get("step")]
     assert len(peaks) == 5 and all(0 < g <= 33280 if how == "in_backward" else g == 68384 for g in peaks), peaks
+
+
+WALKS = """
+import os, runpy, sys
+os.environ["MSMEMSCOPE_SOURCE"] = "python"
+import msmemscope
+from msmemscope.capture import owners
+walks = [0]
+resolve = owners.Labeler.resolve
+def counted(self, *a, **k):
+    walks[0] += 1
+    return resolve(self, *a, **k)
+owners.Labeler.resolve = counted
+msmemscope.config(output=sys.argv[1], analysis="decompose", collect_mode="immediate")
+msmemscope.start()
+sys.argv = [sys.argv[2], "in_backward"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+msmemscope.stop()
+print("WALKS", walks[0])
+"""
+
+
+def test_the_optimizer_in_backward_walks_once_a_backward(tmp_path):
+    """The dispatch-mode labeller with an optimizer per parameter stepped inside the backward (6
+    iterations x 6 parameters): one walk of the live objects at each backward's end (and the
+    flushes'), not one per optimizer step (a 100-parameter model ran 12x the plain program so)."""
+    script = tmp_path / "walks.py"
+    script.write_text(WALKS)
+    import subprocess
+    import sys
+    prog = os.path.join(ROOT, "tests", "progs", "optimizer_in_backward.py")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), prog], capture_output=True, text=True,
+                       env=env_for_tests(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    walks = int(r.stdout.split("WALKS", 1)[1])
+    # a backward's end each and the flushes' and step ends' (14 here); one per optimizer step: 44
+    assert walks <= 20, walks
+    (folder,) = run_folders(str(tmp_path / "out"))
+    check_invariants(read(dump_of(folder)))
