@@ -171,7 +171,7 @@ class Info:
         self.saved = False   # saved for backward by the forward pass
 
 
-def _backward_task() -> int:
+def backward_task() -> int:
     """The backward pass running on this thread (autograd's graph task id), or -1: none."""
     try:
         return torch._C._current_graph_task_id()
@@ -359,7 +359,7 @@ class Labeler:
         # state made by this step (Adam's moments, step counters) is registered and labelled
         # before the session's own post-hook ends the step
         self._opt_pre(opt, args, kwargs)
-        task = _backward_task()
+        task = backward_task()
         if task != -1:
             # the optimizer in backward (an optimizer per parameter, stepped inside the backward):
             # its gradients now, freed before any walk; one walk at the backward's end, before
@@ -889,7 +889,7 @@ class NativeLabeler(Labeler):
 
     def _opt_post(self, opt, args, kwargs):
         self._opt_pre(opt, args, kwargs)  # resolved at the step end or flush (the native source counted its state)
-        if _backward_task() != -1:
+        if backward_task() != -1:
             # the optimizer in backward (stepped from a post-accumulate-grad hook): its gradients
             # are freed before any step end or flush walks them, so they are said to be
             # gradients here, once each (before: temporaries at the backward's peak)

@@ -40,6 +40,7 @@ from ..options import Options
 from . import backends, stacks
 from .dispatch import DispatchSource
 from .ops import keep_dynamo_out
+from .owners import backward_task
 from .source import Flags
 
 log = logging.getLogger("msmemscope")
@@ -584,11 +585,8 @@ class Session:
         hook) ends no step of its own: the end of that backward does, once. Before: each of those
         optimizers ended a step (36 steps for 6 iterations of a 6-parameter model), and a leak of
         an iteration was growth of no step."""
-        try:
-            task = torch._C._current_graph_task_id()
-        except Exception:  # a torch without it: each optimizer step ends a step, as before
-            task = -1
-        if task == -1:
+        task = backward_task()
+        if task == -1:  # (also a torch that cannot say: each optimizer step ends a step, as before)
             self.step("optimizer")
             return
         if task in self._backward_steps:
