@@ -428,7 +428,7 @@ def test_signals_during_flushes(tmp_path, source, mode, analysis):
     live = check_invariants(df)
     import polars as pl
     ends = [json.loads(a)["step"] for a in df.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
-    assert ends == list(range(1, len(ends) + 1)) and len(ends) >= 3, ends  # each step once, in order
+    assert ends == list(range(1, len(ends) + 1)) and len(ends) >= 3, (ends, r.returncode, r.stderr[-3000:])  # each step once, in order
     if mode == "term":
         assert r.returncode in (-15, 143), (r.returncode, r.stderr[-2000:])
         assert "TERM" in r.stdout and losses == want[:len(losses)] and len(losses) >= 4
