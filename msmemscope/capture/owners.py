@@ -179,6 +179,24 @@ def backward_task() -> int:
         return -1
 
 
+def once_at_backward_end(queued: set, task: int, fn) -> bool:
+    """``fn()`` once at the end of backward pass ``task`` however often this is asked in it
+    (``queued``: the caller's set of tasks waiting). False: it cannot be queued (run it now)."""
+    if task in queued:
+        return True
+    queued.add(task)
+
+    def at_end():
+        queued.discard(task)
+        fn()
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+        return True
+    except Exception:
+        queued.discard(task)
+        return False
+
+
 class Labeler:
     def __init__(self, session):
         self.s = session
@@ -366,18 +384,7 @@ class Labeler:
             # the step it ends (queued before the session's), not one per parameter (a
             # 100-parameter model: 12x the plain program with a walk each)
             self.mark([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None], GRADIENT, ())
-            if task not in self._walk_after_backward:
-                self._walk_after_backward.add(task)
-
-                def walk():
-                    self._walk_after_backward.discard(task)
-                    self._walk_now()
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(walk)
-                    return
-                except Exception:
-                    self._walk_after_backward.discard(task)
-            else:
+            if once_at_backward_end(self._walk_after_backward, task, self._walk_now):
                 return
         self._walk_now()
 
@@ -542,10 +549,12 @@ class Labeler:
                 st = _storage(p)
                 if st is not None:
                     out.setdefault(id(st), path)
-        for m in roots:
+        def named(m):  # (path, submodule) of a root's tree
             root = tracker.path_of(m)
             for name, sub in m.named_modules():
-                path = tracker.paths.get(sub) or (f"{root}.{name}" if name else root)
+                yield tracker.paths.get(sub) or (f"{root}.{name}" if name else root), sub
+        for m in roots:
+            for path, sub in named(m):
                 for p in sub.parameters(recurse=False):
                     by_param.setdefault(id(p), path)
                     add(p, path)
@@ -582,9 +591,7 @@ class Labeler:
                     if isinstance(v, torch.Tensor):
                         add(v, path)
         for m in others:
-            root = tracker.path_of(m)
-            for name, sub in m.named_modules():
-                path = tracker.paths.get(sub) or (f"{root}.{name}" if name else root)
+            for path, sub in named(m):
                 for _, t in weights_of((sub,)):
                     add(t, path)
         return out

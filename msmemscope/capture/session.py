@@ -40,7 +40,7 @@ from ..options import Options
 from . import backends, stacks
 from .dispatch import DispatchSource
 from .ops import keep_dynamo_out
-from .owners import backward_task
+from .owners import backward_task, once_at_backward_end
 from .source import Flags
 
 log = logging.getLogger("msmemscope")
@@ -585,21 +585,8 @@ class Session:
         hook) ends no step of its own: the end of that backward does, once. Before: each of those
         optimizers ended a step (36 steps for 6 iterations of a 6-parameter model), and a leak of
         an iteration was growth of no step."""
-        task = backward_task()
-        if task == -1:  # (also a torch that cannot say: each optimizer step ends a step, as before)
-            self.step("optimizer")
-            return
-        if task in self._backward_steps:
-            return
-        self._backward_steps.add(task)
-
-        def backward_ended():
-            self._backward_steps.discard(task)
-            self.step("optimizer")
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(backward_ended)
-        except Exception:
-            self._backward_steps.discard(task)
+        task = backward_task()  # -1 also on a torch that cannot say: each optimizer step ends a step
+        if task == -1 or not once_at_backward_end(self._backward_steps, task, lambda: self.step("optimizer")):
             self.step("optimizer")
 
     def _step_failed(self, exc):
