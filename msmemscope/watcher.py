@@ -41,7 +41,7 @@ def _engine():
             _warned = True
             msg = ("msmemscope.watcher: nothing is traced (run the program under msmemscope or call "
                    "msmemscope.start()); watch()/remove() do nothing")
-            log.warning(msg)
+            log.info(msg)  # said once on stderr below: a warning with no handler set would say it twice
             print(f"[msmemscope] {msg}", file=sys.stderr)
         return None
     from .capture.watch import attach
