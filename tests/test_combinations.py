@@ -160,6 +160,85 @@ def test_stop_and_start_while_another_thread_is_in_its_ops(tmp_path, source, ana
     assert df.filter(pl.col("event_type") == "STOP_TRACE").height == pairs + 1
 
 
+HOOKS_MID_GAP = r"""
+import sys, threading, torch, msmemscope
+import msmemscope.capture
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.nn.modules.module import register_module_module_registration_hook
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(32, 8)
+armed, inside, resumed = [None], threading.Event(), threading.Event()
+
+def hold(kind):  # the program's own global hook, after ours in torch's dict: the main thread's
+    def hook(*args):  # stop() and start() run while the worker's torch loop is inside it
+        if armed[0] == kind:
+            armed[0] = None
+            inside.set()
+            resumed.wait(60)
+            resumed.clear()
+    return hook
+
+register_optimizer_step_pre_hook(hold("pre"))
+register_optimizer_step_post_hook(hold("post"))
+register_module_module_registration_hook(hold("registration"))
+losses, failed = [], []
+threading.excepthook = lambda a: failed.append(repr(a.exc_value))
+
+def work():
+    holder = nn.Module()
+    for kind in ("pre", "post", "registration", None):
+        armed[0] = kind
+        if kind == "registration":
+            holder.sub = nn.Identity()
+        else:
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+t = threading.Thread(target=work)
+t.start()
+traced = msmemscope.capture.current() is not None  # (a plain run's start() would trace)
+for _ in range(3):
+    inside.wait(60)
+    inside.clear()
+    if traced:
+        msmemscope.stop()
+        msmemscope.start()
+    resumed.set()
+t.join()
+print("LOSSES", losses, "FAILED", failed, flush=True)
+"""
+
+
+@pytest.mark.parametrize("source,analysis", full([("native", "leaks,decompose"), ("python", "decompose")],
+                                                  [(s, a) for s in SOURCES for a in ("leaks", "leaks,decompose")]))
+def test_stop_and_start_while_another_thread_runs_torchs_global_hooks(tmp_path, source, analysis):
+    """The main thread stops and starts tracing while another thread is inside torch's loop over
+    the global optimizer pre- and post-hooks and the module registration hooks (held there by the
+    program's own hook). The worker's optimizer step and module assignment run as they do untraced:
+    before, stop() and start() removed and added ours in those dicts, and the worker's step raised
+    "OrderedDict mutated during iteration" (seen first with the optimizer in backward, two threads
+    and a gap). Our hooks now stay from the first start to the session's close, inert while stopped."""
+    prog = tmp_path / "hooks_mid_gap.py"
+    prog.write_text(HOOKS_MID_GAP)
+    plain = subprocess.run([sys.executable, str(prog)], env=_env(source), capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and "FAILED []" in plain.stdout, plain.stdout + plain.stderr[-2000:]
+    out = tmp_path / "out"
+    r = run_cli([f"--analysis={analysis}", "-o", str(out), sys.executable, str(prog)], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1], r.stdout[-2000:]
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    assert df.filter(pl.col("event_type") == "STOP_TRACE").height == 4  # three gaps and the end
+    assert df.filter(pl.col("event_type") == "STEP").height >= 1
+
+
 STEP_FAILS = """
 import sys, torch, msmemscope
 from torch import nn

@@ -426,7 +426,8 @@ class ModuleTracker:
         self.marks = {}                            # tid -> ([ts, ...], [state, ...]) since the cut
         self.base = {}                             # tid -> state before its first mark
         self.lock = threading.Lock()
-        self._handles = []
+        self._handles = []                         # the global forward hooks, removed at each stop
+        self._lasting = []                         # hooks kept over stop/start gaps (install, close)
         self._cut = 0                              # marks older than this are folded into base
         self._callback_queued = False
         self.attributed = 0
@@ -455,10 +456,14 @@ class ModuleTracker:
         from torch.nn.modules import module as nn_module
         if self._handles:
             return self
-        from torch.optim import optimizer as optim
-        self._handles.append(optim.register_optimizer_step_pre_hook(eager_or_skipped(self._opt)))
-        self._tree = None  # modules registered while stopped are not seen by the hook
-        self._handles.append(nn_module.register_module_module_registration_hook(self._tree_changed))
+        if not self._lasting:
+            # kept over stop/start gaps (close() removes them): torch iterates these two dicts
+            # calling each hook, and a removal meanwhile from another thread raised in the
+            # program's optimizer.step() or module assignment there
+            from torch.optim import optimizer as optim
+            self._lasting.append(optim.register_optimizer_step_pre_hook(eager_or_skipped(self._opt)))
+            self._lasting.append(nn_module.register_module_module_registration_hook(self._tree_changed))
+        self._tree = None  # modules registered while stopped: the tree is read again
         pre, post = (self.nat.mt_pre, self.nat.mt_post) if self.nat is not None else (self._pre, self._post)
         self._handles.extend(add_global_module_hooks(self, pre, post))
         if not getattr(self.s, "launched", True) and not self._scanned:
@@ -473,6 +478,14 @@ class ModuleTracker:
         """The session traces (or stopped, failed, forked): the C++ hooks act only while it does."""
         if self.nat is not None and self._handles:
             self.nat.mt_set_on(bool(on))
+
+    def close(self):
+        """The session ended: the hooks kept over stop/start gaps go too."""
+        if self._handles:
+            self.remove()
+        for h in self._lasting:
+            h.remove()
+        self._lasting.clear()
 
     def remove(self):
         remove_global_module_hooks(self, self._handles)

@@ -262,9 +262,8 @@ class Labeler:
         self._mod_handles = []
         self.depth = 0
         self._thread_depth = {}
-        if self._tree_handle is not None:
-            self._tree_handle.remove()
-            self._tree_handle = None
+        # the module registration hook stays (remove()): torch calls those hooks iterating their
+        # dict, and a removal meanwhile from another thread raised in that thread's module assignment
 
     def resume(self):
         if not getattr(self, "_mod_handles", None):
@@ -298,6 +297,9 @@ class Labeler:
 
     def remove(self):
         self.pause()
+        if self._tree_handle is not None:
+            self._tree_handle.remove()
+            self._tree_handle = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

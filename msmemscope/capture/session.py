@@ -201,7 +201,10 @@ class Session:
         self.op_observer = None              # its before/after (the watch engine): set_op_observer
         self.watch_engine = None             # capture.watch.WatchEngine once --watch or watcher.watch() is used
         self._stop_hooks: list = []          # called at each stop(): on_stop
-        self._hooks: list = []
+        # torch hooks kept from the first start() to close(), inert while stopped: removing one
+        # from torch's global dicts while another thread's optimizer.step() iterates them raised
+        # "OrderedDict mutated during iteration" in that thread
+        self._lasting_hooks: list = []
         self._lock_owner = None
         self.labeler = None                  # owner labelling (analysis 'decompose'), see capture/owners.py
         self.modules = None                  # module attribution (capture/modules.py), from the first start()
@@ -585,6 +588,8 @@ class Session:
         hook) ends no step of its own: the end of that backward does, once. Before: each of those
         optimizers ended a step (36 steps for 6 iterations of a 6-parameter model), and a leak of
         an iteration was growth of no step."""
+        if not self.active:  # stopped: the hook stays registered (see _lasting_hooks)
+            return
         task = backward_task()  # -1 also on a torch that cannot say: each optimizer step ends a step
         if task == -1 or not once_at_backward_end(self._backward_steps, task, lambda: self.step("optimizer")):
             self.step("optimizer")
@@ -1018,12 +1023,9 @@ class Session:
                 self.native.stop()
             if self.device_source is not None:
                 self.device_source.stop()
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
         except Exception:
             pass
-        self.active = False
+        self.active = False  # the lasting hooks stay, inert (close() removes them)
         self._update_flags()
         try:
             self.writer.abandon()
@@ -1086,9 +1088,10 @@ class Session:
         if self.labeler is not None:
             self.labeler.resume()
         self.source.start()  # its flags were set by _update_flags() above
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        from .eager import eager_or_skipped
-        self._hooks.append(register_optimizer_step_post_hook(eager_or_skipped(self._optimizer_stepped)))
+        if not self._lasting_hooks:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            from .eager import eager_or_skipped
+            self._lasting_hooks.append(register_optimizer_step_post_hook(eager_or_skipped(self._optimizer_stepped)))
         if "traceback" in self.opts.events:  # the original's Python trace (capture/pytrace.py)
             from . import pytrace
             pytrace.tracer_for(os.path.dirname(self.dump_path)).start()
@@ -1106,9 +1109,6 @@ class Session:
         self.dispatch.stop()
         if self.device_source is not None:
             self.device_source.stop()
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         for fn in self._stop_hooks:
             fn()
         if self.modules is not None:
@@ -1160,6 +1160,7 @@ class Session:
             self.active = False
             self._update_flags()  # the native source records nothing more (frees included)
             _release_compile()
+            self._remove_lasting_hooks()
             try:
                 self.writer.close()
             except Exception as e:
@@ -1177,6 +1178,21 @@ class Session:
             self._log_handler.close()
             self._closing = False
             self._redeliver(saved)
+
+    def _remove_lasting_hooks(self):
+        """At close: the torch hooks kept over stop/start gaps go (a daemon thread still in an
+        optimizer step now could see its hook dict change; no other time is safer)."""
+        hooks, self._lasting_hooks = self._lasting_hooks, []
+        for h in hooks:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        if self.modules is not None:
+            try:
+                self.modules.close()
+            except Exception as e:
+                log.error("removing the module hooks: %s", _why(e))
 
     def _defer_signals(self):
         """While close() runs (main thread only), SIGINT and SIGTERM are noted, not acted on: a
