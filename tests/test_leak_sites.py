@@ -489,7 +489,7 @@ def test_a_leak_beside_the_weights_and_with_the_optimizer_in_backward(tmp_path, 
     r = run_cli(["--analysis=leaks,decompose", "-o", str(out), sys.executable, prog, how],
                 env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [ln for ln in r.stdout.splitlines() if ln.startswith("loss")] == plain.stdout.splitlines()
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("loss")] == [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")]
     (folder,) = run_folders(out)
     df = read(dump_of(folder))
     check_invariants(df)
@@ -545,3 +545,77 @@ def test_the_optimizer_in_backward_walks_once_a_backward(tmp_path):
     assert walks <= 20, walks
     (folder,) = run_folders(str(tmp_path / "out"))
     check_invariants(read(dump_of(folder)))
+
+
+OIB_COMBOS = [("in_backward", "threads,gap,watch", "native"), ("after", "threads,watch", "python")]
+
+
+@pytest.mark.parametrize("how,extra,source", OIB_COMBOS if not FULL else
+                         [(h, e, s) for h in ("in_backward", "after") for s in ("native", "python")
+                          for e in ("threads", "gap", "watch", "threads,gap,watch")])
+def test_the_optimizer_in_backward_with_threads_gaps_and_watch(tmp_path, how, extra, source):
+    """The optimizer in backward (or after it) meeting two training threads whose backwards run at
+    once, a stop/start gap the main thread takes, and a watched weight that the optimizer writes
+    inside the backward. The losses are the plain run's; each thread's backward (or optimizer
+    step) ends one step, numbered in order; the leak of 5,000 B an iteration a thread is the one
+    site; the weights are weights at every step and the gradients gradients at the steps' peaks;
+    every traced write of the watched weight is the optimizer's declared write, none a stomp."""
+    import subprocess
+    import sys
+    prog = os.path.join(ROOT, "tests", "progs", "optimizer_in_backward.py")
+    plain = subprocess.run([sys.executable, prog, how, extra], capture_output=True, text=True, env=env_for_tests(),
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "out"
+    r = run_cli(["--analysis=leaks,decompose", "-o", str(out), sys.executable, prog, how, extra],
+                env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source})
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("loss")]
+    assert said == [ln for ln in plain.stdout.splitlines() if ln.startswith("loss")]
+    iterations, traced = (int(v) for v in r.stdout.split("ITERATIONS", 1)[1].split())
+    threads = "threads" in extra
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    ends = [json.loads(a)["step"] for a in df.filter(pl.col("event_type") == "STEP")["attr"].to_list()]
+    assert ends == list(range(1, len(ends) + 1)), ends
+    if not threads:
+        assert len(ends) == traced == iterations - ("gap" in extra), (ends, traced)
+    elif "gap" in extra:  # the other thread's iteration beside the gap is traced in part or not at all
+        assert 2 * iterations - 2 <= len(ends) <= 2 * iterations - 1, ends
+    else:
+        assert len(ends) == 2 * iterations, ends
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        sites = json.load(f)["sites"]
+    if not threads:
+        assert [(s["op"], s["bytes_per_step"]) for s in sites] == [("torch._ops.aten.empty.memory_format", 5000)], sites
+    else:
+        # both threads' step ends count, and with both backwards ending at once the site's live
+        # bytes rise at every other step end: the rule (a run strictly increasing, one step end
+        # dropped) then sees growth only where the interleaving was regular for 3 rises, or not at
+        # all (docs/leaks.md, limits). What it finds is that site, at about its rate
+        assert [s["op"] for s in sites] in ([], ["torch._ops.aten.empty.memory_format"]), sites
+        assert all(2500 <= s["bytes_per_step"] <= 5600 for s in sites), sites
+    params = 68384 * (2 if threads else 1)
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        steps = [st for st in json.load(f)["steps"] if st.get("step")]
+    assert [st["step"] for st in steps] == ends
+    for st in steps:
+        assert st["bytes"].get("PTA@weight") == params, st
+    grads = [st["peak"].get("PTA@gradient", 0) for st in steps[1:]]
+    if how == "in_backward":  # a layer's waiting for their hooks, one thread's or both threads'
+        assert all(g <= 33280 * (2 if threads else 1) for g in grads), grads
+        # with threads a step can hold only the tail of a backward whose gradients were all used
+        assert all(grads) if not threads else sum(g > 0 for g in grads) >= len(grads) // 2, grads
+    else:  # the step's optimizer steps with all its model's gradients; the other's may be there too
+        assert all(68384 <= g <= params for g in grads), grads
+    if "watch" in extra:
+        with open(os.path.join(folder, "analysis", "watch.json")) as f:
+            rep = json.load(f)
+        (w,) = rep["watched"]
+        assert w["stomps"] == 0 and not rep["stomps"], rep["stomps"][:3]
+        writes = [c for c in rep["changes"] if c["kind"] == "write"]
+        assert {c["op"] for c in writes} == {"aten.addcdiv_.default"} and len({c["tid"] for c in writes}) == 1, writes
+        # watched from the second iteration on; the gap's iteration is not checked (docs/watch.md)
+        assert len(writes) == iterations - 1 - ("gap" in extra), writes
