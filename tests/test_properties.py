@@ -7,6 +7,7 @@ Short form (``make test``): a few small programs per source; ``MSMEMSCOPE_TEST_F
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -38,6 +39,9 @@ def _action():
         st.tuples(st.just("mark")),
         st.tuples(st.just("watch"), slot),
         st.tuples(st.just("describe"), slot),
+        # a training iteration of model m (its own Adam) on a thread; a model dropped with its optimizer
+        st.tuples(st.just("train"), thread, st.integers(0, 1)),
+        st.tuples(st.just("drop_model"), thread, st.integers(0, 1)),
     )
 
 
@@ -45,6 +49,7 @@ programs = st.fixed_dictionaries({
     "threads": st.integers(1, 3),
     "threads_before_start": st.booleans(),
     "analysis": st.sampled_from(["leaks", "decompose"]),
+    "optimizer_in_backward": st.booleans(),  # the models' Adam per parameter, stepped in the backward
     "actions": st.lists(_action(), min_size=1, max_size=full(25, 80)),
 })
 
@@ -85,6 +90,50 @@ class Worker(threading.Thread):
         self.join(10)
 
 
+def _model(in_backward):
+    """A small model and its optimizer (after the backward, or one per parameter stepped from the
+    parameter's post-accumulate-grad hook)."""
+    from torch import nn
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if not in_backward:
+        return m, [torch.optim.Adam(m.parameters(), foreach=False)]
+    opts = {p: torch.optim.Adam([p], foreach=False) for p in m.parameters()}
+
+    def step_now(p):
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+    # the hooks' handles: torch keeps a parameter with such a hook alive, cycle or not, until removed
+    m.hook_handles = [p.register_post_accumulate_grad_hook(step_now) for p in m.parameters()]
+    return m, list(opts.values())
+
+
+def _drop(models, m):
+    model, _ = models.pop(m, (None, None))
+    for h in getattr(model, "hook_handles", ()):
+        h.remove()
+    del model
+    gc.collect()  # parameters, hooks and optimizers make a cycle
+
+
+def _train(model, opts, in_backward):
+    loss = model(torch.ones(8, 16)).square().mean()
+    loss.backward()
+    if not in_backward:
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+
+
+def _model_storages(models) -> dict:
+    """data_ptr -> nbytes of every block the models hold: parameters, gradients, optimizer state."""
+    out = {}
+    for model, opts in models.values():
+        ts = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+        ts += [v for o in opts for st_ in o.state.values() for v in st_.values() if isinstance(v, torch.Tensor)]
+        for t in ts:
+            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return out
+
+
 def run_program(prog, out, source):
     """Run one generated program traced; returns (the dump, bytes per held block at the end)."""
     import msmemscope
@@ -105,6 +154,8 @@ def run_program(prog, out, source):
     msmemscope._config = build(Options(collect_mode="deferred"), output=str(out), analysis=prog["analysis"],
                                events="alloc,free,launch")
     hold: dict = {}
+    models: dict = {}     # m -> (model, its optimizers): held by the program like ``hold``
+    in_backward = prog.get("optimizer_in_backward", False)
     seen: dict = {}       # slot -> the source must have this block in the dump (the model below)
     watched: set = set()  # storages the watch engine keeps (it holds them, not the program)
     workers = []
@@ -180,7 +231,19 @@ def run_program(prog, out, source):
             elif kind == "describe":
                 if a[1] in hold:
                     msmemscope.describe.describer(hold[a[1]], owner="held")
+            elif kind == "train":
+                _, t, m = a
+
+                def train(m=m):
+                    if m not in models:
+                        models[m] = _model(in_backward)
+                    _train(*models[m], in_backward)
+                on(t, train)
+            elif kind == "drop_model":
+                _, t, m = a
+                on(t, lambda: _drop(models, m))
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in hold.values()}
+        held.update(_model_storages(models))
         must = {hold[k].untyped_storage().data_ptr() for k, v in seen.items() if v and k in hold}
         s.close()
     finally:
