@@ -582,8 +582,8 @@ def test_the_optimizer_in_backward_with_threads_gaps_and_watch(tmp_path, how, ex
     assert ends == list(range(1, len(ends) + 1)), ends
     if not threads:
         assert len(ends) == traced == iterations - ("gap" in extra), (ends, traced)
-    elif "gap" in extra:  # the other thread's iteration beside the gap is traced in part or not at all
-        assert 2 * iterations - 2 <= len(ends) <= 2 * iterations - 1, ends
+    elif "gap" in extra:  # the other thread's step ends beside the gap are traced or not (up to 2)
+        assert 2 * iterations - 3 <= len(ends) <= 2 * iterations, ends
     else:
         assert len(ends) == 2 * iterations, ends
     with open(os.path.join(folder, "analysis", "leaks.json")) as f:
