@@ -251,6 +251,48 @@ print(t.mode)
     assert not any("pytrace.py" in x[0] for x in rows)
 
 
+OWN_CPROFILE = """
+import cProfile, glob, io, pstats, sys, torch, msmemscope
+from msmemscope import capture
+pr = cProfile.Profile()
+pr.enable()                        # the program profiles itself, then asks for the Python trace
+msmemscope.config(output=sys.argv[1], events="alloc,free,launch,traceback")
+msmemscope.start()
+
+def work():
+    x = torch.ones(64)
+    return (x * 2).sum().item()
+
+for _ in range(3):
+    work()
+msmemscope.stop()
+pr.disable()
+calls = {f[2]: st[1] for f, st in pstats.Stats(pr).stats.items()}
+print("WORK", calls.get("work", 0), flush=True)
+"""
+
+
+def test_the_python_trace_leaves_the_programs_own_profiler_alone(tmp_path):
+    """A program that runs cProfile and asks for the Python trace (events=traceback): its profile
+    stays whole (before: our sys.setprofile replaced cProfile's hook, and stop() cleared it, so
+    cProfile saw none of the calls after start()), the trace is off with one line saying why, and
+    the dump is whole."""
+    prog = tmp_path / "own_cprofile.py"
+    prog.write_text(OWN_CPROFILE)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(prog), str(out)], env=env_for_tests(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WORK 3" in r.stdout, r.stdout
+    assert r.stderr.count("no Python trace (events=traceback)") == 1, r.stderr[-2000:]
+    from conftest import run_folders
+    (folder,) = run_folders(out)
+    assert not glob.glob(os.path.join(folder, "device_cpu", "dump", "python_trace_*.csv"))
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(pl.col("event") == "MALLOC").height >= 3
+
+
 # ---------------------------------------------------------------------------- inefficient, decompose
 def test_inefficient_example_api_marks_the_dump(runs):
     r = runs["inefficient_api"]

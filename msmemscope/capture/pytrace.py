@@ -14,8 +14,9 @@ row. Calls still open at ``stop()`` end at the stop time.
 How: ``sys.monitoring`` (Python 3.12+: every thread at once, the PROFILER tool
 id); before 3.12 ``sys.setprofile`` for the calling thread plus
 ``threading.setprofile`` for threads started later (threads already running
-when the trace starts are not traced there). C functions (builtins) are not
-rows. Cost: BENCHMARKS.md ("Python trace").
+when the trace starts are not traced there). Where the program set a profile
+function itself (cProfile, yappi), it keeps it: no trace, one line says so. C
+functions (builtins) are not rows. Cost: BENCHMARKS.md ("Python trace").
 
 No torch import here: the module runs on any interpreter.
 """
@@ -151,6 +152,15 @@ class PyTracer:
         profile, mon_start, mon_end = self._hooks()
         if self._start_monitoring(mon_start, mon_end):
             self.mode = "sys.monitoring"
+        elif _program_profiles():
+            # the program's own profiler (cProfile, yappi, its own hook) holds the profile hook:
+            # taking it would silently end that profile, and stop() would clear it for good
+            self.mode = "off"
+            self.active = False
+            self._on[0] = False
+            from .._console import alert_once
+            alert_once("pytrace-held", "[msmemscope] no Python trace (events=traceback): the program's own profiler "
+                       "holds sys.setprofile, and stays the program's")
         else:
             self.mode = "sys.setprofile"
             threading.setprofile(profile)
@@ -239,6 +249,12 @@ def _module_call_codes() -> frozenset:
     if code is not None:
         codes.add(code)
     return frozenset(codes)
+
+
+def _program_profiles() -> bool:
+    """A profile function the program set (this thread's, or the one threading gives new threads)."""
+    get_threads = getattr(threading, "getprofile", None)  # 3.10+
+    return sys.getprofile() is not None or (get_threads is not None and get_threads() is not None)
 
 
 _tracer: PyTracer | None = None
