@@ -214,7 +214,7 @@ print("LOSSES", losses, "FAILED", failed, flush=True)
 """
 
 
-@pytest.mark.parametrize("source,analysis", full([("native", "leaks,decompose"), ("python", "decompose")],
+@pytest.mark.parametrize("source,analysis", full([("native", "leaks,decompose")],
                                                   [(s, a) for s in SOURCES for a in ("leaks", "leaks,decompose")]))
 def test_stop_and_start_while_another_thread_runs_torchs_global_hooks(tmp_path, source, analysis):
     """The main thread stops and starts tracing while another thread is inside torch's loop over
