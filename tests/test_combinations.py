@@ -525,3 +525,78 @@ def test_a_fork_and_frees_inside_a_stop_start_gap(tmp_path, source):
     base = (16 * 32 + 32 + 32 * 4 + 4) * 4
     assert [weight(s) for s in ends[:3]] == [base] * 3
     assert [weight(s) for s in ends[3:6]] == [base + (4 * 4 + 4) * 4] * 3, ends
+
+
+FORK_WHILE_LOCKED = r"""
+import os, sys, threading, time, torch, msmemscope
+from torch import nn
+from msmemscope import capture
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.Adam(model.parameters())
+x = torch.randn(8, 16)
+
+def train():
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    msmemscope.step()
+    msmemscope.mark("m")
+    msmemscope.watcher.watch(model[0].weight, name="w")
+
+train()                       # every part of the session made (labeller, module tracker, watch)
+s = capture.current()
+locks = list(s._locks())
+held, release = threading.Event(), threading.Event()
+
+def holder():                 # another thread of the parent, inside our code at the fork
+    for lock in locks:
+        lock.acquire()
+    held.set()
+    release.wait(60)
+    for lock in reversed(locks):
+        lock.release()
+
+t = threading.Thread(target=holder)
+t.start()
+held.wait(60)
+pid = os.fork()
+if pid == 0:                  # the child trains on, as a forked worker of the program may
+    for _ in range(2):
+        train()
+    os._exit(0)
+deadline, status = time.time() + 30, None
+while time.time() < deadline:
+    done, code = os.waitpid(pid, os.WNOHANG)
+    if done:
+        status = code
+        break
+    time.sleep(0.02)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+release.set()
+t.join()
+train()
+print("LOCKS", len(locks), "CHILD", "hung" if status is None else status, flush=True)
+"""
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_child_forked_while_another_thread_holds_our_locks_runs_on(tmp_path, source):
+    """Another thread of the program is inside our code (it holds the session's locks, the watch
+    engine's, the module tracker's, the labeller's) when the main thread forks. The child trains on,
+    ends steps, marks and watches: it runs to its end (before: a child's msmemscope.step() waited for
+    good on the step lock the parent's thread held at the fork). The parent's dump is whole."""
+    prog = tmp_path / "fork_locked.py"
+    prog.write_text(FORK_WHILE_LOCKED)
+    out = tmp_path / "out"
+    r = run_cli(["--analysis=leaks,decompose", "-o", str(out), sys.executable, str(prog)], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = r.stdout.split("LOCKS", 1)[1].split()
+    assert int(said[0]) >= 5 and said[1:] == ["CHILD", "0"], r.stdout[-2000:]
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    import polars as pl
+    assert df.filter(pl.col("event_type") == "STEP").height == 2  # the parent's two steps only

@@ -1321,12 +1321,35 @@ class Session:
 
     def _after_fork_child(self):
         # A forked child (DataLoader worker) is not traced: it must not write into the parent's dump.
+        # A lock of ours that another thread of the parent held at the fork stays held in the child
+        # for good: a child calling msmemscope.step() (or an optimizer hook there) hung on it
+        for lock in self._locks():
+            try:
+                lock._at_fork_reinit()
+            except Exception:
+                pass
         self.active = False
         self.closed = True
         self.buf = []
         self.pieces = []
         self._update_flags()
         self.writer.forget()  # the parent's writer process is the parent's
+
+    def _locks(self):
+        """Every Python lock of the session and its parts (the native source's are C++: pthread_atfork)."""
+        yield self.lock
+        yield self.flush_lock
+        for part, name in ((self.watch_engine, "lock"), (self.modules, "lock"), (self.device_source, "_lock")):
+            lock = getattr(part, name, None) if part is not None else None
+            if lock is not None:
+                yield lock
+        owners = sys.modules.get("msmemscope.capture.owners")
+        if owners is not None:
+            yield owners._labels_lock
+        pytrace = sys.modules.get("msmemscope.capture.pytrace")
+        tracer = pytrace.current() if pytrace is not None else None
+        if tracer is not None:
+            yield tracer.lock
 
 
 # The ways into the session from inside the program's code: a compiled function (torch.compile)
