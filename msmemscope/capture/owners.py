@@ -211,6 +211,7 @@ class Labeler:
         self.flushed_upto = 0                # MALLOC rows of allocation ids up to this one are written
         self._handles = []
         self._hooks_pushed = False
+        self._packing = threading.local()    # .on: our saved-tensor hooks are on this thread
         self._patched = []
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
         self.owned: dict = {}                # alloc_id -> path of the module owning it (module attribution on)
@@ -242,6 +243,7 @@ class Labeler:
         try:
             self._push_pack_hooks()
             self._hooks_pushed = True
+            self._packing.on = True  # this thread's (other threads': _pack_on_this_thread)
         except Exception:  # hooks disabled by the program (torch.func): no activation labels
             pass
         # FSDP2's wrappers wait for the program's own import of it: importing it here would cost
@@ -336,6 +338,23 @@ class Labeler:
         tracker = getattr(self.s, "modules", None)
         if tracker is not None:
             tracker.thread_of[module] = me
+        if not getattr(self._packing, "on", False):
+            self._pack_on_this_thread()
+
+    def _pack_on_this_thread(self):
+        """The saved-tensor hooks are per thread (autograd's thread-local state): pushed at install
+        on the thread that started tracing, here on any other at its first outermost forward, so
+        that a worker thread's saved tensors are activations too (before: all of them ``ops``).
+        Not where the program has its own hooks on the thread now: pushed above them, ours would
+        be what their context's exit pops, and theirs would stay on."""
+        self._packing.on = True
+        if not self._hooks_pushed:  # hooks disabled by the program at install (torch.func)
+            return
+        try:
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+                self._push_pack_hooks()
+        except Exception:
+            pass
 
     def _mine(self, objs):
         from .modules import ran_here
