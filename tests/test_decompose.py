@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, FULL, ROOT, check_invariants, dump_of, read, run_cli, run_folders
+from conftest import EXAMPLES, FULL, ROOT, check_invariants, dump_of, full, read, run_cli, run_folders
 
 PROGS = os.path.join(os.path.dirname(__file__), "progs")
 
@@ -317,8 +317,9 @@ msmemscope.stop()
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
-@pytest.mark.parametrize("gap", ["", "gap", "made-in-gap", "flush"])
+# the short form: each gap once, the sources taking turns (make test's time)
+@pytest.mark.parametrize("source,gap", full([("native", ""), ("python", "gap"), ("native", "made-in-gap"), ("python", "flush")],
+                                            [(s, g) for s in ("native", "python") for g in ("", "gap", "made-in-gap", "flush")]))
 def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, gap):
     """The owner labels' walks keep each model's module tree between step ends (weak references,
     walked again when a module is registered anywhere). A model and optimizer the program drops

@@ -17,8 +17,10 @@ SOURCES = ["native", "python"]
 _env, _python = source_env, run_python
 
 
-@pytest.mark.parametrize("source,watch", [(s, "") for s in SOURCES] + [("native", "watch")])
-@pytest.mark.parametrize("analysis", ["leaks,decompose", "leaks"])
+# the short form: each source and watch once, the analyses taking turns (make test's time)
+@pytest.mark.parametrize("source,watch,analysis", full(
+    [("native", "", "leaks,decompose"), ("python", "", "leaks"), ("native", "watch", "leaks,decompose")],
+    [(s, w, a) for s, w in [(s, "") for s in SOURCES] + [("native", "watch")] for a in ("leaks,decompose", "leaks")]))
 def test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_its_flush(tmp_path, source,
                                                                                         analysis, watch):
     """The first optimizer step's boundary is held until the second (Session._release_held_step):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, read, run_cli, run_folders, source_env
+from conftest import ROOT, check_invariants, dump_of, full, read, run_cli, run_folders, source_env
 
 PROG = os.path.join(ROOT, "tests", "progs", "threads_inference.py")
 
@@ -117,7 +117,7 @@ def _decomposed(tmp_path, source, how):
     return r.stdout.split("OUT", 1)[1].strip(), steps
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["native"], ["native", "python"]))
 def test_a_worker_threads_training_is_decomposed_as_the_main_threads(tmp_path, source):
     """The same training on a worker thread and on the main thread: each step's peak and end, by
     category, are the same, activations included (66,560 B: both ReLUs' outputs and the output
