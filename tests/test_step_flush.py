@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import polars as pl
 import pytest
@@ -292,8 +291,10 @@ time.sleep(5)
 """
 
 
-@pytest.mark.parametrize("source,analysis", [("native", "leaks"), ("python", "leaks"), ("native", "leaks,decompose"),
-                                             ("python", "leaks,decompose")])
+# the short form: each analysis once, the sources taking turns (make test's time)
+@pytest.mark.parametrize("source,analysis", full([("native", "leaks"), ("python", "leaks,decompose")],
+                                                 [("native", "leaks"), ("python", "leaks"), ("native", "leaks,decompose"),
+                                                  ("python", "leaks,decompose")]))
 def test_shared_flushes_with_a_thread_a_gap_and_a_signal(tmp_path, source, analysis):
     """Boundaries that wait, met with a side thread allocating across them, a stop/start gap and
     an exit from the program's SIGTERM handler: every step and the gap's untraced FREE are in a
