@@ -331,7 +331,7 @@ ALL_ONLINE = "leaks,decompose,inefficient"
 
 
 @pytest.mark.parametrize("mode,source,analysis", full(
-    [("", "native", None), ("term", "python", None), ("opt", "native", ALL_ONLINE), ("compile", "native", ALL_ONLINE)],
+    [("term", "python", None), ("opt", "native", ALL_ONLINE), ("compile", "native", ALL_ONLINE)],
     [(m, s, None) for m in ("", "term", "opt") for s in SOURCES]
     + [(m, s, ALL_ONLINE) for m in ("", "term", "opt", "compile") for s in SOURCES]))
 def test_signals_during_flushes(tmp_path, source, mode, analysis):

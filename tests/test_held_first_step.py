@@ -117,11 +117,10 @@ _HELD_OPTIONS = {
 }
 
 
-# the short form: each option once, the sources taking turns (watch hands over to the dispatch-mode
-# source, so it runs on the native one)
+# the short form: two options, the sources taking turns (watch hands over to the dispatch-mode
+# source, so it runs on the native one); the long form: every option on both
 @pytest.mark.parametrize("source,options", full(
-    [("python", _HELD_OPTIONS["steps"]), ("native", _HELD_OPTIONS["inefficient"]),
-     ("native", _HELD_OPTIONS["watch"]), ("python", _HELD_OPTIONS["stacks-oom"])],
+    [("python", _HELD_OPTIONS["steps"]), ("native", _HELD_OPTIONS["watch"])],
     [(s, o) for o in _HELD_OPTIONS.values() for s in SOURCES]),
     ids=lambda v: v if isinstance(v, str) else next(k for k, o in _HELD_OPTIONS.items() if o == v))
 def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, source, options):
