@@ -1340,7 +1340,7 @@ class Session:
         yield self.lock
         yield self.flush_lock
         for part, name in ((self.watch_engine, "lock"), (self.modules, "lock"), (self.device_source, "_lock")):
-            lock = getattr(part, name, None) if part is not None else None
+            lock = getattr(part, name, None)  # (None for a part not made)
             if lock is not None:
                 yield lock
         owners = sys.modules.get("msmemscope.capture.owners")
