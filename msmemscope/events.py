@@ -125,6 +125,12 @@ _FREE_T = '{"allocation_id":%d,"addr":"0x%016x","size":%d,"used":%d,"total":%d}'
 _ACCESS_T = '{"dtype":"%s","shape":[%s],"size":%d,"allocation_id":%d}'
 
 
+def free_ids(rows) -> set:
+    """The allocation ids of the FREE rows among raw ``rows`` (attr as a tuple or a dict)."""
+    return {(r[ATTR][A_ALLOC_ID] if type(r[ATTR]) is tuple else (r[ATTR] or {}).get("allocation_id"))
+            for r in rows if r[EVENT] == Event.FREE}
+
+
 def format_attr(event: str, attr) -> str:
     if not attr:
         return ""

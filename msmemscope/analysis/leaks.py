@@ -65,7 +65,7 @@ def hex_addr(addr) -> str:
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
 from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
-                      NAME, PY_STACK, TID, Event, System)
+                      NAME, PY_STACK, TID, Event, System, free_ids)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -630,13 +630,13 @@ class LeakSink:
             self._rows = self._freed = None
 
     def _live_ids(self):
-        """The blocks live at the end of the step being judged: those the tracer holds now, and
-        those freed after it in the rows of this flush (later step boundaries of a shared flush)."""
-        live = self.session.live_alloc_ids()
+        """The blocks live at the end of the step being judged: those the tracer held when these
+        rows were drained (freed since by another thread included), and those freed after it in
+        the rows of this flush (later step boundaries of a shared flush)."""
+        live = self.session.live_when_drained()
         if self._rows:
             if self._freed is None:  # once a flush: a leaking program has suspects at every step end
-                self._freed = {(r[ATTR][A_ALLOC_ID] if type(r[ATTR]) is tuple else (r[ATTR] or {}).get("allocation_id"))
-                               for r in self._rows if r[EVENT] == Event.FREE}
+                self._freed = free_ids(self._rows)
             live |= self._freed
         return live
 

@@ -86,6 +86,7 @@ class DispatchSource(Source):
         # stop()), so a dump never has an op left open; the op's own end then writes none
         self.in_flight: dict = {}
         self._waiting: list = []          # frees that came during it
+        self.freeing: set = set()         # allocation ids of the blocks freed whose FREE row is not made yet
         self._row_depth = 0
 
     # ------------------------------------------------------------------ Source
@@ -378,10 +379,14 @@ class DispatchSource(Source):
         live = self.live
         if live.get(b.key) is not b:  # already reported (resize_), or a newer block at that id
             return
-        del live[b.key]
         s = self.s
         if s.closed or b.native:
+            del live[b.key]
             return
+        # out of the live blocks, not yet a FREE row in the session's buffer: still live for the
+        # leak rule's step ends (Session.live_when_drained) until _free_row
+        self.freeing.add(b.alloc_id)
+        del live[b.key]
         if self._in_row == threading.get_ident():  # inside this thread's own row section: after it
             self._waiting.append(b)
             return
@@ -393,6 +398,12 @@ class DispatchSource(Source):
                 self._leave_row()
 
     def _free_row(self, b):
+        try:
+            self._free_row_now(b)
+        finally:
+            self.freeing.discard(b.alloc_id)
+
+    def _free_row_now(self, b):
         s = self.s
         if s.closed:
             return

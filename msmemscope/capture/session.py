@@ -31,7 +31,7 @@ from time import time_ns
 import torch
 
 from .. import __version__
-from ..events import C_STACK, FORMAT_VERSION, Event, Mstx, System, NA
+from ..events import C_STACK, FORMAT_VERSION, Event, Mstx, System, NA, free_ids
 from ..io.errors import why_write_failed
 from ..io.files import create_new, make_dirs, unique_path
 from ..io.spool import SpoolWriter
@@ -478,6 +478,17 @@ class Session:
             ids |= self.native.live_alloc_ids()
         if self.device_source is not None:
             ids |= self.device_source.live_alloc_ids()
+        return ids
+
+    def live_when_drained(self) -> set:
+        """Allocation ids of the blocks live when the rows being flushed were drained: those live
+        now, and those freed since then, whose FREE rows wait in a source or in ``buf``. A block
+        another thread frees during a flush leaves the live table before its FREE row reaches any
+        flushed row: the leak rule must still see it live at the step ends of this flush."""
+        ids = self.live_alloc_ids()  # first: a block freed after this is among the rows below
+        ids |= self.dispatch.freeing.copy()  # freed by the dispatch mode, its row being made
+        self.sync_sources()
+        ids.update(free_ids(self.buf))
         return ids
 
     def alloc_id_of(self, st):
