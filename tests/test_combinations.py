@@ -34,8 +34,9 @@ def _rows(df, event, **where):
     return q
 
 
-@pytest.mark.parametrize("source,analysis", [(s, None) for s in SOURCES] + [("native", "leaks,decompose"),
-                                                                             ("native", "inefficient")],
+@pytest.mark.parametrize("source,analysis", full([("python", None), ("native", "leaks,decompose")],  # (make test's time)
+                                                  [(s, None) for s in SOURCES] + [("native", "leaks,decompose"),
+                                                                                  ("native", "inefficient")]),
                          ids=lambda v: str(v))
 def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
     """Frees between stop() and start() get their FREE row (flagged ``untraced``), so ``used`` stays
@@ -95,8 +96,8 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
 
 
 # make test: decompose on both sources (where each defect showed); the full run adds the leaks alone
-@pytest.mark.parametrize("source,analysis", [(s, a) for s in SOURCES for a in full(["leaks,decompose"],
-                                                                                   ["leaks,decompose", "leaks"])])
+@pytest.mark.parametrize("source,analysis", full([("python", "leaks,decompose")],  # (make test's time)
+                                                  [(s, a) for s in SOURCES for a in ["leaks,decompose", "leaks"]]))
 def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path, source, analysis):
     """Each optimizer step of either thread ends a step: 2 x N STEP rows, numbered 1..2N once each
     (check_invariants), and each thread's losses are the plain run's. Two boundaries that met
@@ -117,7 +118,7 @@ def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path,
         assert not bad, bad[:3]
 
 
-@pytest.mark.parametrize("source,analysis", full([("python", "inefficient"), ("native", "leaks")],
+@pytest.mark.parametrize("source,analysis", full([("python", "inefficient")],  # (make test's time)
                                                   [(s, a) for s in SOURCES for a in ("leaks", "inefficient")]))
 def test_stop_and_start_while_another_thread_is_in_its_ops(tmp_path, source, analysis):
     """The main thread stops and starts tracing while another thread trains: at each stop that
@@ -331,7 +332,7 @@ ALL_ONLINE = "leaks,decompose,inefficient"
 
 
 @pytest.mark.parametrize("mode,source,analysis", full(
-    [("term", "python", None), ("opt", "native", ALL_ONLINE), ("compile", "native", ALL_ONLINE)],
+    [("term", "python", None), ("compile", "native", ALL_ONLINE)],  # (make test's time)
     [(m, s, None) for m in ("", "term", "opt") for s in SOURCES]
     + [(m, s, ALL_ONLINE) for m in ("", "term", "opt", "compile") for s in SOURCES]))
 def test_signals_during_flushes(tmp_path, source, mode, analysis):
@@ -505,7 +506,7 @@ print("CHILD", os.waitstatus_to_exitcode(status))
 """
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", full(["native"], SOURCES))  # (make test's time)
 def test_a_fork_and_frees_inside_a_stop_start_gap(tmp_path, source):
     """Tracing stopped: the native source keeps its allocator wrapper (recording nothing) through the
     gap. A child forked then allocates and exits normally; blocks made and freed in the gap never

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_invariants, dump_of, env_for_tests, read, run_folders
+from conftest import check_invariants, dump_of, env_for_tests, full, read, run_folders
 from msmemscope import leak_native
 from msmemscope.io import writers
 from msmemscope.io.writers import CsvWriter
@@ -206,9 +206,10 @@ for i in range(5):
 TIMES = ["ts", "tid", "pid"]
 
 
-@pytest.mark.parametrize("opts", [["--analysis=leaks"], ["--analysis=decompose,inefficient", "--call-stack=python:4"],
-                                  ["--compress=zstd", "--keep-steps=2", "--analysis=inefficient"]],
-                         ids=["default", "decompose-access-stacks", "zstd-bounded"])
+@pytest.mark.parametrize("opts", full([], [["--analysis=leaks"]])
+                         + [["--analysis=decompose,inefficient", "--call-stack=python:4"],
+                            ["--compress=zstd", "--keep-steps=2", "--analysis=inefficient"]],
+                         ids=full([], ["default"]) + ["decompose-access-stacks", "zstd-bounded"])
 def test_traced_dumps_written_both_ways_are_equal(tmp_path, opts):
     """The same program traced with the writer process's lines in C++ and in Python: the same rows,
     every column but the times and ids of the process."""

@@ -525,7 +525,7 @@ print("TIDS", tids["Left"], tids["Right"])
 '''
 
 
-@pytest.mark.parametrize("impl", ["c++", "python"])
+@pytest.mark.parametrize("impl", full(["c++"], ["c++", "python"]))  # (make test's time)
 def test_two_threads_training_two_models_keep_their_own_modules(tmp_path, impl):
     """Two threads train two models at once under decompose: every MALLOC row a thread makes is
     attributed to its own model's modules (never the other's), forward and backward, with the C++
@@ -568,7 +568,7 @@ def _compiled_run(args, env, cli=None):
 @pytest.mark.parametrize("how,backend,source", [(h, b, s) for h in ("module", "inplace", "blocks", "function", "optimizer")
                                                 for b in (["aot_eager", "inductor"] if FULL else ["aot_eager"])
                                                 for s in ("native", "python")
-                                                if FULL or (h, s) in (("optimizer", "python"), ("blocks", "native"))])
+                                                if FULL or (h, s) == ("optimizer", "python")])  # make test's time
 def test_a_compiled_model_stays_compiled_and_its_layers_own_their_memory(tmp_path, how, backend, source):
     """torch.compile with --analysis=decompose (native source). Our global module hooks run inside
     the compiled code only as no-ops (eager_only): Dynamo made a graph break of each module call

@@ -14,7 +14,7 @@ import torch
 
 from conftest import FULL as LONG
 from conftest import (EXAMPLES, ROOT, TRANSFORMER_SMALL, check_invariants, dump_of, env_for_tests, plain_transformer,
-                      read, run_cli, run_folders, threads_run)
+                      full, read, run_cli, run_folders, threads_run)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -447,7 +447,7 @@ def test_a_write_by_compiled_code_is_said_to_be_likely_its_own(tmp_path, out_dir
     assert "torch.compile'd code" in p.stderr
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["native"], ["native", "python"]))  # make test: the handover's path
 def test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes(tmp_path, source):
     """A thread watches a weight that another thread's optimizer updates at every step. Every
     change is that optimizer's declared write (its op, on its thread), none a stomp, and the first
