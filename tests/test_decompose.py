@@ -367,7 +367,7 @@ def test_the_walks_keep_no_model_and_see_an_appended_module(tmp_path, source, ga
         assert sum(r["held"]["parameters"] for r in rows.values() if r["depth"] == 2) == first_b + 2 * bn + 8
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["python"], ["native", "python"]))  # (make test's time)
 def test_owner_rows_kept_for_module_attribution_do_not_pile_up_without_it(tmp_path, source):
     """The labeller keeps each OWNER row's attr until module attribution gives it a module; with
     module attribution off (MSMEMSCOPE_MODULES=0) the flushes still let go of them: a run whose

@@ -179,7 +179,7 @@ def test_clean_transformer_reports_no_leak(tmp_path):
     assert df.filter((pl.col("event") == "MALLOC") & (pl.col("name") == "torch._ops.aten.mm.default")).height > 0
 
 
-@pytest.fixture(scope="module", params=["csv", "db"])
+@pytest.fixture(scope="module", params=full(["csv"], ["csv", "db"]))  # (make test's time)
 def marked_run(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("marked_" + request.param)
     script = _write(tmp, "marked.py", MARKED)
