@@ -47,11 +47,13 @@ browser:
 	    echo "chromium could not be installed; the browser tests will be skipped" )
 
 # set-up side by side (the venv's install, the C++ build once torch is in, the browser's apt
-# install), then four workers, a test file each (files share module fixtures: traced runs); on 2
-# cores the suite is CPU-bound (~930 CPU s of tests and their subprocesses).
+# install), then three workers, a test file each (files share module fixtures: traced runs); on 2
+# cores the suite is CPU-bound (~1,150 CPU s of tests and their subprocesses, ~2 s of each Python
+# process being `import torch`): a fourth worker only adds contention (a sample of 4 files: 8% more
+# CPU than with 2 workers, 10% more wall than with 3).
 test:
 	@$(MAKE) --no-print-directory -j3 venv native browser
-	$(BIN)/python -m pytest tests -n 4 --dist loadfile; rc=$$?; \
+	$(BIN)/python -m pytest tests -n 3 --dist loadfile; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 # the long forms of the tests (conftest.full): more steps, examples and repetitions
