@@ -73,6 +73,7 @@ def _losses(cmd, env):
     return r.stdout
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test checks the losses under more options in test_reliability.py::test_losses_bit_identical_more_options, and beside most traced runs")
 @pytest.mark.parametrize("script,args", full([("transformer.py", TRANSFORMER_SMALL)],
                                               [("transformer.py", TRANSFORMER_SMALL),
                                                ("mlp.py", ["--steps", "5"])]))
@@ -172,6 +173,7 @@ def test_module_and_shell_programs(out_dir, tmp_path):
     assert len(run_folders(out_dir)) == 2  # the python child traced, the shell itself not
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test traces compiled code in test_our_api_inside_a_compiled_training_step_is_called_never_traced, test_modules, test_signals_during_flushes and test_transformers_kv")
 @pytest.mark.parametrize("source", full(["native"], ["python", "native"]))
 def test_torch_compile_under_tracing(out_dir, tmp_path, source):
     """A torch.compile'd loss under tracing: the losses are those of the plain run and the ops are

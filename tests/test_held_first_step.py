@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, full, read, run_cli, run_folders, run_python, source_env
+from conftest import FULL, ROOT, check_invariants, dump_of, full, read, run_cli, run_folders, run_python, source_env
 
 PROGS = os.path.join(ROOT, "tests", "progs")
 SOURCES = ["native", "python"]
@@ -135,6 +135,7 @@ def test_flushes_while_the_first_step_is_held_with_other_options(tmp_path, sourc
     assert ends == ends0
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test has a thread recording inside a held first step's flush in test_a_held_first_step_keeps_the_rows_in_order_when_a_thread_records_inside_its_flush")
 @pytest.mark.parametrize("source,numbering", full([("native", "optimizer")],
                                                  [(s, n) for s in SOURCES for n in ("optimizer", "api")]))
 def test_flushes_while_the_first_step_is_held_with_a_thread_allocating(tmp_path, source, numbering):
@@ -156,6 +157,7 @@ def test_flushes_while_the_first_step_is_held_with_a_thread_allocating(tmp_path,
     assert other["step"].n_unique() >= 4, other["step"].unique().to_list()  # a thread in every part of the run
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test settles a held first step by a full buffer in test_held_steps.py::test_a_held_first_step_with_later_boundaries_settled_by_a_full_buffer")
 def test_a_held_first_step_is_settled_when_the_buffer_fills_before_the_program_numbers_a_step(tmp_path):
     """A program that calls msmemscope.step() more than FLUSH_ROWS rows after its first optimizer
     step: the buffer stays bounded, so the hold ends when it fills (Session._flush_around_held) and

@@ -200,6 +200,7 @@ def test_bounded_form_of_a_dump_keeps_every_kept_row_and_result(tmp_path):
     assert ra.table.height > 50 and ra.table.equals(rb.table)
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test reads bounded compressed dumps after stop in the other tests of this file")
 def test_bounded_compressed_dump_complete_when_stop_returns(tmp_path):
     """config(keep_steps=3, compress="zstd"), then stop() and read the dump in the same process
     (tests/scripts/read_after_stop.py): the held steps are on disk when stop() returns (the last

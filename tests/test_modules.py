@@ -372,6 +372,7 @@ msmemscope.stop()
 '''
 
 
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test holds the C++ walks to the Python walks in test_cpp_walks_of_the_live_objects_are_the_python_walks; the C++ hooks run in every module test")
 @pytest.mark.skipif(not native_built(), reason="the native source is not built (make native)")
 def test_cpp_module_hooks_attribute_as_the_python_hooks(tmp_path):
     """The module hooks, the backward node hooks and the saved-tensor pack hook in C++ (the default
