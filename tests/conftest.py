@@ -29,6 +29,19 @@ if not os.path.isdir(PEER):
     PEER = os.path.join(ROOT, "tests", "data", "peer-dumps")
 
 
+# make test's workers take whole files (--dist loadfile) in collection order: the longest files go
+# first, so that none of them starts last and runs on alone at the end (the Ray file also waits on
+# Ray's own start-up, longer on a loaded machine). By the CPU each took in make test, heaviest first.
+HEAVY_FIRST = ("test_ray.py", "test_combinations.py", "test_capture.py", "test_reliability.py",
+               "test_held_first_step.py", "test_modules.py", "test_native_source.py", "test_step_flush.py",
+               "test_compat.py", "test_watch.py", "test_decompose.py", "test_leak_sites.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda it: rank.get(os.path.basename(str(it.fspath)), len(HEAVY_FIRST)))  # stable
+
+
 def env_for_tests():
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import FSDP2_LAUNCHER, ROOT, run_python, source_env, fsdp2_launcher_run, check_invariants, threads_run, config_of, dump_of, full, read, run_cli, run_folders
+from conftest import FSDP2_LAUNCHER, FULL, ROOT, run_python, source_env, fsdp2_launcher_run, check_invariants, threads_run, config_of, dump_of, full, read, run_cli, run_folders
 
 import subprocess
 
@@ -118,7 +118,10 @@ def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path,
         assert not bad, bad[:3]
 
 
-@pytest.mark.parametrize("source,analysis", full([("python", "inefficient")],  # (make test's time)
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test stops and starts while "
+                    "another thread runs ops in test_stop_and_start_while_another_thread_is_in_an_op, "
+                    "test_stop_start_gaps_threads_and_watch and ..._runs_torchs_global_hooks")
+@pytest.mark.parametrize("source,analysis", full([("python", "inefficient")],
                                                   [(s, a) for s in SOURCES for a in ("leaks", "inefficient")]))
 def test_stop_and_start_while_another_thread_is_in_its_ops(tmp_path, source, analysis):
     """The main thread stops and starts tracing while another thread trains: at each stop that

@@ -290,7 +290,7 @@ def test_random_programs_keep_the_dump_true(tmp_path_factory, source):
     if source == "native" and native.load_module() is None:
         pytest.skip("the native source is not built")
 
-    @settings(max_examples=full(25, 300), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
+    @settings(max_examples=full(15, 300), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
               suppress_health_check=list(HealthCheck))
     @given(programs)
     def prop(prog):

@@ -34,10 +34,10 @@ def _fault_cases():
     for mode in STATUS:
         rng = random.Random(f"fault-{mode}")
         case = (mode, rng.randint(2, 50), rng.choice(["start", "forward", "backward", "optimizer"]))
-        # make test: an exception, a refused allocation and SIGKILL at random points (exit and
+        # make test: a refused allocation and SIGKILL at random points (an exception: test_faults.py; exit and
         # os._exit: test_faults.py's long form and the signal tests; SIGTERM: inside a flush below,
         # and test_launcher_forwards_sigterm; SIGINT: test_reliability_signals.py)
-        if FULL or mode in ("exception", "alloc", "sigkill"):
+        if FULL or mode in ("alloc", "sigkill"):
             cases.append(case)
     # make test: a signal inside a flush too; the long form adds every fault inside backward and
     # an exit inside a flush

@@ -69,11 +69,20 @@ def _so_path() -> str:
 def build(verbose: bool = False) -> str:
     """Compile the source (needs a C++ compiler and ninja); returns the module's path."""
     from torch.utils.cpp_extension import load
+    import threading
     d = build_dir()
     os.makedirs(d, exist_ok=True)
-    mod = load(module_name(), [SOURCE], build_directory=d, extra_cflags=["-O2"], verbose=verbose)
-    # the leak rule's C++ module (no torch in it: the offline replay loads it too) with it
-    why = leak_native.build()
+    # the leak rule's C++ module (no torch in it: the offline replay loads it too) compiles beside it,
+    # on the other core: each is one compiler process, and a fresh machine waits on both
+    leak: list = []
+    t = threading.Thread(target=lambda: leak.append(leak_native.build()), name="msmemscope-leakrule-build",
+                         daemon=True)
+    t.start()
+    try:
+        mod = load(module_name(), [SOURCE], build_directory=d, extra_cflags=["-O2"], verbose=verbose)
+    finally:
+        t.join()
+    why = leak[0] if leak else "its build raised an error"
     if why is not None:
         log.warning("the leak rule's C++ module was not built (%s): its Python loop is used", why)
     return mod.__file__
