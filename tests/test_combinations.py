@@ -410,7 +410,7 @@ print("after", flush=True)
 """
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", full(["native"], SOURCES))  # (make test's time)
 def test_sigterm_inside_an_op_leaves_no_op_open(tmp_path, source):
     """SIGTERM delivered while an op runs (a Python custom op signals itself): the session's handler
     writes the dump and the process ends with the signal, inside the op. The dump keeps every
@@ -459,7 +459,7 @@ print("ops", done[0])
 """
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", full(["python"], SOURCES))  # (make test's time)
 def test_stop_and_start_while_another_thread_is_in_an_op(tmp_path, source):
     """stop() on the main thread while a worker thread is inside a long op, then start() again: the
     op open at the stop gets its ATEN_END there (written by the stop), and its own end writes no

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(native.load_module() is None,
 
 
 # {}: every step boundary a STEP record in the drains' bytes; --steps: the boundaries' other path
-@pytest.mark.parametrize("opts", [{}, {"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}])
+@pytest.mark.parametrize("opts", full([], [{}]) + [{"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}])
 def test_native_bytes_load_as_the_rows(tmp_path, opts):
     env = env_for_tests()
     env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # a frame per step: pieces in several frames

@@ -12,7 +12,7 @@ from conftest import ROOT, check_invariants, dump_of, full, read, run_cli, run_f
 PROG = os.path.join(ROOT, "tests", "progs", "threads_inference.py")
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["python"], ["native", "python"]))  # (make test's time)
 def test_models_of_worker_threads_own_their_weights(tmp_path, source):
     """Two worker threads each run a model of their own, each beginning its forward while the other
     is inside one, and end before the session does; the models outlive them. Each model's weights
@@ -37,7 +37,7 @@ def test_models_of_worker_threads_own_their_weights(tmp_path, source):
     assert by.get("(outside modules)", {"held": {}})["held"].get("parameters", 0) == 0
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["native"], ["native", "python"]))  # (make test's time)
 def test_models_of_live_worker_threads_are_weights_at_the_main_threads_steps(tmp_path, source):
     """The main thread ends steps, with a stop/start gap among them, while two worker threads that
     trained (forward and backward, the gradients kept) are alive; then they end. At each step their

@@ -406,6 +406,8 @@ def test_op_patterns():
     assert OpPattern("aten.mm#3").nth == 3 and OpPattern("aten.mm").nth == 1
 
 
+@pytest.mark.skipif(not LONG, reason="long form only (make test-full): make test compares the losses under watch in "
+                    "test_watch_from_another_thread_blames_no_op_for_the_owners_declared_writes and the optimizer-in-backward test")
 def test_watching_does_not_change_results(tmp_path, out_dir, shared_run):
     """SPEC §6: the same losses, bit for bit, with a watch window over the forward pass."""
     args = [os.path.join(EXAMPLES, "transformer.py"), *TRANSFORMER_SMALL]
