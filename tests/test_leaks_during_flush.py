@@ -20,7 +20,7 @@ from msmemscope.analysis.leaks import replay
 from msmemscope.capture import native
 
 PROG = r"""
-import json, sys, torch, msmemscope
+import json, sys, threading, torch, msmemscope
 from msmemscope import capture
 from msmemscope.events import ATTR, EVENT, EVENT_TYPE, Event, System
 torch.manual_seed(0)
@@ -39,7 +39,12 @@ class FreesDuringTheFlush:
             a = r[ATTR]
             if (r[EVENT] == Event.SYSTEM and r[EVENT_TYPE] == System.STEP and isinstance(a, dict)
                     and a.get("step", 0) >= 3 and "block" in held):
-                del held["block"]
+                if sys.argv[1:] == ["thread"]:  # freed by another thread while this one flushes
+                    t = threading.Thread(target=held.pop, args=("block",))
+                    t.start()
+                    t.join()
+                else:
+                    del held["block"]
                 print("FREED IN THE FLUSH ENDING STEP", a["step"], flush=True)
                 return
 
@@ -65,15 +70,16 @@ print(json.dumps({"losses": losses}))
 """
 
 _PLAIN: list = []
-CASES = [("native", "0"), ("python", "0.1")] + full([], [("native", "0.1"), ("python", "0")])
+CASES = [("native", "0", "sink"), ("python", "0.1", "sink")] + full(
+    [], [("native", "0.1", "sink"), ("python", "0", "sink"), ("native", "0.1", "thread"), ("python", "0", "thread")])
 
 
 def _retained(res):
     return sorted((r["alloc_id"], r["size"], r["step"], r["detected_at_step"]) for r in res["retained"] + res["leaks"])
 
 
-@pytest.mark.parametrize("source,flush_s", CASES)
-def test_a_block_freed_during_the_flush_that_judges_its_step_is_still_found(tmp_path, source, flush_s):
+@pytest.mark.parametrize("source,flush_s,who", CASES)
+def test_a_block_freed_during_the_flush_that_judges_its_step_is_still_found(tmp_path, source, flush_s, who):
     if source == "native" and native.load_module() is None:
         pytest.skip("the native module is not built")
     prog = tmp_path / "prog.py"
@@ -85,7 +91,7 @@ def test_a_block_freed_during_the_flush_that_judges_its_step_is_still_found(tmp_
         _PLAIN.append(json.loads(plain.stdout)["losses"])
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(out), "--analysis=leaks",
-                        sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+                        sys.executable, str(prog), who], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [json.loads(ln)["losses"] for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert losses == _PLAIN

@@ -620,24 +620,26 @@ class LeakSink:
         if m is not None:
             self.t.use_native(m)
         self.session = session
-        self._rows = self._freed = None  # the rows being consumed, the blocks freed in them
+        self._rows = self._live = None  # the rows being consumed, the blocks live at their step ends
 
     def consume(self, rows, first_id):
-        self._rows, self._freed = rows, None
+        self._rows, self._live = rows, None
         try:
             self.t.consume(rows, first_id)
         finally:
-            self._rows = self._freed = None
+            self._rows = self._live = None
 
     def _live_ids(self):
-        """The blocks live at the end of the step being judged: those the tracer held when these
-        rows were drained (freed since by another thread included), and those freed after it in
-        the rows of this flush (later step boundaries of a shared flush)."""
+        """The blocks live at the step ends among the rows being consumed: those the tracer held
+        when these rows were drained (freed since by another thread included), and those freed in
+        these rows (later step boundaries of a shared flush). One set serves every step end of the
+        flush: a block freed before a step end's STEP row has already left the suspects."""
+        if self._live is not None:
+            return self._live
         live = self.session.live_when_drained()
-        if self._rows:
-            if self._freed is None:  # once a flush: a leaking program has suspects at every step end
-                self._freed = free_ids(self._rows)
-            live |= self._freed
+        if self._rows:  # once a flush: a leaking program has suspects at every step end
+            live |= free_ids(self._rows)
+            self._live = live
         return live
 
     def step_end(self, session, step):
