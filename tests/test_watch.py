@@ -520,3 +520,61 @@ def test_a_thread_with_its_own_profiler_keeps_it_when_the_tracer_follows_it(tmp_
     import polars as pl
     ops = df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("tid") == int(tid)) & (pl.col("ts") > int(after)))
     assert ops.height >= 50, ops.height  # ~0.2 s of its loop after the watch began
+
+
+STRADDLE = '''
+import sys, threading, torch, msmemscope
+
+entered, release = threading.Event(), threading.Event()
+
+
+@torch.library.custom_op("straddle::wait_here", mutates_args=())
+def wait_here(x: torch.Tensor) -> torch.Tensor:
+    r = x.clone()      # before the wait: an op inside this one would be checked on its own
+    entered.set()
+    release.wait(60)   # the other thread's op is in flight while the main thread stops tracing
+    return r
+
+
+order = sys.argv[1]
+w = torch.zeros(64)
+msmemscope.watcher.watch(w, name="w")
+y = w + 1                          # checked: the baseline
+t = threading.Thread(target=lambda: wait_here(torch.ones(4)))
+t.start()
+entered.wait(60)
+msmemscope.stop()
+if order == "ends_in_gap":         # the op ends inside the gap, before the untraced write
+    release.set()
+    t.join()
+w.add_(5)                          # the gap: untraced, not checked (docs/watch.md)
+if order == "ends_after_gap":      # the op ends after the gap's write, and after start()
+    msmemscope.start()
+    release.set()
+    t.join()
+else:
+    msmemscope.start()
+z = w * 2                          # traced ops after the gap: their checks start afresh
+w.mul_(3)                          # a declared write, reported
+print("sum", float(w.sum()))
+'''
+
+
+@pytest.mark.parametrize("order", full(["ends_in_gap"], ["ends_in_gap", "ends_after_gap"]))
+@pytest.mark.parametrize("source", full(["python"], ["python", "native"]))
+def test_an_op_in_flight_across_a_stop_takes_no_baseline_from_the_gap(tmp_path, out_dir, order, source):
+    """Another thread's op begins before stop() and ends inside the gap or after start(). The watch
+    forgets its checksums at stop(), but that op's after() used to check the block and note a new
+    baseline: ending in the gap it noted the checksum before the gap's untraced write, and the first
+    op after start() reported that write as an untraced stomp (the optimizer-in-backward test with
+    threads, a gap and watch, once under load); ending after start() it blamed the gap's write on
+    itself, a stomp by an op that declares no write. Now the op's check is dropped; the next op
+    starts afresh and the write after the gap is reported as the declared write it is."""
+    script = write(tmp_path, "straddle.py", STRADDLE)
+    p = check(run_cli(["-o", str(out_dir), script, order], env={**env_for_tests(), "MSMEMSCOPE_SOURCE": source}))
+    assert p.stdout.splitlines()[-1] == "sum 960.0"
+    folder = one_run(out_dir)
+    check_invariants(read(dump_of(folder)))
+    rep = watch_json(folder)
+    assert not rep["stomps"], rep["stomps"]
+    assert [(c["kind"], c["op"]) for c in rep["changes"]] == [("write", "aten.mul_.Tensor")], rep["changes"]

@@ -233,6 +233,9 @@ class WatchEngine:
         self.bins = 0
         self._weights: dict = {}
         self._closed = False
+        # one more at every stop(): an op that began before a stop and ends after it (another
+        # thread's, in flight) saw the block before the gap; its after() checks and notes nothing
+        self.epoch = 0
         session.on_stop(self._forget_last)
         session.set_op_observer(self)  # before()/after() around every op (hands over from the native source)
         self._update_active()
@@ -240,6 +243,7 @@ class WatchEngine:
     def _forget_last(self):
         # ops run while not tracing are not checked: the next check starts afresh
         with self.lock:
+            self.epoch += 1
             for e in self.entries:
                 e.last = None
 
@@ -384,7 +388,7 @@ class WatchEngine:
                         e.last = cs
                 self._dump(e, st, short, call, tid, "before", cs)
                 checked.append((e, cs, e.reported))
-            self.tls.pending = (name, call, checked, opener, closer)
+            self.tls.pending = (name, call, checked, opener, closer, self.epoch)
 
     def _read(self, e):
         """(storage, checksum) of a watched block, or (None, None) after stopping its watch
@@ -407,9 +411,13 @@ class WatchEngine:
             self.running.pop(tid, None)
             if p is None or p[0] != name:
                 return
-            _, call, checked, opener, closer = p
+            _, call, checked, opener, closer, epoch = p
             short = self._names(name)
             tid = threading.get_ident()
+            if epoch != self.epoch:
+                # tracing stopped while this op ran: what changed since its before() may be the
+                # gap's untraced work, and a checksum taken now is no baseline for the next op
+                checked = ()
             if checked:
                 self._sync([e for e, _, _ in checked])
             for e, b, reported in checked:
