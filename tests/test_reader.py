@@ -78,6 +78,35 @@ def test_bad_files(tmp_path, content, msg):
     assert str(p) in str(e.value)
 
 
+@pytest.mark.parametrize("zstd", [False, True])
+def test_number_columns_read_alike_whole_or_in_batches(tmp_path, zstd):
+    """IDs, times, pids and tids are read as numbers (the texts only when a value is not one): a
+    number with blanks before it reads as that number, a blank field as missing, whether the whole
+    file reads as numbers or falls back to its texts, whole or batch by batch; a value that is no
+    number is named in the same error by every read."""
+    from msmemscope.io import reader
+    rows = [b"1,SYSTEM,STEP,N/A, 5,\t7,1,0,N/A,,,", b"2,SYSTEM,STEP,N/A,6,7, 8,0,N/A,,,",
+            b"\t3,MALLOC,PTA,N/A,9,7,8,0,0x1,\"{allocation_id:1,addr:0x1,size:4,used:4,total:4}\",,"]
+    bad = b"x4,SYSTEM,STEP,N/A,10,7,8,0,N/A,,,"
+    for body, error in ((rows, None), (rows + [bad], "row 4 has ID 'x4', not a number"),
+                        (rows[:1] + [bad] + rows[1:], "row 2 has ID 'x4', not a number")):
+        data = HEADER.encode() + b"\n" + b"\n".join(body) + b"\n"
+        p = tmp_path / ("f.csv.zst" if zstd else "f.csv")
+        if zstd:
+            import zstandard
+            data = zstandard.ZstdCompressor().compress(data)
+        p.write_bytes(data)
+        reads = [lambda: read_dump(str(p))] + ([] if zstd else [lambda: reader.read_dump_batched(str(p), batch_bytes=40)])
+        for read_it in reads:
+            if error is None:
+                df = read_it()
+                assert df["id"].to_list() == [1, 2, 3] and df["ts"].to_list() == [5, 6, 9]
+                assert df["pid"].to_list() == [7, 7, 7] and df["tid"].to_list() == [1, 8, 8]
+            else:
+                with pytest.raises(DumpError, match=error):
+                    read_it()
+
+
 def test_missing_paths(tmp_path):
     with pytest.raises(DumpError, match="no such file"):
         read_dump(str(tmp_path / "nope.csv"))
