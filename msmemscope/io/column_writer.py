@@ -270,12 +270,13 @@ class ColumnWriter:
                 self._write_part()
 
     def _add_text_rows(self, raw) -> None:
-        """Rows as the CSV reader parsed them (string columns) as stored columns."""
+        """Rows as the CSV reader parsed them (text columns; the number columns as numbers where
+        the reader's first read took them so) as stored columns."""
         import polars as pl
         from . import reader as R
         from ..events import NA
         if raw.select(pl.any_horizontal(pl.col(c).str.contains("\x00", literal=True).any()
-                                        for c in R.NAMES)).item():
+                                        for c in R.NAMES if raw.schema[c] == pl.String)).item():
             raise _Unfit("NUL")
         df = raw.select(id=pl.col("id").cast(pl.Int64), event="event", event_type="event_type", name="name",
                         ts=pl.col("ts").cast(pl.Int64), pid=pl.col("pid").cast(pl.Int64),
