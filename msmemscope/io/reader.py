@@ -253,8 +253,9 @@ def _as_typed(df: pl.DataFrame) -> pl.DataFrame:
 
 
 def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None) -> pl.DataFrame:
-    """The CSV dump (or, with ``text``, its decompressed text) as string columns (``facts``: see
-    ``check_csv``)."""
+    """The CSV dump (or, with ``text``, its decompressed text) as text columns, ``id``, ``ts``,
+    ``pid`` and ``tid`` as numbers where every value is one (else as texts: ``_as_typed``)
+    (``facts``: see ``check_csv``)."""
     complete, size = check_csv(path, text, facts)
     source = path if text is None else io.BytesIO(text)
     if complete < size:
