@@ -23,6 +23,7 @@ import re
 import sys
 
 from ..capture.cuda_allocator import HAL, free_regions
+from ..events import A_ADDR, A_ALLOC_ID, A_SIZE, ATTR, DEVICE, EVENT, EVENT_TYPE, NAME, Event, Pool
 
 log = logging.getLogger("msmemscope")
 GiB = float(1 << 30)
@@ -115,22 +116,22 @@ class FragmentationSink:
     def consume(self, rows, first_id):
         s = self.session
         for r in rows:
-            ev = r[0]
-            if ev == "SNAPSHOT" and r[2] == "Step End" and isinstance(r[7], dict):
-                self.device[str(r[5])] = _device_part(r[7])
+            ev = r[EVENT]
+            if ev == Event.SNAPSHOT and r[NAME] == "Step End" and isinstance(r[ATTR], dict):
+                self.device[str(r[DEVICE])] = _device_part(r[ATTR])
                 continue
-            if ev != "MALLOC" and ev != "FREE":
+            if ev != Event.MALLOC and ev != Event.FREE:
                 continue
-            pool = r[1]
-            if pool != HAL and (pool != "PTA" or r[5] == "cpu"):
+            pool = r[EVENT_TYPE]
+            if pool != HAL and (pool != Pool.PTA or r[DEVICE] == "cpu"):
                 continue
-            a = r[7]
+            a = r[ATTR]
             if isinstance(a, tuple):
-                aid, addr, size = a[0], a[1], a[2]
+                aid, addr, size = a[A_ALLOC_ID], a[A_ADDR], a[A_SIZE]
             else:
                 aid, addr, size = a.get("allocation_id"), a.get("addr"), a.get("size")
                 addr = int(addr, 16) if isinstance(addr, str) else addr
-            self.t.row(ev, pool, r[5], r[2], s.step_no, aid, addr, size, _attr_get(a, "alloc_type"))
+            self.t.row(ev, pool, r[DEVICE], r[NAME], s.step_no, aid, addr, size, _attr_get(a, "alloc_type"))
 
     def step_end(self, session, step):
         for dev, f in sorted(self.t.figures().items()):
