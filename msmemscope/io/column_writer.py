@@ -259,8 +259,7 @@ class ColumnWriter:
         with open(self.path, "rb") as f:
             header = f.readline()
         for block in R._line_batches(self.path, complete, R.BATCH_BYTES):
-            raw = pl.read_csv(io.BytesIO(header + block), has_header=True, new_columns=list(R.NAMES),
-                              schema_overrides={n: pl.String for n in R.NAMES}, infer_schema=False, quote_char="\"")
+            raw = R.csv_frame(io.BytesIO(header + block))
             if raw.width != len(R.NAMES) or raw.select(
                     (pl.col("event").is_null() | pl.col("ts").is_null() | pl.col("ptr").is_null()).any()).item():
                 raise _Unfit("a row the reader refuses")

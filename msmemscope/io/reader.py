@@ -252,6 +252,24 @@ def _as_typed(df: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(num(c) for c in _TYPED if _TYPED[c] == pl.Int64)
 
 
+def csv_frame(source) -> pl.DataFrame:
+    """polars' read of a CSV dump's text (a path or a buffer, header first): ``id``, ``ts``, ``pid``
+    and ``tid`` as numbers (making their texts and casting them was a tenth of the read), or, where
+    a value is not a number, every column as text, the numbers' as the typed read takes them
+    (``_as_typed``: the error then names the row). Raises what polars raises."""
+    try:
+        with polars_path(source) as src:
+            return pl.read_csv(src, has_header=True, new_columns=list(NAMES), schema_overrides=_TYPED,
+                               infer_schema=False, quote_char="\"")
+    except Exception:
+        if hasattr(source, "seek"):
+            source.seek(0)
+    with polars_path(source) as src:
+        return _as_typed(pl.read_csv(src, has_header=True, new_columns=list(NAMES),
+                                     schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
+                                     quote_char="\""))
+
+
 def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None) -> pl.DataFrame:
     """The CSV dump (or, with ``text``, its decompressed text) as text columns, ``id``, ``ts``,
     ``pid`` and ``tid`` as numbers where every value is one (else as texts: ``_as_typed``)
@@ -269,25 +287,10 @@ def _read_csv(path: str, text: bytes | None = None, facts: dict | None = None) -
         warnings.warn(f"{path}: last row is incomplete (the dump was cut short); read up to line {lines}",
                       TruncatedDumpWarning, stacklevel=3)
         source = io.BytesIO(data)
-    df = None
     try:
-        # the number columns read as numbers: a tenth of the read's time went on making their
-        # texts and casting them (a value that is not a number fails this read: the texts' read
-        # below then says which row)
-        with polars_path(source) as src:
-            df = pl.read_csv(src, has_header=True, new_columns=list(NAMES), schema_overrides=_TYPED,
-                             infer_schema=False, quote_char="\"")
+        df = csv_frame(source)
     except Exception:
-        if hasattr(source, "seek"):
-            source.seek(0)
-    if df is None:
-        try:
-            with polars_path(source) as src:
-                df = _as_typed(pl.read_csv(src, has_header=True, new_columns=list(NAMES),
-                                           schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
-                                           quote_char="\""))
-        except Exception:
-            raise DumpError(_locate_csv_error(path, text)) from None
+        raise DumpError(_locate_csv_error(path, text)) from None
     if df.width != len(NAMES):
         raise DumpError(_locate_csv_error(path, text))
     # polars pads a short row with nulls: every row of a dump has these fields
@@ -979,17 +982,8 @@ def _read_batched(path: str, want: tuple, keep, batch_bytes: int) -> pl.DataFram
         header = f.readline()  # each batch is parsed under the header, as read_dump parses the file
 
     def parse(text: bytes, row0: int):
-        raw = None
-        try:  # the number columns as numbers first, as _read_csv reads them
-            raw = pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
-                              schema_overrides=_TYPED, infer_schema=False, quote_char="\"")
-        except Exception:
-            pass
         try:
-            if raw is None:
-                raw = _as_typed(pl.read_csv(io.BytesIO(header + text), has_header=True, new_columns=list(NAMES),
-                                            schema_overrides={n: pl.String for n in NAMES}, infer_schema=False,
-                                            quote_char="\""))
+            raw = csv_frame(io.BytesIO(header + text))
         except Exception:
             raise DumpError(_locate_csv_error(path)) from None
         if raw.width != len(NAMES):
