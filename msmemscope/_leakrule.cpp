@@ -20,6 +20,12 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <cerrno>
+
 namespace py = pybind11;
 
 // a numpy array of T as C++ reads it (converted or copied where it is not that already)
@@ -508,143 +514,131 @@ class KeyTable {
 //           "freed_at_step"); state = (sites, blocks, pending, level, cur, lines, labels, reported),
 // blocks and pending KeyTables (of width 2 and 6; dicts: nothing is done here, the Python loop
 // takes every row). The sites' live bytes are summed here and added to them when the call ends.
-int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::handle step_h, py::tuple consts,
-                  py::tuple state) {
-  PyObject* rows = rows_h.ptr();
-  if (!PyList_Check(rows)) return start;
-  PyObject* ev_launch = consts[0].ptr();
-  PyObject* ev_access = consts[1].ptr();
-  PyObject* ev_malloc = consts[2].ptr();
-  PyObject* ev_free = consts[3].ptr();
-  PyObject* hal = consts[4].ptr();
-  PyObject* s_live = consts[5].ptr();
-  PyObject* s_last = consts[6].ptr();
-  PyObject* s_freed = consts[7].ptr();
-  PyObject* sites = state[0].ptr();
-  if (!py::isinstance<KeyTable>(state[1]) || !py::isinstance<KeyTable>(state[2])) return start;
-  KeyTable* blocks = state[1].cast<KeyTable*>();
-  KeyTable* pending = state[2].cast<KeyTable*>();
-  if (blocks->width() != 2 || pending->width() != 6) return start;
-  PyObject* level = state[3].ptr();
-  PyObject* cur = state[4].ptr();
-  PyObject* lines = state[5].ptr();
-  PyObject* labels = state[6].ptr();
-  PyObject* reported = state[7].ptr();
-  PyObject* first = first_h.ptr();
-  PyObject* step = step_h.ptr();
-  long long step_no = PyLong_AsLongLong(step);
-  if (step_no == -1 && PyErr_Occurred()) throw py::error_already_set();
-  bool late = step_no >= 2;  // blocks of steps >= 2 are pending until judged
-  // the rows' IDs: first, first + 1, ... (online), or a list of them (the offline replay)
-  PyObject* ids = PyList_CheckExact(first) ? first : nullptr;
-  long long first_no = 0;
-  if (ids == nullptr) {
-    first_no = PyLong_AsLongLong(first);
-    if (first_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+namespace {
+// one MALLOC/FREE row's fields as the loop reads them, borrowed (from the row tuple, or from the
+// columns and the values the caller made for the row)
+struct LeakRow {
+  bool is_malloc = false;
+  PyObject *pool = nullptr, *device = nullptr, *used = nullptr, *op = nullptr, *aid = nullptr,
+           *stack = nullptr, *owner = nullptr, *size = nullptr, *addr = nullptr;
+  PyObject* tid = nullptr;  // null: tid_val (None where tid_null), made only for a labels lookup
+  int64_t tid_val = 0;
+  bool tid_null = false;
+  PyObject* id = nullptr;   // null: id_val, kept by the pending table as a number until asked for
+  int64_t id_val = 0;
+};
+
+// the (device, pool) of the last row: most rows of a batch have the same objects, so their key is
+// made, and their min/max looked up, once; ``level`` gets the pool's last ``used`` when the pool
+// changes and when the loop ends (nothing reads it in between)
+struct LastPool {
+  PyObject* level;
+  PyObject* device = nullptr;  // borrowed (the rows hold them)
+  PyObject* pool = nullptr;
+  PyObject* key = nullptr;     // owned
+  PyObject* mm = nullptr;      // borrowed from cur
+  PyObject* used = nullptr;    // owned: the last row's ``used`` not yet in level
+  int32_t bpk = -1, ppk = -1;  // the pair's index in the blocks and pending tables
+  explicit LastPool(PyObject* l) : level(l) {}
+  LastPool(const LastPool&) = delete;
+  LastPool& operator=(const LastPool&) = delete;
+  void note(PyObject* u) {
+    Py_INCREF(u);
+    Py_XSETREF(used, u);
   }
-  Py_ssize_t n = PyList_GET_SIZE(rows);
-  if (ids != nullptr && PyList_GET_SIZE(ids) < n) n = PyList_GET_SIZE(ids);  // no row without its ID
-  Py_ssize_t i = (Py_ssize_t)start;
-  // the (device, pool) of the last row: most rows of a batch have the same objects, so their key
-  // is made, and their min/max looked up, once; ``level`` gets the pool's last ``used`` when the
-  // pool changes and when the loop ends (nothing reads it in between)
-  struct Pool {
-    PyObject* level;
-    PyObject* device = nullptr;  // borrowed (the rows hold them)
-    PyObject* pool = nullptr;
-    PyObject* key = nullptr;     // owned
-    PyObject* mm = nullptr;      // borrowed from cur
-    PyObject* used = nullptr;    // borrowed: the last row's ``used`` not yet in level
-    int32_t bpk = -1, ppk = -1;  // the pair's index in the blocks and pending tables
-    explicit Pool(PyObject* l) : level(l) {}
-    bool put_level() {
-      if (key == nullptr || used == nullptr) return true;
-      PyObject* u = used;
-      used = nullptr;
-      return PyDict_SetItem(level, key, u) == 0;
+  bool put_level() {
+    if (key == nullptr || used == nullptr) return true;
+    Ref u(used);
+    used = nullptr;
+    return PyDict_SetItem(level, key, u.get()) == 0;
+  }
+  ~LastPool() {
+    if (used != nullptr && key != nullptr) {  // an exception on the way out: keep it, put the level
+      PyObject *t, *v, *tb;
+      PyErr_Fetch(&t, &v, &tb);
+      if (!put_level()) PyErr_Clear();
+      PyErr_Restore(t, v, tb);
     }
-    ~Pool() {
-      if (used != nullptr && key != nullptr) {  // an exception on the way out: keep it, put the level
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        if (!put_level()) PyErr_Clear();
-        PyErr_Restore(t, v, tb);
+    Py_XDECREF(used);
+    Py_XDECREF(key);
+  }
+};
+
+// the bytes each site gained or lost in this call, added to its ``live`` when the call ends (on
+// an error too): one int made per site, not one per row. The sites are held meanwhile.
+struct Deltas {
+  std::vector<std::pair<PyObject*, long long>> v;
+  std::unordered_map<PyObject*, size_t> at;
+  PyObject *s_live, *s_last;
+  PyObject* last = nullptr;  // the site of the last add, and its place in v
+  size_t last_at = 0;
+  Deltas(PyObject* l, PyObject* t) : s_live(l), s_last(t) {}
+  Deltas(const Deltas&) = delete;
+  Deltas& operator=(const Deltas&) = delete;
+  void add(PyObject* site, long long d) {
+    if (site != last) {
+      auto it = at.find(site);
+      if (it == at.end()) {
+        Py_INCREF(site);
+        it = at.emplace(site, v.size()).first;
+        v.emplace_back(site, 0);
       }
-      Py_XDECREF(key);
+      last = site;
+      last_at = it->second;
     }
-  } pk(level);
-  // the bytes each site gained or lost in this call, added to its ``live`` when the call ends (on
-  // an error too): one int made per site, not one per row. The sites are held meanwhile.
-  struct Deltas {
-    std::vector<std::pair<PyObject*, long long>> v;
-    std::unordered_map<PyObject*, size_t> at;
-    PyObject *s_live, *s_last;
-    PyObject* last = nullptr;  // the site of the last add, and its place in v
-    size_t last_at = 0;
-    Deltas(PyObject* l, PyObject* t) : s_live(l), s_last(t) {}
-    void add(PyObject* site, long long d) {
-      if (site != last) {
-        auto it = at.find(site);
-        if (it == at.end()) {
-          Py_INCREF(site);
-          it = at.emplace(site, v.size()).first;
-          v.emplace_back(site, 0);
-        }
-        last = site;
-        last_at = it->second;
+    v[last_at].second += d;
+  }
+  bool apply() {
+    bool ok = true;
+    for (auto& sd : v) {
+      if (ok && sd.second != 0) {
+        Ref d(PyLong_FromLongLong(sd.second));
+        ok = d.get() != nullptr && site_add_live(sd.first, d.get(), false, s_live, s_last);
       }
-      v[last_at].second += d;
+      Py_DECREF(sd.first);
     }
-    bool apply() {
-      bool ok = true;
-      for (auto& sd : v) {
-        if (ok && sd.second != 0) {
-          Ref d(PyLong_FromLongLong(sd.second));
-          ok = d.get() != nullptr && site_add_live(sd.first, d.get(), false, s_live, s_last);
-        }
-        Py_DECREF(sd.first);
-      }
-      v.clear();
-      at.clear();
-      last = nullptr;
-      return ok;
-    }
-    ~Deltas() {
-      if (v.empty()) return;
-      PyObject *t, *val, *tb;
-      PyErr_Fetch(&t, &val, &tb);
-      if (!apply()) PyErr_Clear();
-      PyErr_Restore(t, val, tb);
-    }
-  } deltas(s_live, s_last);
-  struct SiteHit {  // borrowed: the rows hold the keys' objects, ``sites`` the site
-    PyObject *device = nullptr, *pool = nullptr, *python = nullptr, *label = nullptr, *site = nullptr;
-  };
-  std::unordered_map<PyObject*, SiteHit> site_hits;  // op name object -> its last site
-  for (; i < n; ++i) {
-    PyObject* r = PyList_GET_ITEM(rows, i);
-    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) < 10) break;
-    PyObject* ev = PyTuple_GET_ITEM(r, 0);
-    bool is_malloc;
-    if (ev == ev_malloc) {  // the sources' own string objects first, then any equal string
-      is_malloc = true;
-    } else if (ev == ev_free) {
-      is_malloc = false;
-    } else if (ev == ev_launch || ev == ev_access || same_str(ev, ev_launch) || same_str(ev, ev_access)) {
-      continue;  // most rows: nothing to do
-    } else if (same_str(ev, ev_malloc)) {
-      is_malloc = true;
-    } else if (same_str(ev, ev_free)) {
-      is_malloc = false;
-    } else {
-      break;
-    }
-    PyObject* a = PyTuple_GET_ITEM(r, 7);
-    if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) < 5) break;
-    PyObject* pool = PyTuple_GET_ITEM(r, 1);
-    if (is_malloc && (!PyUnicode_CheckExact(pool) || same_str(pool, hal))) break;
-    PyObject* device = PyTuple_GET_ITEM(r, 5);
-    PyObject* used = PyTuple_GET_ITEM(a, 3);
+    v.clear();
+    at.clear();
+    last = nullptr;
+    return ok;
+  }
+  ~Deltas() {
+    if (v.empty()) return;
+    PyObject *t, *val, *tb;
+    PyErr_Fetch(&t, &val, &tb);
+    if (!apply()) PyErr_Clear();
+    PyErr_Restore(t, val, tb);
+  }
+};
+
+// the loop's state for one call: what take() needs of consts and state, the last pool, the sites'
+// deltas and the sites last found by op. take() handles a row (true) or leaves it untouched for
+// the Python loop (false); errors are thrown. finish() puts the level and the deltas.
+class LeakLoop {
+ public:
+  LeakLoop(py::handle step_h, py::tuple consts, py::tuple state)
+      : ev_launch(consts[0].ptr()), ev_access(consts[1].ptr()), ev_malloc(consts[2].ptr()),
+        ev_free(consts[3].ptr()), hal(consts[4].ptr()), s_live(consts[5].ptr()), s_last(consts[6].ptr()),
+        s_freed(consts[7].ptr()), sites(state[0].ptr()), level(state[3].ptr()), cur(state[4].ptr()),
+        lines(state[5].ptr()), labels(state[6].ptr()), reported(state[7].ptr()), step(step_h.ptr()), pk(level),
+        deltas(s_live, s_last) {
+    if (!py::isinstance<KeyTable>(state[1]) || !py::isinstance<KeyTable>(state[2])) return;
+    blocks = state[1].cast<KeyTable*>();
+    pending = state[2].cast<KeyTable*>();
+    if (blocks->width() != 2 || pending->width() != 6) return;
+    long long step_no = PyLong_AsLongLong(step);
+    if (step_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+    late = step_no >= 2;  // blocks of steps >= 2 are pending until judged
+    ready = true;
+  }
+  bool ready = false;
+  PyObject *ev_launch, *ev_access, *ev_malloc, *ev_free;
+
+  bool take(const LeakRow& r) {
+    PyObject* pool = r.pool;
+    if (r.is_malloc && (!PyUnicode_CheckExact(pool) || same_str(pool, hal))) return false;
+    PyObject* device = r.device;
+    PyObject* used = r.used;
     if (pk.key == nullptr || device != pk.device || pool != pk.pool) {
       // another (device, pool) than the last row's: its key, and its min/max of this step
       PyObject* key = tuple_of({device, pool});
@@ -655,7 +649,7 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         if (got == nullptr || !PyList_CheckExact(got) || PyList_GET_SIZE(got) != 2) {
           Py_DECREF(key);
           if (PyErr_Occurred()) throw py::error_already_set();
-          break;  // the pool's first row in this step: the Python loop starts its min/max
+          return false;  // the pool's first row in this step: the Python loop starts its min/max
         }
       }
       if (!pk.put_level()) {
@@ -675,14 +669,14 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
       }
     }
     PyObject* mm = pk.mm;  // borrowed from cur
-    PyObject* op = PyTuple_GET_ITEM(r, 2);
-    PyObject* aid = PyTuple_GET_ITEM(a, 0);
-    PyObject* stack = PyTuple_GET_ITEM(r, 8);
+    PyObject* op = r.op;
+    PyObject* aid = r.aid;
+    PyObject* stack = r.stack;
     PyObject* site = nullptr;  // borrowed from sites
     PyObject* size = nullptr;  // borrowed (the row's, or the cached 0)
     long long isize = 0;
     static PyObject* zero = PyLong_FromLong(0);
-    if (is_malloc) {
+    if (r.is_malloc) {
       PyObject* python = Py_None;
       int has_stack = truthy(stack);
       if (has_stack < 0) throw py::error_already_set();
@@ -690,19 +684,19 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         python = PyDict_GetItemWithError(lines, stack);
         if (python == nullptr) {
           if (PyErr_Occurred()) throw py::error_already_set();
-          break;  // the line of a new stack: the Python loop finds it
+          return false;  // the line of a new stack: the Python loop finds it
         }
       }
       PyObject* label = Py_None;
       Ref owned_label;  // a describe label cut from the owner text (a new string)
       if (python == Py_None) {
-        PyObject* owner = PyTuple_GET_SIZE(a) > 5 ? PyTuple_GET_ITEM(a, 5) : Py_None;
+        PyObject* owner = r.owner;
         int has_owner = truthy(owner);
         if (has_owner < 0) throw py::error_already_set();
         Py_ssize_t second = -1;
         if (has_owner) {
           // <pool>@<category>@<labels...>: the labels are the text after the second '@'
-          if (!PyUnicode_CheckExact(owner)) break;
+          if (!PyUnicode_CheckExact(owner)) return false;
           Py_ssize_t len = PyUnicode_GET_LENGTH(owner);
           Py_ssize_t first_at = PyUnicode_FindChar(owner, '@', 0, len, 1);
           if (first_at == -2) throw py::error_already_set();
@@ -716,8 +710,15 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
             label = owned_label.o;
           }
         }
-        if (second < 0) {
-          label = PyDict_GetItemWithError(labels, PyTuple_GET_ITEM(r, 4));
+        if (second < 0 && PyDict_GET_SIZE(labels) > 0) {
+          Ref made;  // the thread's number, made here for the lookup (the column replay)
+          PyObject* tid = r.tid;
+          if (tid == nullptr) {
+            made.o = r.tid_null ? Py_NewRef(Py_None) : PyLong_FromLongLong(r.tid_val);
+            if (made.o == nullptr) throw py::error_already_set();
+            tid = made.o;
+          }
+          label = PyDict_GetItemWithError(labels, tid);
           if (label == nullptr) {
             if (PyErr_Occurred()) throw py::error_already_set();
             label = Py_None;
@@ -736,19 +737,19 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         site = PyDict_GetItemWithError(sites, skey.get());
         if (site == nullptr) {
           if (PyErr_Occurred()) throw py::error_already_set();
-          break;  // a new site: made by the Python loop
+          return false;  // a new site: made by the Python loop
         }
         // a label made for this row dies with it: its address may come back as another string
         if (owned_label.o == nullptr) hit = SiteHit{device, pool, python, label, site};
       }
-      size = PyTuple_GET_ITEM(a, 2);
+      size = r.size;
       int has_size = truthy(size);
       if (has_size < 0) throw py::error_already_set();
       if (!has_size) size = zero;
-      if (!PyLong_CheckExact(size)) break;  // a size that is not an int: the Python loop adds it
+      if (!PyLong_CheckExact(size)) return false;  // a size that is not an int: the Python loop adds it
       int over = 0;
       isize = PyLong_AsLongLongAndOverflow(size, &over);
-      if (over) break;
+      if (over) return false;
     }
     // from here on the row is handled here: the step's lowest and highest ``used``, the level
     if (late) {
@@ -767,15 +768,15 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         }
       }
     }
-    pk.used = used;  // level[pk] = used, put when the pool changes or the loop ends
-    if (is_malloc) {
+    pk.note(used);  // level[pk] = used, put when the pool changes or the loop ends
+    if (r.is_malloc) {
       deltas.add(site, isize);
       if (!site_set_last(site, aid, s_live, s_last)) throw py::error_already_set();
       PyObject* bv[2] = {site, size};
       if (!blocks->put(pk.bpk, aid, bv)) throw py::error_already_set();
       if (late) {  // (step, row id: made when asked for, addr, size, op, stack)
-        PyObject* pv[6] = {step, ids ? PyList_GET_ITEM(ids, i) : nullptr, PyTuple_GET_ITEM(a, 1), size, op, stack};
-        if (!pending->put(pk.ppk, aid, pv, ids ? -1 : 1, first_no + (long long)i)) throw py::error_already_set();
+        PyObject* pv[6] = {step, r.id, r.addr, size, op, stack};
+        if (!pending->put(pk.ppk, aid, pv, r.id ? -1 : 1, r.id_val)) throw py::error_already_set();
       }
     } else {
       int64_t e = blocks->find(pk.bpk, aid);
@@ -809,9 +810,81 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
         if (rec.get() != Py_None && PyObject_SetItem(rec.get(), s_freed, step) != 0) throw py::error_already_set();
       }
     }
+    return true;
   }
-  if (!pk.put_level()) throw py::error_already_set();
-  if (!deltas.apply()) throw py::error_already_set();
+
+  void finish() {
+    if (!pk.put_level()) throw py::error_already_set();
+    if (!deltas.apply()) throw py::error_already_set();
+  }
+
+ private:
+  PyObject *hal, *s_live, *s_last, *s_freed, *sites, *level, *cur, *lines, *labels, *reported, *step;
+  KeyTable* blocks = nullptr;
+  KeyTable* pending = nullptr;
+  bool late = false;
+  LastPool pk;
+  Deltas deltas;
+  struct SiteHit {  // borrowed: the rows hold the keys' objects, ``sites`` the site
+    PyObject *device = nullptr, *pool = nullptr, *python = nullptr, *label = nullptr, *site = nullptr;
+  };
+  std::unordered_map<PyObject*, SiteHit> site_hits;  // op name object -> its last site
+};
+}  // namespace
+
+int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::handle step_h, py::tuple consts,
+                  py::tuple state) {
+  PyObject* rows = rows_h.ptr();
+  if (!PyList_Check(rows)) return start;
+  LeakLoop loop(step_h, consts, state);
+  if (!loop.ready) return start;
+  // the rows' IDs: first, first + 1, ... (online), or a list of them (the offline replay)
+  PyObject* first = first_h.ptr();
+  PyObject* ids = PyList_CheckExact(first) ? first : nullptr;
+  long long first_no = 0;
+  if (ids == nullptr) {
+    first_no = PyLong_AsLongLong(first);
+    if (first_no == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  Py_ssize_t n = PyList_GET_SIZE(rows);
+  if (ids != nullptr && PyList_GET_SIZE(ids) < n) n = PyList_GET_SIZE(ids);  // no row without its ID
+  Py_ssize_t i = (Py_ssize_t)start;
+  for (; i < n; ++i) {
+    PyObject* r = PyList_GET_ITEM(rows, i);
+    if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) < 10) break;
+    PyObject* ev = PyTuple_GET_ITEM(r, 0);
+    LeakRow row;
+    if (ev == loop.ev_malloc) {  // the sources' own string objects first, then any equal string
+      row.is_malloc = true;
+    } else if (ev == loop.ev_free) {
+      row.is_malloc = false;
+    } else if (ev == loop.ev_launch || ev == loop.ev_access || same_str(ev, loop.ev_launch) ||
+               same_str(ev, loop.ev_access)) {
+      continue;  // most rows: nothing to do
+    } else if (same_str(ev, loop.ev_malloc)) {
+      row.is_malloc = true;
+    } else if (same_str(ev, loop.ev_free)) {
+      row.is_malloc = false;
+    } else {
+      break;
+    }
+    PyObject* a = PyTuple_GET_ITEM(r, 7);
+    if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) < 5) break;
+    row.pool = PyTuple_GET_ITEM(r, 1);
+    row.device = PyTuple_GET_ITEM(r, 5);
+    row.op = PyTuple_GET_ITEM(r, 2);
+    row.tid = PyTuple_GET_ITEM(r, 4);
+    row.stack = PyTuple_GET_ITEM(r, 8);
+    row.aid = PyTuple_GET_ITEM(a, 0);
+    row.addr = PyTuple_GET_ITEM(a, 1);
+    row.size = PyTuple_GET_ITEM(a, 2);
+    row.used = PyTuple_GET_ITEM(a, 3);
+    row.owner = PyTuple_GET_SIZE(a) > 5 ? PyTuple_GET_ITEM(a, 5) : Py_None;
+    row.id = ids ? PyList_GET_ITEM(ids, i) : nullptr;
+    row.id_val = first_no + (long long)i;
+    if (!loop.take(row)) break;
+  }
+  loop.finish();
   return (int64_t)i;
 }
 
@@ -954,6 +1027,63 @@ py::tuple replay_rows(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::tup
   return py::make_tuple(py::reinterpret_steal<py::object>(rows.release()),
                         py::reinterpret_steal<py::object>(ids.release()),
                         py::reinterpret_steal<py::object>(others.release()));
+}
+
+// leak_columns(cols, start, stop, step, consts, state): leak_rows over the rows of ``replay_rows``'
+// columns (the same cols), with no row tuple made: a MALLOC/FREE row's numbers are made as it is
+// taken (its ID only where the pending table is asked for it), its strings are the columns'
+// objects. Stops, as leak_rows does, at the first row it does not take, and at every row that is
+// not a MALLOC/FREE (the offline replay's MSTX, STEP and summary rows): the replay makes that one
+// row (replay_rows) for the Python loop and calls again.
+int64_t leak_columns(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::handle step_h, py::tuple consts,
+                     py::tuple state) {
+  enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
+  if (cols.size() != NCOLS) throw py::value_error("leak_columns: 12 columns");
+  static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
+  ColumnView v[NCOLS];
+  for (int j = 0; j < NCOLS; ++j) v[j].bind(cols[j], is_text[j], stop);
+  if (!v[EV].present || !v[EV].text || !v[ID].present || v[ID].text)
+    throw py::value_error("leak_columns: no event or ID column");
+  LeakLoop loop(step_h, consts, state);
+  if (!loop.ready) return start;
+  auto text = [&](int j, Py_ssize_t i) {  // borrowed; None for a null or a missing column
+    PyObject* o = v[j].str(i);
+    return o != nullptr ? o : Py_None;
+  };
+  Py_ssize_t i = start;
+  for (; i < stop; ++i) {
+    PyObject* ev = v[EV].str(i);
+    LeakRow row;
+    if (ev == nullptr) break;
+    if (ev == loop.ev_malloc || same_str(ev, loop.ev_malloc)) {
+      row.is_malloc = true;
+    } else if (!(ev == loop.ev_free || same_str(ev, loop.ev_free))) {
+      break;
+    }
+    if (v[ID].has_nulls && v[ID].m[i]) break;
+    row.id_val = v[ID].v[i];
+    row.pool = text(ET, i);
+    row.device = text(DEV, i);
+    row.op = text(NAME, i);
+    row.stack = row.is_malloc ? text(STACK, i) : Py_None;
+    row.owner = row.is_malloc ? text(OWNER, i) : Py_None;
+    if (v[TID].present && !(v[TID].has_nulls && v[TID].m[i])) {
+      row.tid_val = v[TID].v[i];
+    } else {
+      row.tid_null = true;
+    }
+    Ref aid(v[AID].get(i)), size(v[SIZE].get(i)), used(v[USED].get(i));
+    if (aid.get() == nullptr || size.get() == nullptr || used.get() == nullptr) throw py::error_already_set();
+    Ref addr(row.is_malloc ? v[ADDR].get(i) : Py_NewRef(Py_None));
+    if (addr.get() == nullptr) throw py::error_already_set();
+    row.aid = aid.get();
+    row.size = size.get();
+    row.used = used.get();
+    row.addr = addr.get();
+    if (!loop.take(row)) break;
+  }
+  loop.finish();
+  return (int64_t)i;
 }
 
 // ---------------------------------------------------------------- Attr fields of a text dump
@@ -2074,6 +2204,85 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
   return py::make_tuple(i, py::reinterpret_steal<py::str>(text));
 }
 
+// ---------------------------------------------------------------- the scan of a CSV dump's text
+// (io/reader.py check_csv) in one pass with the GIL released: every newline counted (the rows
+// exactly, at any size), the first line longer than ``limit`` bytes, and whether a NUL byte is
+// anywhere. Python's streamed scan copied the file block by block and counted the newlines of its
+// first 64 MB only; this costs about what reading the file from the page cache does. ``path``: the
+// file, mapped, or with ``end`` >= 0 its first ``end`` bytes read in blocks (a file the capture
+// appends to while it reads, which another process may cut back to its last whole row: a mapped
+// page past a new end would kill the process), given as bytes (os.fsencode). Or None with ``text``, a buffer (a .csv.zst dump's
+// decompressed text). Returns (bytes up to the end of the last complete line, bytes scanned,
+// newlines, NUL seen, the 1-based number of the first line over the limit or 0), or None where
+// the file cannot be opened (the Python scan then says why).
+namespace {
+struct Scan {
+  int64_t complete = 0, lines = 0, long_line = 0, pos = 0, since = 0;  // since: bytes after the last newline
+  bool nul = false;
+  void feed(const char* p, size_t n, int64_t limit) {
+    if (!nul && n) nul = std::memchr(p, 0, n) != nullptr;
+    const char* q = p;
+    const char* e = p + n;
+    while (q < e) {
+      const char* x = static_cast<const char*>(std::memchr(q, '\n', (size_t)(e - q)));
+      since += (x ? x : e) - q;
+      if (long_line == 0 && since > limit) long_line = lines + 1;
+      if (!x) break;
+      ++lines;
+      since = 0;
+      q = x + 1;
+      complete = pos + (q - p);
+    }
+    pos += (int64_t)n;
+  }
+};
+}  // namespace
+
+py::object csv_scan(py::object path, py::object text, int64_t end, int64_t limit) {
+  Scan s;
+  if (path.is_none()) {
+    py::buffer_info b = py::buffer(text).request();
+    size_t n = (size_t)(b.size * b.itemsize);
+    if (end >= 0 && (size_t)end < n) n = (size_t)end;
+    py::gil_scoped_release unlocked;  // the caller holds the buffer
+    s.feed(static_cast<const char*>(b.ptr), n, limit);
+  } else {
+    std::string name = path.cast<std::string>();  // os.fsencode's bytes: any name the OS allows
+    int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return py::none();
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return py::none();
+    }
+    bool ok = true;
+    {
+      py::gil_scoped_release unlocked;
+      size_t n = (size_t)st.st_size;
+      void* m = end < 0 && n > 0 ? ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+      if (m != MAP_FAILED) {
+        ::madvise(m, n, MADV_SEQUENTIAL);
+        s.feed(static_cast<const char*>(m), n, limit);
+        ::munmap(m, n);
+      } else {
+        std::vector<char> block(std::min<int64_t>(1 << 22, std::max<int64_t>(limit, 1 << 16)));
+        while (end < 0 || s.pos < end) {
+          size_t want = block.size();
+          if (end >= 0) want = (size_t)std::min<int64_t>((int64_t)want, end - s.pos);
+          ssize_t k = ::pread(fd, block.data(), want, s.pos);
+          if (k < 0 && errno == EINTR) continue;
+          if (k < 0) ok = false;
+          if (k <= 0) break;
+          s.feed(block.data(), (size_t)k, limit);
+        }
+      }
+    }
+    ::close(fd);
+    if (!ok) return py::none();
+  }
+  return py::make_tuple(s.complete, s.pos, s.lines, s.nul, s.long_line);
+}
+
 #ifndef LEAKRULE_NAME
 #define LEAKRULE_NAME msmemscope_leakrule
 #endif
@@ -2081,11 +2290,13 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
 PYBIND11_MODULE(LEAKRULE_NAME, m) {
   m.def("leak_rows", &leak_rows);
   m.def("replay_rows", &replay_rows);
+  m.def("leak_columns", &leak_columns);
   m.def("attr_fields", &attr_fields, py::arg("stream"), py::arg("kind"), py::arg("kinds") = py::none());
   m.def("inefficient_fold", &inefficient_fold);
   m.def("hex_texts", &hex_texts);
   m.def("template_texts", &template_texts);
   m.def("csv_rows", &csv_rows);
+  m.def("csv_scan", &csv_scan, py::arg("path"), py::arg("text"), py::arg("end"), py::arg("limit"));
   py::class_<KeyTable>(m, "KeyTable")
       .def(py::init<int>(), py::arg("width"))
       .def("__len__", &KeyTable::size)

@@ -91,6 +91,43 @@ def test_streamed_check_independent_of_block_size(tmp_path, monkeypatch, prefix,
         assert whole == (data.rfind(b"\n") + 1, len(data))
 
 
+# pieces of a text with lines past the line limit (1024 at least), NUL bytes and CRLF
+piece = st.one_of(st.binary(max_size=60), st.sampled_from([b"\n", b"\r\n", b"\x00", b",\"x\"\n"]),
+                  st.integers(1000, 2100).map(lambda n: b"a" * n),
+                  st.integers(1022, 1026).map(lambda n: b"\n" + b"a" * n + b"\n"))  # at the limit
+
+
+@given(prefix=st.integers(0, 3000), pieces=st.lists(piece, max_size=8), end=st.one_of(st.none(), st.integers(0, 9000)),
+       zst=st.booleans())
+def test_native_scan_says_what_the_streamed_scan_says(tmp_path, monkeypatch, prefix, pieces, end, zst):
+    """``check_csv``'s C++ scan (``csv_scan``: mapped, or read in blocks up to ``end``, or over a
+    decompressed text) and Python's streamed scan give the same bytes, the same NUL fact and the
+    same error, whatever the text (the row estimate aside: the C++ count is exact)."""
+    from msmemscope.io import columns as C
+    if C.text_module("csv_scan") is None:
+        pytest.skip("the C++ module is not built")
+    base = open(os.path.join(os.path.dirname(__file__), "data", "peer-dumps", "baseline.csv"), "rb").read()
+    data = base[:prefix] + b"".join(pieces)
+    p = tmp_path / "f.csv"
+    p.write_bytes(data)
+    monkeypatch.setenv("MSMEMSCOPE_MAX_LINE_BYTES", "1024")
+    monkeypatch.setenv("MSMEMSCOPE_MEMORY_LIMIT", str(1 << 40))
+
+    def outcome():
+        facts = {}
+        try:
+            got = reader.check_csv(str(p), data if zst else None, facts, None if zst else end)
+        except DumpError as e:
+            return str(e)
+        return got, facts
+    native = outcome()
+    monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")  # the Python scan
+    try:
+        assert outcome() == native
+    finally:
+        monkeypatch.delenv("MSMEMSCOPE_ATTR_FIELDS")
+
+
 @given(rows=st.lists(st.tuples(st.one_of(st.integers(-3, 10**12), st.none(), text), st.sampled_from(EVENTS),
                                st.sampled_from(TYPES), text, st.one_of(st.integers(-2**63, 2**63 - 1), st.none(), text),
                                attr), max_size=8))

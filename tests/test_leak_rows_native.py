@@ -124,6 +124,65 @@ def test_native_row_loop_leaves_the_tracker_as_the_python_loop(seed, steps, per_
     assert run(rows, [len(rows)], live, MOD) == run(rows, [len(rows)], live, None)
 
 
+def replay_frame(rows):
+    """The stream as the offline replay's frame (``leaks.replay``'s query): its MALLOC/FREE rows
+    with tuple attrs as the reader's columns, its MSTX and STEP rows with their Attr as JSON text."""
+    import polars as pl
+    keep = [r for r in rows if r[0] in ("MSTX", "SYSTEM") or (r[0] in ("MALLOC", "FREE") and isinstance(r[7], tuple))]
+    mem = [r[0] in ("MALLOC", "FREE") for r in keep]
+    steps, n = [], 1
+    for r in keep:
+        steps.append(n)
+        n += r[0] == "SYSTEM"
+
+    def field(k):
+        return [r[7][k] if m and len(r[7]) > k else None for r, m in zip(keep, mem)]
+    return pl.DataFrame({
+        "id": list(range(1, len(keep) + 1)), "event": [r[0] for r in keep], "event_type": [r[1] for r in keep],
+        "name": [r[2] for r in keep], "tid": [r[4] for r in keep], "device": [r[5] for r in keep],
+        "alloc_id": field(0), "addr": field(1), "size": field(2), "used": field(3), "owner": field(5),
+        "py_stack": [r[8] if r[0] == "MALLOC" else None for r in keep],
+        "attr": [None if m else json.dumps(r[7]) for r, m in zip(keep, mem)], "step": steps},
+        schema_overrides={"id": pl.Int64, "tid": pl.Int64, "alloc_id": pl.Int64, "addr": pl.Int64, "size": pl.Int64,
+                          "used": pl.Int64, "step": pl.Int64})
+
+
+class _NoColumnLoop:
+    """The module without ``leak_columns``: the replay makes row tuples for ``leak_rows``."""
+    def __init__(self, m):
+        self._m = m
+
+    def __getattr__(self, k):
+        if k == "leak_columns":
+            raise AttributeError(k)
+        return getattr(self._m, k)
+
+
+@settings(max_examples=full(40, 400), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32), steps=st.integers(1, 10), per_step=st.integers(0, 90),
+       p_keep=st.sampled_from([0.0, 0.1, 0.5]))
+def test_column_loop_leaves_the_tracker_as_the_python_loop(seed, steps, per_step, p_keep):
+    """The offline replay's loop over the columns (``leak_columns``: no row tuples, the rows it does
+    not take made alone for the Python loop) leaves the tracker as the Python loop over the rows
+    does, and as ``leak_rows`` over the row tuples does."""
+    rows, _ = stream(seed, steps, per_step, p_keep, 0.0, 0.0)
+    q = replay_frame(rows)
+    has = set(q.columns)
+    got = []
+    for m in (MOD, _NoColumnLoop(MOD), None):
+        t = leaks.StepLeakTracker()
+        if m is None:
+            leaks._replay_rows(t, q, has, q.height)
+        else:
+            t.use_native(m)
+            cols = leaks._native_columns(q, has)
+            assert cols is not None
+            leaks._replay_columns(t, q, has, q.height, m, cols)
+        got.append(state(t, []))
+    assert got[0] == got[2] and got[1] == got[2]
+
+
 KEYS = st.tuples(st.sampled_from(["cpu", "cuda:0"]), st.sampled_from(["PTA", "HAL"]),
                  st.one_of(st.integers(0, 40), st.none(), st.just(2 ** 70), st.integers(-3, -1)))
 

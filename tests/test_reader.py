@@ -266,11 +266,17 @@ def test_attr_fields_in_cpp_are_polars_fields(monkeypatch, rows):
     assert matched == expect
 
 
-def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch):
-    """Past COUNT_BYTES the streaming pass stops counting newlines (a third of the bare read's
-    time on 500 MB) and extrapolates the row count for the memory estimate, saying 'about'; a NUL
-    anywhere, counted part or not, is still found and refused."""
-    from msmemscope.io import reader as R
+@pytest.mark.parametrize("scan", ["native", "python"])
+def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch, scan):
+    """Python's streamed scan: past COUNT_BYTES it stops counting newlines (a third of the bare
+    read's time on 500 MB) and extrapolates the row count for the memory estimate, saying 'about'.
+    The C++ scan (``csv_scan``) counts every newline at any size: the count stays exact. A NUL
+    anywhere, counted part or not, is found and refused by either."""
+    from msmemscope.io import columns as C, reader as R
+    if scan == "python":
+        monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")  # no C++ module for the reader
+    elif C.text_module("csv_scan") is None:
+        pytest.skip("the C++ module is not built")
     rows = [f"{i},SYSTEM,STEP,N/A,{i},1,1,0,N/A,\"{{\"\"step\"\":{i}}}\",," for i in range(1, 20001)]
     p = tmp_path / "d.csv"
     p.write_text(HEADER + "\n" + "\n".join(rows) + "\n")
@@ -279,6 +285,10 @@ def test_row_count_of_a_big_file_is_extrapolated(tmp_path, monkeypatch):
         read_dump(str(p))
     monkeypatch.setattr(R, "CHUNK", 1 << 12)
     monkeypatch.setattr(R, "COUNT_BYTES", 1 << 14)
+    if scan == "native":
+        with pytest.raises(DumpError, match=r"\(20000 rows"):  # still exact
+            read_dump(str(p))
+        monkeypatch.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
     with pytest.raises(DumpError, match=r"\(about \d+ rows") as e:
         read_dump(str(p))
     n = int(e.value.args[0].split("(about ")[1].split(" ")[0])

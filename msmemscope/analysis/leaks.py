@@ -313,9 +313,18 @@ class StepLeakTracker:
         self._bound_fluct()
         return new
 
-    def consume(self, rows, first_id, ids=None):
+    def native_args(self, cur: dict) -> tuple:
+        """``(consts, state)`` as the C++ row loops take them (``leak_rows``, ``leak_columns``);
+        ``cur``: the step's lowest and highest ``used`` by pool, as the loops keep it."""
+        return ((Event.OP_LAUNCH, Event.ACCESS, Event.MALLOC, Event.FREE, CACHED_SEGMENTS, "live", "last_aid",
+                 "freed_at_step"),
+                (self._sites, self._blocks, self.pending, self.level, cur, self._lines, self.labels, self.reported))
+
+    def consume(self, rows, first_id, ids=None, cur=None):
         """Raw rows (``events`` field order) with IDs ``first_id, first_id + 1, ...`` (or ``ids``).
-        Returns the block findings of the step ends among them.
+        Returns the block findings of the step ends among them. ``cur``: the step's lowest and
+        highest ``used`` by pool, kept by a caller that takes rows in C++ between its calls (the
+        offline replay's ``leak_columns``); a new one by default.
 
         The hot loop of the online leak analysis (every MALLOC/FREE row of a run): ``malloc`` and
         ``free`` inlined for the tuple attrs the sources make, with the step's state in locals
@@ -327,12 +336,12 @@ class StepLeakTracker:
         new_site = self.growth.site
         line_of, lines, labels = self._line, self._lines, self.labels
         step = self.step
-        cur: dict = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
+        if cur is None:
+            cur = {}  # (device, pool) -> [min, max] of ``used`` in this step (step >= 2)
         fast = self.fast_rows if type(rows) is list and (ids is None or type(ids) is list) else None
         first = first_id if ids is None else ids  # the row IDs as the C++ loop takes them
         if fast is not None:
-            consts = (OP_LAUNCH, ACCESS, MALLOC, FREE, CACHED_SEGMENTS, "live", "last_aid", "freed_at_step")
-            state = (sites, blocks, pending, level, cur, lines, labels, self.reported)
+            consts, state = self.native_args(cur)
         count = len(rows)
         at = 0
         while at < count:
@@ -877,6 +886,9 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
 COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "py_stack", "step",
            "origin")
 EVENTS = ("MALLOC", "FREE", "MSTX", "OP_LAUNCH", "SYSTEM")
+#: the step rule's (``replay``): no op rows (the marks' check names the enclosing op; the step rule
+#: takes the op from the MALLOC row's name), half the rows of a dump with launch events
+STEP_EVENTS = ("MALLOC", "FREE", "MSTX", "SYSTEM")
 
 
 def with_summaries(df, path):
@@ -891,12 +903,12 @@ def with_summaries(df, path):
     return df.join(s, on="id", how="left").sort("id")
 
 
-def _read(path):
+def _read(path, events=EVENTS):
     import warnings
     from ..io.reader import read_dump
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        df = read_dump(path, columns=COLUMNS, events=EVENTS)
+        df = read_dump(path, columns=COLUMNS, events=events)
         df = with_summaries(df, path)
     for w in caught:
         print(f"msmemscope: warning: {w.message}", file=sys.stderr)
@@ -1032,6 +1044,23 @@ def _replay_columns(t, q, has, n, m, cols):
             a = {"step": step} if step is not None else {}
         made[at] = (ev, et, oc["name"][k], None, oc["tid"][k], oc["device"][k], None, a, None, None)
     consts = (Event.MALLOC, Event.FREE)
+    fused = getattr(m, "leak_columns", None) if t.fast_rows is not None else None
+    if fused is not None:
+        # the MALLOC/FREE rows taken straight from the columns (no row tuples); a row the C++ loop
+        # does not take (a new site or stack line, a pool's first row in a step, the other
+        # events) made alone and given to the Python loop, with the step's min/max kept between
+        cur: dict = {}
+        at = 0
+        while at < n:
+            at = fused(cols, at, n, t.step, *t.native_args(cur))
+            if at >= n:
+                break
+            rows, ids, others = m.replay_rows(cols, at, at + 1, consts)
+            if others:
+                rows[0] = made[at]
+            t.consume(rows, 0, ids, cur=cur)
+            at += 1
+        return t
     for start in range(0, n, 65536):
         stop = min(n, start + 65536)
         rows, ids, others = m.replay_rows(cols, start, stop, consts)
@@ -1060,7 +1089,7 @@ def analyze(input_path) -> list[dict]:
     out = []
     for d in find_dumps(os.fspath(input_path)):
         recorded = _recorded_steps(d)
-        t = replay(_read(d), recorded)
+        t = replay(_read(d, STEP_EVENTS), recorded)
         judged = recorded is None
         res = t.results(judged)
         lines = report_lines(t, judged, res) + gap_report(t.fluctuation())
