@@ -9,8 +9,9 @@ source (``MSMEMSCOPE_NATIVE_DIR``, else ``~/.cache/msmemscope``). ``build()`` ru
 source's build (``python -m msmemscope.capture.native build``, ``make native``, and a traced run's
 build on first use); ``load()`` only loads what is there. Not built, or
 ``MSMEMSCOPE_LEAK_ROWS=python``: the tracker's Python loop and dicts, with the same results.
-The reader of text dumps parses the Attr texts our writer prints with it too (``attr_fields``;
-``MSMEMSCOPE_ATTR_FIELDS=polars``: polars' string expressions, with the same results).
+The reader of text dumps parses the Attr texts our writer prints with it too (``attr_fields``)
+and scans a CSV text before reading it (``csv_scan``); ``MSMEMSCOPE_ATTR_FIELDS=polars``:
+polars' string expressions and the Python scan, with the same results.
 """
 from __future__ import annotations
 

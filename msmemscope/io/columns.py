@@ -117,8 +117,9 @@ class _Stream:
 
 def text_module(needs: str = "template_texts"):
     """The torch-free C++ module (built with the native source) for the Attr fields the reader
-    parses and the texts it makes again, or None: not built, without ``needs``, or
-    ``MSMEMSCOPE_ATTR_FIELDS=polars`` (polars' and numpy's ways for all of them)."""
+    parses, the texts it makes again and its scan of a CSV text, or None: not built, without
+    ``needs``, or ``MSMEMSCOPE_ATTR_FIELDS=polars`` (polars', numpy's and Python's ways for all
+    of them)."""
     if os.environ.get("MSMEMSCOPE_ATTR_FIELDS", "").strip().lower() == "polars":
         return None
     from .. import leak_native
