@@ -632,6 +632,10 @@ def _in_order_with_steps(df: pl.DataFrame, want) -> pl.DataFrame:
     the same way, from the text or the companion: ``step``, and ``step_number`` / ``op`` if asked."""
     if not df["id"].is_sorted():
         df = df.sort("id")
+    # said sorted: an analysis' sort by ID (the step rule's replay, compare's ops) is then free,
+    # not 0.1 s of sorting 1M sorted rows
+    if not df["id"].null_count():
+        df = df.with_columns(pl.col("id").set_sorted())
     is_step = _IS_STEP.cast(pl.Int32)
     df = df.with_columns(_aligned(df.select(step=(is_step.cum_sum() - is_step + 1))["step"], df))
     if "step_number" in want:
