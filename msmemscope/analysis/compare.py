@@ -193,16 +193,21 @@ def _all_ops(df: pl.DataFrame, level: str):
     else:
         # a kernel owns the MALLOCs on its thread since the previous kernel launch there
         rows = rows.with_columns(_owner=per(pl.when(k == 1).then(pl.col("id")).backward_fill(), "tid"))
-    owned = (rows.filter((k == 3) & pl.col("_owner").is_not_null())
-             .group_by("_owner").agg(bytes=pl.col("size").sum()))
+    owned = rows.filter((k == 3) & pl.col("_owner").is_not_null()).select("_owner", "size")
     ops = df.filter(kind == 1).select(pl.col("device").fill_null("N/A"), "event", "name", "id", "step", "py_stack")
     if not ops["id"].is_sorted():
         ops = ops.sort("id")
     ids = ops["id"].to_numpy()
     nbytes = np.zeros(len(ids), dtype=np.int64)
     if owned.height and len(ids):
-        pos = np.searchsorted(ids, owned["_owner"].to_numpy())
-        nbytes[pos] = owned["bytes"].fill_null(0).to_numpy()
+        # each MALLOC's size added to its op's: the owners in ID order where the rows are (one
+        # thread), else sorted first (numpy's search for a million owners in random order was
+        # 0.4 s at 10M events; a group_by over them 0.2 s)
+        own, size = owned["_owner"].to_numpy(), owned["size"].fill_null(0).to_numpy()
+        if not (own[1:] >= own[:-1]).all():
+            order = np.argsort(own, kind="stable")
+            own, size = own[order], size[order]
+        np.add.at(nbytes, np.searchsorted(ids, own), size)
     return ops.with_columns(bytes=pl.Series(nbytes)), present
 
 
