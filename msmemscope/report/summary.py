@@ -109,16 +109,11 @@ def _summarised_peaks(df, device, pool) -> tuple[int, int]:
 
 def _offline_leaks(df) -> tuple[list[dict], str]:
     """The leaks module's offline step rule on the dump's columns."""
-    import polars as pl
     from ..analysis import leaks as L
-    # the columns the rule and its records read, before the filter copies the rows: not the
-    # frame's Attr, owner and other texts (the ops come from ``name``: no op rows are kept)
-    cols = [c for c in ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size",
-                        "py_stack", "step", "origin") if c in df.columns]
-    mem = df.select(cols).filter(pl.col("event").is_in(list(EVENTS)))
+    # the ops come from ``name`` (an N/A one stays none: the enclosing op is not looked for)
     return [{"device": r.get("device"), "pool": r.get("pool"), "op": r.get("op"), "size": int(r.get("size") or 0),
              "step": r.get("step"), "alloc_id": r.get("alloc_id"), "id": r.get("id")}
-            for r in L.step_leaks(mem)], "analysis.leaks.step_leaks"
+            for r in L.step_leaks(df, enclosing=False)], "analysis.leaks.step_leaks"
 
 
 def _read_json(path):
