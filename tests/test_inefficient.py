@@ -112,6 +112,25 @@ def test_chunked_equals_whole(csv_run):
         assert tr.finish().select("mpos", "bits", "max_gap").sort("mpos").equals(ref), n
 
 
+@pytest.mark.parametrize("threshold", [100, 3000])
+def test_totals_without_texts_are_the_summary_of_the_blocks(csv_run, threshold):
+    """The cross-rank summary's way (a Tracker that gathers no op or stack, its blocks unsorted,
+    ``totals``) counts what ``summarize`` of the selected blocks counts, type by type, fed in
+    slices as a dump is."""
+    from msmemscope.analysis.inefficient import Tracker, chunk_from_frame, select, summarize, totals
+    ch = chunk_from_frame(read(dump_of(csv_run[0])))
+    tr = Tracker(threshold)
+    tr.feed_all(ch, 64)
+    want = summarize(select(tr.finish()), tr.counts, threshold)
+    bare = Tracker(threshold, texts=False)
+    bare.feed_all(ch, 64)
+    res = bare.finish(ordered=False)
+    assert res["op"].null_count() == res.height and res["stack"].null_count() == res.height
+    got = totals(res)
+    assert got == {k: want[k] for k in ("by_type", "blocks", "bytes")}
+    assert want["blocks"] >= 3 and sum(v["count"] for v in got["by_type"].values()) >= want["blocks"]
+
+
 def test_idle_threshold_changes_result(csv_run):
     from msmemscope import check_inefficient
     dump = dump_of(csv_run[0])

@@ -31,7 +31,6 @@ tracker's memory is the live blocks plus the blocks already flagged.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -240,10 +239,12 @@ class Tracker:
     sorted allocation ids, and the per-block aggregates (first and last counted access, largest
     gap) are segment reductions over the accesses grouped by block; C++ takes the same steps as
     loops. The strings of a new block are gathered only when it is flagged or stays
-    live, so a chunk's many short-lived blocks never copy their stacks."""
+    live, so a chunk's many short-lived blocks never copy their stacks. ``texts`` False: no op
+    name or stack is gathered at all (null), for a caller that wants only the totals."""
 
-    def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD):
+    def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD, texts: bool = True):
         self.idle_threshold = int(idle_threshold)
+        self.texts = texts
         self.k = 0            # ATEN_START rows so far
         self.depth = 0        # open ops
         self.op_name = None   # name of the current/last op
@@ -303,6 +304,8 @@ class Tracker:
 
         def text_of(idx):
             """op and stack of blocks ``idx`` (ascending): carried rows, then this chunk's new blocks."""
+            if not self.texts:
+                return _no_text(len(idx))
             old, nw = idx[idx < n_old], idx[idx >= n_old] - n_old
             parts = [self.text[old]] if len(old) else []
             if len(nw):
@@ -338,19 +341,27 @@ class Tracker:
             "stack": t["stack"], "first_op": b["first_op"][idx], "aop": b["aop"][idx],
             "max_gap": b["max_gap"][idx], "bits": bits[idx]}).cast(_RESULT_SCHEMA))
 
-    def finish(self) -> pl.DataFrame:
-        """Judge the blocks still live (not late: their free is not in the trace); all flagged blocks."""
+    def finish(self, ordered: bool = True) -> pl.DataFrame:
+        """Judge the blocks still live (not late: their free is not in the trace); all flagged
+        blocks (in allocation order; ``ordered`` False: in no order, for totals)."""
         b = self.b
         bits = self._bits(b, np.zeros(len(b["alloc_id"]), bool))
         text = self.text
-        self._flag(b, np.flatnonzero(bits > 0), bits, lambda idx: text[idx])
+        self._flag(b, np.flatnonzero(bits > 0), bits,
+                   (lambda idx: text[idx]) if self.texts else (lambda idx: _no_text(len(idx))))
         self.b = {c: np.empty(0, dtype=t) for c, t in _NUM.items()}
         self.text = text.clear()
         if not self.flagged:
             return pl.DataFrame(schema=_RESULT_SCHEMA)
         res = pl.concat(self.flagged, how="vertical")
         self.flagged = [res]
-        return res.sort("mpos")
+        return res.sort("mpos") if ordered else res
+
+
+def _no_text(n: int) -> pl.DataFrame:
+    """``n`` rows of no op and no stack (a Tracker without texts)."""
+    none = pl.Series(dtype=pl.String).extend_constant(None, n)
+    return pl.DataFrame({"op": none, "stack": none})
 
 
 # ------------------------------------------------------------------ chunks from the two sources
@@ -483,6 +494,18 @@ def select(res: pl.DataFrame, mem_size: int = 0, types=TYPES) -> pl.DataFrame:
 
 
 from ..frames import user_line as _user_line  # noqa: E402
+
+
+def totals(res: pl.DataFrame, types=TYPES) -> dict:
+    """What ``summarize`` says of ``select(res)``'s blocks in number (``blocks``, ``bytes``,
+    ``by_type``), without naming the worst: no type texts made, nothing sorted."""
+    mask = sum(_BIT[t] for t in types)
+    sel = res.select("size", bits=pl.col("bits") & mask).filter(pl.col("bits") > 0)
+    by_type = {}
+    for t in TYPES:
+        s = sel.filter((pl.col("bits") & _BIT[t]) > 0)
+        by_type[t] = {"count": s.height, "bytes": int(s["size"].sum() or 0)}
+    return {"by_type": by_type, "blocks": sel.height, "bytes": int(sel["size"].sum() or 0)}
 
 
 def summarize(sel: pl.DataFrame, counts: dict, idle_threshold: int, note: str | None = None) -> dict:

@@ -158,12 +158,12 @@ def _inefficient(folder, dump, counts, df=None):
         src = f"inefficient_{stem}.json"
     if res is None and df is not None and counts.get("ACCESS") and counts.get("OP_LAUNCH"):
         from ..analysis import inefficient as I
+        # the totals only: no op or stack gathered, no worst blocks named or sorted
         ch = I.chunk_from_frame(df)
-        tr = I.Tracker(I.DEFAULT_IDLE_THRESHOLD)
+        tr = I.Tracker(I.DEFAULT_IDLE_THRESHOLD, texts=False)
         tr.feed_all(ch)
         del ch
-        sel = I.select(tr.finish())
-        res = I.summarize(sel, tr.counts, I.DEFAULT_IDLE_THRESHOLD)
+        res = I.totals(tr.finish(ordered=False))
         src = "computed from the dump"
     if not isinstance(res, dict) or res.get("note"):
         return None
