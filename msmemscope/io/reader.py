@@ -375,8 +375,9 @@ def check_csv(path: str, text: bytes | None = None, facts: dict | None = None,
 
 
 def _native_scan(path: str, text: bytes | None, end: int | None, limit: int, facts: dict | None = None):
-    """``check_csv``'s scan in C++ (``csv_scan``: the file mapped, every newline counted, the rows
-    exact at any size), or None where the module is not built or the file cannot be mapped."""
+    """``check_csv``'s scan in C++ (``csv_scan``: the file mapped, or read in blocks up to ``end``;
+    every newline counted, the rows exact at any size), or None where the module is not built or
+    the file cannot be opened (the streamed scan then reads it, and says why)."""
     from . import columns as C
     m = C.text_module("csv_scan")
     if m is None:
