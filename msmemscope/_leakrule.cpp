@@ -1512,7 +1512,9 @@ struct TextsOut {
   }
   void null_row() {
     if (valid.empty()) valid.assign((size_t)((n + 8) / 8 + 1), 0xFF);
-    if (valid.size() * 8 <= (size_t)n) valid.resize(valid.size() * 2 + 1, 0xFF);
+    // grown to hold row n whatever the gap since the last null (doubling once was not enough
+    // for a null far after the one before: a write past the end)
+    if (valid.size() * 8 <= (size_t)n) valid.resize(std::max(valid.size() * 2 + 1, (size_t)n / 8 + 2), 0xFF);
     valid[(size_t)n >> 3] &= (uint8_t)~(1u << (n & 7));
     ++nulls;
     end_row();
