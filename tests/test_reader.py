@@ -382,7 +382,8 @@ _txt = st.one_of(st.none(), st.sampled_from(["", "PTA@weight", "GPT.blocks.0.att
 @pytest.mark.parametrize("gap", [1, 9, 100, 5000])
 def test_texts_made_in_cpp_with_nulls_far_apart(gap):
     """Nulls far apart in a text column made in C++ (the validity grows to each null's row, whatever
-    the gap: growing it once per null wrote past its end): the same texts as numpy's way."""
+    the gap: growing it once per null wrote past its end): the same texts as numpy's and polars'
+    ways, for the addresses and for the MALLOC/FREE rows' Attr texts."""
     from msmemscope.io import columns as C
     if C.text_module() is None:
         pytest.skip("the C++ module is not built (make native)")
@@ -391,11 +392,15 @@ def test_texts_made_in_cpp_with_nulls_far_apart(gap):
         if i < len(vals):
             vals[i] = None
     s = pl.Series("addr", vals, dtype=pl.Int64)
-    got = C.hex16(s, "0x").to_list()
+    # the MALLOC/FREE rows' Attr texts too (null on the rows without their fields)
+    df = pl.DataFrame({"alloc_id": s, "addr": s, "size": s, "used": s, "total": s},
+                      schema={c: pl.Int64 for c in ("alloc_id", "addr", "size", "used", "total")}).with_columns(
+        owner=pl.lit(None, pl.String), module=pl.lit(None, pl.String), phase=pl.lit(None, pl.String))
+    got = (C.hex16(s, "0x").to_list(), C.template_attr(df).to_list())
     with pytest.MonkeyPatch.context() as m:
         m.setenv("MSMEMSCOPE_ATTR_FIELDS", "polars")
-        want = C.hex16(s, "0x").to_list()
-    assert got == want and got.count(None) == vals.count(None)
+        want = (C.hex16(s, "0x").to_list(), C.template_attr(df).to_list())
+    assert got == want and got[0].count(None) == got[1].count(None) == vals.count(None)
 
 
 @settings(max_examples=100, deadline=None)
