@@ -2213,8 +2213,8 @@ py::tuple csv_rows(py::list rows, Py_ssize_t at, long long first, py::object ids
 // first 64 MB only; this costs about what reading the file from the page cache does. ``path``: the
 // file, mapped, or with ``end`` >= 0 its first ``end`` bytes read in blocks (a file the capture
 // appends to while it reads, which another process may cut back to its last whole row: a mapped
-// page past a new end would kill the process), given as bytes (os.fsencode). Or None with ``text``, a buffer (a .csv.zst dump's
-// decompressed text). Returns (bytes up to the end of the last complete line, bytes scanned,
+// page past a new end would kill the process), given as bytes (os.fsencode). Or None with
+// ``text``, a buffer (a .csv.zst dump's decompressed text). Returns (bytes up to the end of the last complete line, bytes scanned,
 // newlines, NUL seen, the 1-based number of the first line over the limit or 0), or None where
 // the file cannot be opened (the Python scan then says why).
 namespace {

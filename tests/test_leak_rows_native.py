@@ -147,17 +147,6 @@ def replay_frame(rows):
                           "used": pl.Int64, "step": pl.Int64})
 
 
-class _NoColumnLoop:
-    """The module without ``leak_columns``: the replay makes row tuples for ``leak_rows``."""
-    def __init__(self, m):
-        self._m = m
-
-    def __getattr__(self, k):
-        if k == "leak_columns":
-            raise AttributeError(k)
-        return getattr(self._m, k)
-
-
 @settings(max_examples=full(40, 400), deadline=None, derandomize=not os.environ.get("MSMEMSCOPE_TEST_FULL"),
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 32), steps=st.integers(1, 10), per_step=st.integers(0, 90),
@@ -170,15 +159,16 @@ def test_column_loop_leaves_the_tracker_as_the_python_loop(seed, steps, per_step
     q = replay_frame(rows)
     has = set(q.columns)
     got = []
-    for m in (MOD, _NoColumnLoop(MOD), None):
+    for way in ("columns", "row tuples", "python"):
         t = leaks.StepLeakTracker()
-        if m is None:
-            leaks._replay_rows(t, q, has, q.height)
-        else:
-            t.use_native(m)
+        if way != "python":
+            t.use_native(MOD)  # the row tuples then go through leak_rows
+        if way == "columns":
             cols = leaks._native_columns(q, has)
             assert cols is not None
-            leaks._replay_columns(t, q, has, q.height, m, cols)
+            leaks._replay_columns(t, q, has, q.height, MOD, cols)
+        else:
+            leaks._replay_rows(t, q, has, q.height)
         got.append(state(t, []))
     assert got[0] == got[2] and got[1] == got[2]
 

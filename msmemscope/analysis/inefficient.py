@@ -483,9 +483,13 @@ def type_names(bits: int, wanted=TYPES) -> list[str]:
     return [t for t in TYPES if bits & _BIT[t] and t in wanted]
 
 
+def _mask(types) -> int:
+    return sum(_BIT[t] for t in types)
+
+
 def select(res: pl.DataFrame, mem_size: int = 0, types=TYPES) -> pl.DataFrame:
     """Apply the filters: blocks of at least ``mem_size`` bytes, flagged with one of ``types``."""
-    mask = sum(_BIT[t] for t in types)
+    mask = _mask(types)
     return (res.filter((pl.col("size") >= mem_size) & ((pl.col("bits") & mask) > 0))
             .with_columns(bits=pl.col("bits") & mask)
             .with_columns(inefficient_type=pl.concat_str(
@@ -499,8 +503,11 @@ from ..frames import user_line as _user_line  # noqa: E402
 def totals(res: pl.DataFrame, types=TYPES) -> dict:
     """What ``summarize`` says of ``select(res)``'s blocks in number (``blocks``, ``bytes``,
     ``by_type``), without naming the worst: no type texts made, nothing sorted."""
-    mask = sum(_BIT[t] for t in types)
-    sel = res.select("size", bits=pl.col("bits") & mask).filter(pl.col("bits") > 0)
+    return _counts(res.select("size", bits=pl.col("bits") & _mask(types)).filter(pl.col("bits") > 0))
+
+
+def _counts(sel: pl.DataFrame) -> dict:
+    """``by_type``, ``blocks`` and ``bytes`` of selected blocks (their ``bits`` masked to the types asked for)."""
     by_type = {}
     for t in TYPES:
         s = sel.filter((pl.col("bits") & _BIT[t]) > 0)
@@ -509,17 +516,11 @@ def totals(res: pl.DataFrame, types=TYPES) -> dict:
 
 
 def summarize(sel: pl.DataFrame, counts: dict, idle_threshold: int, note: str | None = None) -> dict:
-    by_type = {}
-    for t in TYPES:
-        s = sel.filter((pl.col("bits") & _BIT[t]) > 0)
-        by_type[t] = {"count": s.height, "bytes": int(s["size"].sum() or 0)}
     worst = sel.sort(["size", "mpos"], descending=[True, False]).head(TOP)
     return {
         "idle_threshold": idle_threshold,
         "events": counts,
-        "by_type": by_type,
-        "blocks": sel.height,
-        "bytes": int(sel["size"].sum() or 0),
+        **_counts(sel),
         "worst": [{"allocation_id": r["alloc_id"], "row_id": r["mpos"], "size": r["size"],
                    "op": r["op"], "python_line": _user_line(r["stack"]), "types": r["inefficient_type"].split(SEP)}
                   for r in worst.iter_rows(named=True)],

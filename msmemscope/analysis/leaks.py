@@ -971,6 +971,18 @@ def replay(df, recorded=None) -> StepLeakTracker:
     return t
 
 
+def _other_attr(ev, et, text, step):
+    """The Attr of a row other than MALLOC/FREE, from its text, as the online sink gets it: a STEP
+    row's as ``{"step": N}``, N its place (``step``, None: not known) where the text gives none."""
+    a = _attr_json(text) or {}
+    if ev == Event.SYSTEM and et == System.STEP:
+        k = a.get("step")
+        if isinstance(k, bool) or not isinstance(k, int):  # absent or not a number: its place
+            k = step
+        a = {"step": k} if k is not None else {}
+    return a
+
+
 def _replay_rows(t, q, has, n):
     def col(c):
         return q[c].to_list() if c in has else [None] * n
@@ -985,12 +997,7 @@ def _replay_rows(t, q, has, n):
             ps = None
         else:
             ps = None
-            a = _attr_json(attr) or {}
-            if ev == Event.SYSTEM and et == System.STEP:
-                k = a.get("step")
-                if isinstance(k, bool) or not isinstance(k, int):  # absent or not a number: its place
-                    k = step if "step" in has else None
-                a = {"step": k} if k is not None else {}
+            a = _other_attr(ev, et, attr, step)
         # a plain tuple in events.RawRow order (what the online sink gets)
         batch.append((ev, et, name, None, tid, dev, None, a, ps, None))
         ids.append(i)
@@ -1033,48 +1040,31 @@ def _native_columns(q, has):
 
 
 def _replay_columns(t, q, has, n, m, cols):
-    """``_replay_rows`` with the MALLOC/FREE rows made in C++ from the columns (``replay_rows``):
-    the same rows, with each distinct string one object and the event and pool names interned, so
-    that the C++ loop finds them by identity."""
+    """``_replay_rows`` with the MALLOC/FREE rows taken in C++ straight from the columns
+    (``leak_columns``: no row tuples; each distinct string one object and the event and pool names
+    interned, so that the loop finds them by identity). A row it does not take (a new site or stack
+    line, a pool's first row in a step, the other events) is made alone and given to the Python
+    loop, with the step's min/max kept between."""
     pl = _pl()
     # the other rows (MSTX, STEP and summaries: a few per step) from their Attr text, as _replay_rows
     other = q.with_row_index("_at").filter(~pl.col("event").is_in([Event.MALLOC, Event.FREE]))
     oc = {c: (other[c].to_list() if c in has else [None] * other.height)
           for c in ("event", "event_type", "name", "tid", "device", "attr", "step")}
-    made = {}
-    for k, at in enumerate(other["_at"].to_list()):
-        ev, et = oc["event"][k], oc["event_type"][k]
-        a = _attr_json(oc["attr"][k]) or {}
-        if ev == Event.SYSTEM and et == System.STEP:
-            step = a.get("step")
-            if isinstance(step, bool) or not isinstance(step, int):  # absent or not a number: its place
-                step = oc["step"][k] if "step" in has else None
-            a = {"step": step} if step is not None else {}
-        made[at] = (ev, et, oc["name"][k], None, oc["tid"][k], oc["device"][k], None, a, None, None)
+    made = {at: (oc["event"][k], oc["event_type"][k], oc["name"][k], None, oc["tid"][k], oc["device"][k], None,
+                 _other_attr(oc["event"][k], oc["event_type"][k], oc["attr"][k], oc["step"][k]), None, None)
+            for k, at in enumerate(other["_at"].to_list())}
     consts = (Event.MALLOC, Event.FREE)
-    fused = getattr(m, "leak_columns", None) if t.fast_rows is not None else None
-    if fused is not None:
-        # the MALLOC/FREE rows taken straight from the columns (no row tuples); a row the C++ loop
-        # does not take (a new site or stack line, a pool's first row in a step, the other
-        # events) made alone and given to the Python loop, with the step's min/max kept between
-        cur: dict = {}
-        at = 0
-        while at < n:
-            at = fused(cols, at, n, t.step, *t.native_args(cur))
-            if at >= n:
-                break
-            rows, ids, others = m.replay_rows(cols, at, at + 1, consts)
-            if others:
-                rows[0] = made[at]
-            t.consume(rows, 0, ids, cur=cur)
-            at += 1
-        return t
-    for start in range(0, n, 65536):
-        stop = min(n, start + 65536)
-        rows, ids, others = m.replay_rows(cols, start, stop, consts)
-        for k in others:
-            rows[k] = made[start + k]
-        t.consume(rows, 0, ids)
+    cur: dict = {}
+    at = 0
+    while at < n:
+        at = m.leak_columns(cols, at, n, t.step, *t.native_args(cur))
+        if at >= n:
+            break
+        rows, ids, others = m.replay_rows(cols, at, at + 1, consts)
+        if others:
+            rows[0] = made[at]
+        t.consume(rows, 0, ids, cur=cur)
+        at += 1
     return t
 
 
