@@ -118,7 +118,9 @@ def test_totals_without_texts_are_the_summary_of_the_blocks(csv_run, threshold):
     ``totals``) counts what ``summarize`` of the selected blocks counts, type by type, fed in
     slices as a dump is."""
     from msmemscope.analysis.inefficient import Tracker, chunk_from_frame, select, summarize, totals
-    ch = chunk_from_frame(read(dump_of(csv_run[0])))
+    df = read(dump_of(csv_run[0]))
+    check_invariants(df)
+    ch = chunk_from_frame(df)
     tr = Tracker(threshold)
     tr.feed_all(ch, 64)
     want = summarize(select(tr.finish()), tr.counts, threshold)
