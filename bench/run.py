@@ -38,6 +38,7 @@ CONFIGS = {
     "default": "msmemscope, default events (alloc,free,launch); the native source where it is built",
     "default-eachstep": "msmemscope, default events, a flush at every step boundary (MSMEMSCOPE_STEP_FLUSH_S=0, as before the seventeenth session)",
     "default-dispatch": "msmemscope, default events, the dispatch-mode source (MSMEMSCOPE_SOURCE=python)",
+    "default-rows": "msmemscope, default events, every flush's records made into row tuples (MSMEMSCOPE_RECORDS=rows, as before the thirty-fourth session)",
     "events": "msmemscope, default events with no analysis (--analysis=none): the default less the leak rule",
     "access": "msmemscope --analysis=inefficient (adds access events)",
     "stack": "msmemscope --call-stack=python:10",
@@ -51,7 +52,7 @@ CONFIGS = {
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
-TRACED = ("default", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+TRACED = ("default", "default-rows", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
           "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
@@ -67,6 +68,7 @@ if config in {traced!r}:
     if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
     if config == "modules": os.environ["MSMEMSCOPE_MODULES"] = "1"
     if config == "default-eachstep": os.environ["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
+    if config == "default-rows": os.environ["MSMEMSCOPE_RECORDS"] = "rows"
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
@@ -126,7 +128,7 @@ def run_one(workload, config, steps, env=None):
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+    want = {"default": "native", "default-rows": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
             "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
             "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":

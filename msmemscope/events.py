@@ -125,6 +125,48 @@ _FREE_T = '{"allocation_id":%d,"addr":"0x%016x","size":%d,"used":%d,"total":%d}'
 _ACCESS_T = '{"dtype":"%s","shape":[%s],"size":%d,"allocation_id":%d}'
 
 
+class PackedRows:
+    """A flush's rows still as the native source's records (``take_packed``): no row tuple made.
+    ``blob``: every row as the marshal bytes of a list of ``RawRow`` tuples (what the writer
+    process loads); ``cols``: the MALLOC, FREE and STEP rows as the leak rule's column loop takes
+    them (analysis/leaks.py ``StepLeakTracker.consume_columns``), with their row IDs; ``steps``:
+    {index in ``cols``: the STEP row's tuple}. A consumer that needs the row tuples asks ``rows()``
+    (made once, from the bytes: the same tuples ``drain`` makes)."""
+    __slots__ = ("n", "blob", "cols", "steps", "_rows")
+
+    def __init__(self, n, blob, cols, steps):
+        self.n, self.blob, self.cols, self.steps, self._rows = n, blob, cols, steps, None
+
+    def __len__(self):
+        return self.n
+
+    def rows(self) -> list:
+        if self._rows is None:
+            import marshal
+            self._rows = marshal.loads(self.blob)
+        return self._rows
+
+    def __iter__(self):
+        return iter(self.rows())
+
+    def __getitem__(self, i):
+        return self.rows()[i]
+
+    def free_ids(self) -> set:
+        """The allocation ids of the FREE rows (``free_ids`` of the rows)."""
+        ev, aid = self.cols[1], self.cols[6]
+        codes, values = ev
+        free = next((k for k, v in enumerate(values) if v == Event.FREE), None)
+        if free is None or not len(codes):
+            return set()
+        return set(aid[0][codes == free].tolist())
+
+
+def as_rows(rows):
+    """``rows`` as a list of row tuples (a ``PackedRows`` made into its tuples)."""
+    return rows.rows() if type(rows) is PackedRows else rows
+
+
 def free_ids(rows) -> set:
     """The allocation ids of the FREE rows among raw ``rows`` (attr as a tuple or a dict)."""
     return {(r[ATTR][A_ALLOC_ID] if type(r[ATTR]) is tuple else (r[ATTR] or {}).get("allocation_id"))

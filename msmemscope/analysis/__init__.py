@@ -110,7 +110,12 @@ class StepCheckpoint:
         self._cost = 0.0
         self._spent = 0.0  # CPU time of every save so far
 
+    takes_packed = True  # reads no row
+
     def consume(self, rows, first_id):
+        pass
+
+    def consume_packed(self, packed, first_id):
         pass
 
     def step_end(self, session, step):

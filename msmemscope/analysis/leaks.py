@@ -65,7 +65,7 @@ def hex_addr(addr) -> str:
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
 from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
-                      NAME, PY_STACK, TID, Event, System, free_ids)
+                      NAME, PY_STACK, TID, Event, PackedRows, System, free_ids)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -172,6 +172,7 @@ class StepLeakTracker:
         # the C++ row loop (msmemscope/_leakrule.cpp ``leak_rows``), set by use_native where the
         # module is built; None: every row goes through the Python loop
         self.fast_rows = None
+        self.native = None  # that module (its column loop: consume_columns)
 
     def use_native(self, mod):
         """The native module's row loop, and its tables for the live and the pending blocks (the
@@ -182,6 +183,27 @@ class StepLeakTracker:
         self.growth.blocks = self._blocks = mod.KeyTable(2)
         self.pending = mod.KeyTable(6)
         self.fast_rows = mod.leak_rows
+        self.native = mod
+
+    def consume_columns(self, cols, n, made):
+        """``consume`` of ``n`` rows given as columns (``leak_columns``' and ``replay_rows``' form:
+        the MALLOC/FREE rows among them taken in C++ with no row tuple; with ``use_native`` only).
+        ``made``: {index: row tuple} of the other rows (STEP, MSTX, summaries: a few a step). A row
+        the C++ loop does not take (a new site or stack line, a pool's first row in a step, the
+        other rows) is made alone and given to the Python loop, the step's min/max kept between."""
+        m = self.native
+        consts = (Event.MALLOC, Event.FREE)
+        cur: dict = {}
+        at = 0
+        while at < n:
+            at = m.leak_columns(cols, at, n, self.step, *self.native_args(cur))
+            if at >= n:
+                break
+            rows, ids, others = m.replay_rows(cols, at, at + 1, consts)
+            if others:
+                rows[0] = made[at]
+            self.consume(rows, 0, ids, cur=cur)
+            at += 1
 
     def _used(self, pk, used):
         s = self.step
@@ -628,6 +650,8 @@ class LeakSink:
         m = native_module()
         if m is not None:
             self.t.use_native(m)
+        # a flush's rows as columns (no row tuple made) where the C++ loop takes them
+        self.takes_packed = m is not None and hasattr(m, "leak_columns")
         self.session = session
         self._rows = self._live = None  # the rows being consumed, the blocks live at their step ends
 
@@ -635,6 +659,14 @@ class LeakSink:
         self._rows, self._live = rows, None
         try:
             self.t.consume(rows, first_id)
+        finally:
+            self._rows = self._live = None
+
+    def consume_packed(self, packed, first_id):
+        """``consume`` of a flush's ``PackedRows``: its columns through the C++ loop (``takes_packed``)."""
+        self._rows, self._live = packed, None
+        try:
+            self.t.consume_columns(packed.cols, len(packed.cols[0][0]), packed.steps)
         finally:
             self._rows = self._live = None
 
@@ -646,8 +678,9 @@ class LeakSink:
         if self._live is not None:
             return self._live
         live = self.session.live_when_drained()
-        if self._rows:  # once a flush: a leaking program has suspects at every step end
-            live |= free_ids(self._rows)
+        rows = self._rows
+        if rows:  # once a flush: a leaking program has suspects at every step end
+            live |= rows.free_ids() if type(rows) is PackedRows else free_ids(rows)
             self._live = live
         return live
 
@@ -1053,18 +1086,7 @@ def _replay_columns(t, q, has, n, m, cols):
     made = {at: (oc["event"][k], oc["event_type"][k], oc["name"][k], None, oc["tid"][k], oc["device"][k], None,
                  _other_attr(oc["event"][k], oc["event_type"][k], oc["attr"][k], oc["step"][k]), None, None)
             for k, at in enumerate(other["_at"].to_list())}
-    consts = (Event.MALLOC, Event.FREE)
-    cur: dict = {}
-    at = 0
-    while at < n:
-        at = m.leak_columns(cols, at, n, t.step, *t.native_args(cur))
-        if at >= n:
-            break
-        rows, ids, others = m.replay_rows(cols, at, at + 1, consts)
-        if others:
-            rows[0] = made[at]
-        t.consume(rows, 0, ids, cur=cur)
-        at += 1
+    t.consume_columns(cols, n, made)
     return t
 
 

@@ -26,6 +26,7 @@
 #endif
 // the headers this file uses, not <torch/extension.h> (all of libtorch's C++ API, twice the build time)
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/numpy.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -985,6 +986,135 @@ inline void untrack_if_atomic(PyObject* t) {
   PyObject_GC_UnTrack(t);
 }
 
+// The names drain() is given (see there), by role.
+struct RowNames {
+  PyObject *ev_launch, *ev_start, *ev_end, *ev_malloc, *ev_free, *pool, *device, *na, *ev_failed, *untraced_key,
+      *ev_access, *acc_read, *acc_write, *origin_key, *before_op, *ev_system, *sys_step, *step_key;
+  explicit RowNames(const py::tuple& n)
+      : ev_launch(n[0].ptr()), ev_start(n[1].ptr()), ev_end(n[2].ptr()), ev_malloc(n[3].ptr()), ev_free(n[4].ptr()),
+        pool(n[5].ptr()), device(n[6].ptr()), na(n[7].ptr()), ev_failed(n[8].ptr()), untraced_key(n[9].ptr()),
+        ev_access(n[10].ptr()), acc_read(n[11].ptr()), acc_write(n[12].ptr()), origin_key(n[13].ptr()),
+        before_op(n[14].ptr()), ev_system(n[15].ptr()), sys_step(n[16].ptr()), step_key(n[17].ptr()) {
+    if (n.size() < 18) throw py::value_error("names: 18 items");
+  }
+};
+
+// The batch's rows as marshal bytes, as drain() makes them into tuples (a failed-allocation marker
+// has no bytes: the caller makes none for a batch with one); None when a text is not UTF-8
+// encodable. With the GIL.
+py::object marshal_rows(const std::vector<Rec>& batch, const RowNames& nm, PyObject* empty,
+                        const std::vector<int64_t>& batch_shapes, int64_t batch_shape_base) {
+  // the same rows as marshal bytes, from the same records and string objects (see Marshal)
+  Marshal m;
+  m.room(batch.size() * 96 + 16);
+  m.byte('[');
+  m.i32((int32_t)batch.size());
+  for (const Rec& r : batch) {
+    PyObject* name = r.op >= 0 ? op_str(r.op) : nm.na;
+    PyObject* stack = nullptr;
+    if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
+      stack = stack_str(r.stack);
+    m.small_tuple(10);
+    bool launch = r.kind == OP_START || r.kind == OP_END;
+    bool access = r.kind == ACCESS_READ || r.kind == ACCESS_WRITE;
+    bool step = r.kind == STEP_END;
+    m.str(step ? nm.ev_system : launch ? nm.ev_launch : access ? nm.ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? nm.ev_malloc : nm.ev_free);
+    m.str(step ? nm.sys_step : launch ? (r.kind == OP_START ? nm.ev_start : nm.ev_end) : access ? (r.kind == ACCESS_WRITE ? nm.acc_write : nm.acc_read) : nm.pool);
+    m.str(name);
+    m.i64(r.ts);
+    m.u64(r.tid);
+    m.str(nm.device);
+    if (launch) {
+      m.none();
+      m.none();
+    } else if (step) {  // no address; Attr {"step": the step that ended}
+      m.none();
+      m.byte('{');
+      m.str(nm.step_key);
+      m.i64(r.aid);
+      m.byte('0');
+    } else if (access) {
+      m.u64(r.ptr);
+      int st = r.extra & 0xff, ndim = r.extra >> 8;
+      size_t at = (size_t)(r.used - batch_shape_base);
+      m.small_tuple(4);
+      m.str(dtype_strs[st]);
+      m.small_tuple(ndim);
+      for (int k = 0; k < ndim; ++k) m.i64(batch_shapes[at + k]);
+      m.i64(r.size);
+      m.i64(r.aid);
+    } else if (r.kind == FREE_UNTRACED || r.kind == MALLOC_BEFORE_OP) {
+      m.u64(r.ptr);
+      m.byte('{');
+      const char* keys[5] = {"allocation_id", "addr", "size", "used", "total"};
+      for (int k = 0; k < 5; ++k) {
+        m.byte('z');
+        m.byte((char)strlen(keys[k]));
+        m.raw(keys[k], strlen(keys[k]));
+        if (k == 0) m.i64(r.aid);
+        else if (k == 1) m.u64(r.ptr);
+        else if (k == 2) m.i64(r.size);
+        else m.i64(r.used);
+      }
+      if (r.kind == MALLOC_BEFORE_OP) {
+        m.byte('z');
+        m.byte((char)5);
+        m.raw("owner", 5);
+        m.str(empty);
+        m.str(nm.origin_key);
+        m.str(nm.before_op);
+      } else {
+        m.str(nm.untraced_key);
+        m.byte('T');
+      }
+      m.byte('0');
+    } else {
+      m.u64(r.ptr);
+      m.small_tuple(r.kind == MALLOC ? 6 : 5);
+      m.i64(r.aid);
+      m.u64(r.ptr);
+      m.i64(r.size);
+      m.i64(r.used);
+      m.i64(r.used);
+      if (r.kind == MALLOC) m.str(empty);
+    }
+    if (stack != nullptr) m.str(stack);
+    else m.none();
+    m.none();
+    if (!m.ok) break;
+  }
+  if (!m.ok) return py::none();
+  PyObject* b = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len);
+  if (b == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(b);
+
+}
+
+// The collector paused while a drain makes objects: a collection would walk them, and the
+// finalizers it runs could let another thread in (which would find the drain in progress).
+struct GcPause {
+#if PY_VERSION_HEX >= 0x030A0000
+  bool was;
+  GcPause() : was(PyGC_Disable() != 0) {}
+  ~GcPause() {
+    if (was) PyGC_Enable();
+  }
+#endif
+};
+
+// A drain's way out (drain, take_packed): the records back at the head of `recs` unless used, the
+// drain flag cleared
+struct DrainDone {
+  uint64_t epoch;
+  bool used = false;
+  ~DrainDone() {
+    std::lock_guard<std::mutex> g(mu);
+    if (!used && epoch == recs_epoch) recs.insert(recs.begin(), drained.begin(), drained.end());
+    drained.clear();
+    draining = false;
+  }
+};
+
 // Returns (rows appended, failed-allocation markers among them).
 // Append the recorded rows to `out` as the Python source's row tuples:
 // (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
@@ -1009,16 +1139,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
     batch_shapes.assign(shapes.begin(), shapes.end());
     batch_shape_base = shape_base;
   }
-  struct Done {  // on every way out: the records back unless used, the drain flag cleared
-    uint64_t epoch;
-    bool used = false;
-    ~Done() {
-      std::lock_guard<std::mutex> g(mu);
-      if (!used && epoch == recs_epoch) recs.insert(recs.begin(), drained.begin(), drained.end());
-      drained.clear();
-      draining = false;
-    }
-  } done{epoch};
+  DrainDone done{epoch};
   const size_t nrec = batch.size();
   PyObject* ev_launch = names[0].ptr();
   PyObject* ev_start = names[1].ptr();
@@ -1038,6 +1159,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   PyObject* ev_system = names[15].ptr();
   PyObject* sys_step = names[16].ptr();
   PyObject* step_key = names[17].ptr();
+  RowNames nm(names);
   // the tuples, appended to `out` once all are made (slots not reached on a failure stay NULL,
   // which the list's release skips)
   py::list made = py::reinterpret_steal<py::list>(PyList_New((Py_ssize_t)nrec));
@@ -1050,15 +1172,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   PyObject* tid_obj = nullptr;
   // The rows are tuples of ints and strings (no cycles): the collector is paused while thousands
   // are made (each ~700 new tuples would start a collection that walks the young objects).
-#if PY_VERSION_HEX >= 0x030A0000
-  struct GcPause {
-    bool was;
-    GcPause() : was(PyGC_Disable() != 0) {}
-    ~GcPause() {
-      if (was) PyGC_Enable();
-    }
-  } gc_pause;
-#endif
+  GcPause gc_pause;
   struct TidRef {  // the shared id object is released on every way out
     PyObject*& o;
     ~TidRef() { Py_XDECREF(o); }
@@ -1196,91 +1310,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
     PyList_SET_ITEM(lst, made_n++, t);  // steals t
   }
   py::object blob = py::none();
-  if (want_bytes && failed == 0) {
-    // the same rows as marshal bytes, from the same records and string objects (see Marshal)
-    Marshal m;
-    m.room(batch.size() * 96 + 16);
-    m.byte('[');
-    m.i32((int32_t)batch.size());
-    for (const Rec& r : batch) {
-      PyObject* name = r.op >= 0 ? op_str(r.op) : na;
-      PyObject* stack = nullptr;
-      if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
-        stack = stack_str(r.stack);
-      m.small_tuple(10);
-      bool launch = r.kind == OP_START || r.kind == OP_END;
-      bool access = r.kind == ACCESS_READ || r.kind == ACCESS_WRITE;
-      bool step = r.kind == STEP_END;
-      m.str(step ? ev_system : launch ? ev_launch : access ? ev_access : (r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) ? ev_malloc : ev_free);
-      m.str(step ? sys_step : launch ? (r.kind == OP_START ? ev_start : ev_end) : access ? (r.kind == ACCESS_WRITE ? acc_write : acc_read) : pool);
-      m.str(name);
-      m.i64(r.ts);
-      m.u64(r.tid);
-      m.str(device);
-      if (launch) {
-        m.none();
-        m.none();
-      } else if (step) {  // no address; Attr {"step": the step that ended}
-        m.none();
-        m.byte('{');
-        m.str(step_key);
-        m.i64(r.aid);
-        m.byte('0');
-      } else if (access) {
-        m.u64(r.ptr);
-        int st = r.extra & 0xff, ndim = r.extra >> 8;
-        size_t at = (size_t)(r.used - batch_shape_base);
-        m.small_tuple(4);
-        m.str(dtype_strs[st]);
-        m.small_tuple(ndim);
-        for (int k = 0; k < ndim; ++k) m.i64(batch_shapes[at + k]);
-        m.i64(r.size);
-        m.i64(r.aid);
-      } else if (r.kind == FREE_UNTRACED || r.kind == MALLOC_BEFORE_OP) {
-        m.u64(r.ptr);
-        m.byte('{');
-        const char* keys[5] = {"allocation_id", "addr", "size", "used", "total"};
-        for (int k = 0; k < 5; ++k) {
-          m.byte('z');
-          m.byte((char)strlen(keys[k]));
-          m.raw(keys[k], strlen(keys[k]));
-          if (k == 0) m.i64(r.aid);
-          else if (k == 1) m.u64(r.ptr);
-          else if (k == 2) m.i64(r.size);
-          else m.i64(r.used);
-        }
-        if (r.kind == MALLOC_BEFORE_OP) {
-          m.byte('z');
-          m.byte((char)5);
-          m.raw("owner", 5);
-          m.str(empty.ptr());
-          m.str(origin_key);
-          m.str(before_op);
-        } else {
-          m.str(untraced_key);
-          m.byte('T');
-        }
-        m.byte('0');
-      } else {
-        m.u64(r.ptr);
-        m.small_tuple(r.kind == MALLOC ? 6 : 5);
-        m.i64(r.aid);
-        m.u64(r.ptr);
-        m.i64(r.size);
-        m.i64(r.used);
-        m.i64(r.used);
-        if (r.kind == MALLOC) m.str(empty.ptr());
-      }
-      if (stack != nullptr) m.str(stack);
-      else m.none();
-      m.none();
-      if (!m.ok) break;
-    }
-    if (m.ok) {
-      blob = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len));
-      if (!blob) throw py::error_already_set();
-    }
-  }
+  if (want_bytes && failed == 0) blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
   {
     // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
     std::lock_guard<std::mutex> g(mu);
@@ -1294,6 +1324,124 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
   return py::make_tuple((int64_t)nrec, failed, blob);
+}
+
+// take_packed(first, names, buf): the records as a flush writes them and the leak rule reads them, with
+// no row tuple made (DEVELOPING.md, the C++ records): (rows, bytes, columns, steps), or None (nothing
+// taken: no records, a drain in progress, a record of a kind only drain() makes rows of (access,
+// a failed allocation, the dict Attr of an untraced free or a block counted before an op), a text
+// that marshal cannot write). ``first``: the first row's ID. ``bytes``: every row as drain()'s
+// marshal bytes. ``columns``: the MALLOC, FREE and STEP rows as the leak rule's column loop
+// (leak_columns) and replay_rows take them: (id, event, event_type, name, tid, device, alloc_id,
+// addr, size, used, owner, py_stack), texts as (uint32 codes, the strings by code; a null code past
+// them), numbers as (int64 values, None). ``steps``: {index in the columns: the STEP row's tuple}.
+py::object take_packed(int64_t first, py::tuple names, py::list buf) {
+  RowNames nm(names);
+  std::vector<Rec>& batch = drained;
+  uint64_t epoch;
+  // ``buf``: the session's rows waiting. Only with none there: a row another thread drains and
+  // appends (with the GIL) comes before these records or after all of them, never between the
+  // caller's look at ``buf`` and the take (nothing here lets another thread run)
+  if (PyList_GET_SIZE(buf.ptr()) != 0) return py::none();
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (draining || recs.empty()) return py::none();
+    for (const Rec& r : recs)
+      if (r.kind != OP_START && r.kind != OP_END && r.kind != MALLOC && r.kind != FREE && r.kind != STEP_END)
+        return py::none();
+    draining = true;
+    batch.clear();
+    batch.swap(recs);
+    epoch = recs_epoch;
+  }
+  DrainDone done{epoch};
+  GcPause gc_pause;
+  const size_t nrec = batch.size();
+  size_t k = 0;  // the rows of the columns
+  for (const Rec& r : batch)
+    if (r.kind != OP_START && r.kind != OP_END) ++k;
+  enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
+  static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
+  py::array_t<int64_t> ints[NCOLS];
+  py::array_t<uint32_t> codes[NCOLS];
+  int64_t* iv[NCOLS] = {nullptr};
+  uint32_t* cv[NCOLS] = {nullptr};
+  for (int j = 0; j < NCOLS; ++j) {
+    if (is_text[j]) {
+      codes[j] = py::array_t<uint32_t>((py::ssize_t)k);
+      cv[j] = codes[j].mutable_data();
+    } else {
+      ints[j] = py::array_t<int64_t>((py::ssize_t)k);
+      iv[j] = ints[j].mutable_data();
+    }
+  }
+  // the strings by code: the fixed ones, then each op name and stack as first met
+  py::str empty("");
+  enum : uint32_t { C_MALLOC, C_FREE, C_SYSTEM, C_POOL, C_STEP, C_DEVICE, C_NA, C_EMPTY, C_FIXED };
+  const uint32_t C_NULL = 0xffffffffu;
+  py::list values;
+  for (PyObject* o : {nm.ev_malloc, nm.ev_free, nm.ev_system, nm.pool, nm.sys_step, nm.device, nm.na, empty.ptr()})
+    values.append(py::reinterpret_borrow<py::object>(o));
+  std::unordered_map<int32_t, uint32_t> op_code, stack_code;
+  auto code_of = [&](std::unordered_map<int32_t, uint32_t>& seen, int32_t i, PyObject* (*make)(int32_t)) {
+    auto it = seen.find(i);
+    if (it != seen.end()) return it->second;
+    PyObject* o = make(i);
+    if (o == nullptr) throw py::error_already_set();
+    uint32_t c = (uint32_t)PyList_GET_SIZE(values.ptr());
+    if (PyList_Append(values.ptr(), o) != 0) throw py::error_already_set();
+    seen.emplace(i, c);
+    return c;
+  };
+  py::dict steps;
+  size_t j = 0;
+  for (size_t i = 0; i < nrec; ++i) {
+    const Rec& r = batch[i];
+    if (r.kind == OP_START || r.kind == OP_END) continue;
+    iv[ID][j] = first + (int64_t)i;
+    iv[TID][j] = (int64_t)r.tid;
+    cv[DEV][j] = C_DEVICE;
+    cv[NAME][j] = r.op >= 0 ? code_of(op_code, r.op, op_str) : C_NA;
+    if (r.kind == STEP_END) {
+      // the session's SYSTEM/STEP row, made here as drain() makes it (a few a flush)
+      cv[EV][j] = C_SYSTEM;
+      cv[ET][j] = C_STEP;
+      cv[OWNER][j] = cv[STACK][j] = C_NULL;
+      iv[AID][j] = iv[ADDR][j] = iv[SIZE][j] = iv[USED][j] = 0;
+      PyObject* name = PyList_GET_ITEM(values.ptr(), cv[NAME][j]);
+      py::object attr = py::reinterpret_steal<py::object>(Py_BuildValue("{O:L}", nm.step_key, (long long)r.aid));
+      py::object ts = py::reinterpret_steal<py::object>(PyLong_FromLongLong(r.ts));
+      py::object tid = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(r.tid));
+      if (!attr || !ts || !tid) throw py::error_already_set();
+      py::tuple row = py::make_tuple(py::handle(nm.ev_system), py::handle(nm.sys_step), py::handle(name), ts, tid,
+                                     py::handle(nm.device), py::none(), attr, py::none(), py::none());
+      steps[py::int_(j)] = row;
+    } else {
+      bool is_malloc = r.kind == MALLOC;
+      cv[EV][j] = is_malloc ? C_MALLOC : C_FREE;
+      cv[ET][j] = C_POOL;
+      cv[OWNER][j] = is_malloc ? C_EMPTY : C_NULL;
+      cv[STACK][j] = is_malloc && r.stack >= 0 ? code_of(stack_code, r.stack, stack_str) : C_NULL;
+      iv[AID][j] = r.aid;
+      iv[ADDR][j] = (int64_t)r.ptr;
+      iv[SIZE][j] = r.size;
+      iv[USED][j] = r.used;
+    }
+    ++j;
+  }
+  const std::vector<int64_t> no_shapes;
+  py::object blob = marshal_rows(batch, nm, empty.ptr(), no_shapes, 0);
+  if (blob.is_none()) return py::none();  // the records go back for drain()
+  py::list cols;
+  for (int c = 0; c < NCOLS; ++c) {
+    if (is_text[c]) cols.append(py::make_tuple(codes[c], values));
+    else cols.append(py::make_tuple(ints[c], py::none()));
+  }
+  {
+    std::lock_guard<std::mutex> g(mu);
+    done.used = true;
+  }
+  return py::make_tuple((int64_t)nrec, blob, py::tuple(cols), steps);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
@@ -3083,6 +3231,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_flags", &set_flags);
   m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
+  m.def("take_packed", &take_packed);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);
   m.def("live_alloc_ids", &live_alloc_ids);

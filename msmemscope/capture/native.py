@@ -27,7 +27,7 @@ import sys
 import torch
 
 from .. import leak_native
-from ..events import NA, TS, UNTRACED, Access, Event, Op, Pool, System
+from ..events import NA, TS, UNTRACED, Access, Event, Op, PackedRows, Pool, System
 from . import stacks
 from .source import ALLOC_FAILED, Source
 
@@ -353,6 +353,17 @@ class NativeSource(Source):
             except IndexError:
                 pass
         return failed
+
+    def take_packed(self, first: int, buf: list):
+        """The records as a flush's ``PackedRows`` (no row tuple made; IDs from ``first``), or None
+        where they must be drained into tuples (``drain``): rows wait in ``buf`` (looked at in the
+        same C++ call as the take: another thread's drain cannot come between), no records, one of
+        a kind only ``drain`` makes (access, a failed allocation, an untraced free, a block counted
+        before an op), or after the handover."""
+        if self.handed_over:
+            return None
+        got = self.m.take_packed(first, _NAMES, buf)
+        return None if got is None else PackedRows(*got)
 
     def step_end(self, step: int):
         """Record the end of ``step`` among the records: its SYSTEM/STEP row comes out of a later

@@ -83,6 +83,9 @@ def _step_flush_ns() -> int:
 # the native source's rows go to the writer process as the marshal bytes it makes in C++
 # (MSMEMSCOPE_HANDOFF=marshal: every row marshalled here, as before)
 _PIECES = os.environ.get("MSMEMSCOPE_HANDOFF", "").strip().lower() != "marshal"
+# a steady loop's flush takes the native source's records with no row tuple made (``_take_packed``;
+# MSMEMSCOPE_RECORDS=rows: every flush drains them into row tuples, as before)
+_PACKED = _PIECES and os.environ.get("MSMEMSCOPE_RECORDS", "").strip().lower() != "rows"
 
 
 def _why(exc) -> str:
@@ -184,6 +187,7 @@ class Session:
         self._optimizer_steps = False        # settled: the optimizer steps are the steps
         self._backward_steps = set()         # backward passes whose end ends a step (_optimizer_stepped)
         self._flushes = 0
+        self._packed_flushes = 0  # of them, flushes of native records with no row tuple made (_take_packed)
         self._step_flush_ns = _step_flush_ns()
         self._last_flush_ns = 0
         self._last_wait_ns = 0               # when the last boundary whose flush waits ended its step
@@ -454,11 +458,14 @@ class Session:
             if failed:
                 from .snapshot import oom_snapshots
                 oom_snapshots(self, self.buf, failed)
-            used, peak = nat.counters()
-            pk = ("cpu", nat.pool)
-            self.used[pk] = used
-            if peak > self.peak.get(pk, 0):
-                self.peak[pk] = peak
+            self._native_counters(nat)
+
+    def _native_counters(self, nat):
+        used, peak = nat.counters()
+        pk = ("cpu", nat.pool)
+        self.used[pk] = used
+        if peak > self.peak.get(pk, 0):
+            self.peak[pk] = peak
 
     def new_alloc_id(self) -> int:
         """The next allocation id: one sequence for every source of the run."""
@@ -932,32 +939,14 @@ class Session:
             self.buf.clear()
             self.pieces.clear()
             return
-        # drained before the labels are given, not after: a MALLOC another thread records between
-        # the labeller's pass and a later drain would be written without its owner label
-        if drain:
-            self.sync_sources()
-        if self.labeler is not None:
-            try:
-                self.labeler.before_flush()
-            except Exception as e:  # the rows are written with the labels they have
-                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
-        if self.device_source is not None:
-            self.device_source.drain_into(self.buf, flushing=True)
-        lab = self.labeler
-        owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
-        if self.modules is not None:
-            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
-            except Exception as e:
-                log.warning("module attribution failed: %r", e)
-        n = len(self.buf)
-        if through is not None:
-            n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
-        elif before is not None:
-            n = next((i for i, r in enumerate(self.buf) if r is before), n)
-        rows = self.buf[:n]
-        del self.buf[:n]
-        pieces = self._pieces_of(rows)
+        # a steady loop's flush: the native source's records go to the writer as its bytes and to the
+        # sinks as columns, with no row tuple made (PackedRows); any other flush drains them into tuples
+        packed = self._take_packed() if drain and through is None and before is None else None
+        if packed is not None:
+            rows, n, pieces = packed, len(packed), [packed.blob]
+            self._packed_flushes += 1
+        else:
+            rows, n, pieces = self._flushed_rows(drain, through, before)
         self._flushes += 1
         if steps and n:
             # the frame's rows a step (the last flush's most: a step's rows vary little in a loop)
@@ -984,12 +973,65 @@ class Session:
         for s in list(self.sinks):
             try:
                 if rows:
-                    s.consume(rows, first)
+                    if packed is not None:
+                        s.consume_packed(rows, first)
+                    else:
+                        s.consume(rows, first)
                 if step_end is not None:
                     s.step_end(self, step_end)
             except Exception as e:  # an analysis's failure never reaches the program
                 self._sink_failed(s, e)
         self._last_flush_ns = time_ns()
+
+    def _flushed_rows(self, drain, through, before):
+        """The rows this flush writes, taken out of ``buf`` (all, or up to the row ``through``, or
+        those before the row ``before``), with the owner labels and modules given; and their pieces
+        for the hand-off (``_pieces_of``)."""
+        # drained before the labels are given, not after: a MALLOC another thread records between
+        # the labeller's pass and a later drain would be written without its owner label
+        if drain:
+            self.sync_sources()
+        if self.labeler is not None:
+            try:
+                self.labeler.before_flush()
+            except Exception as e:  # the rows are written with the labels they have
+                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
+        if self.device_source is not None:
+            self.device_source.drain_into(self.buf, flushing=True)
+        lab = self.labeler
+        owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
+        if self.modules is not None:
+            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
+                self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
+        n = len(self.buf)
+        if through is not None:
+            n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
+        elif before is not None:
+            n = next((i for i, r in enumerate(self.buf) if r is before), n)
+        rows = self.buf[:n]
+        del self.buf[:n]
+        return rows, n, self._pieces_of(rows)
+
+    def _take_packed(self):
+        """The native source's records as ``PackedRows`` where nothing else is to be flushed and
+        nothing rewrites or needs the row tuples: no row waits in ``buf`` (a Python-side row, a drain
+        before it), no owner labels or modules (they rewrite MALLOC rows), no device source, no held
+        step, no C stacks, a writer process that takes the bytes and sinks that take columns
+        (``takes_packed``). None: the flush drains as ever."""
+        nat = self.native
+        if (not _PACKED or nat is None or not self.native_ops or self.labeler is not None
+                or self.modules is not None or self.device_source is not None or self.c_depth
+                or self._held_step is not None or not getattr(self.writer, "takes_bytes", bool)()
+                or not all(getattr(s, "takes_packed", False) for s in self.sinks)):
+            return None
+        self.dispatch.drain(self.buf)
+        packed = nat.take_packed(self.next_id + 1, self.buf)  # None where rows wait in buf
+        if packed is not None:
+            self.pieces.clear()  # (none can stand for rows of an empty buffer)
+            self._native_counters(nat)
+        return packed
 
     def _pieces_of(self, rows):
         """The flushed rows for the hand-off as pieces: the native source's marshal bytes where
@@ -1138,7 +1180,8 @@ class Session:
                 self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
             except Exception as e:
                 self._tool_failed("cannot finish the dump", e)
-        log.info("trace stopped")
+        log.info("trace stopped (%d flushes so far, %d of them of native records with no row tuple made)",
+                 self._flushes, self._packed_flushes)
 
     def close(self, exit_code=None):
         """Process exit: stop, write PROC_EXIT, final flush, let the analyses report.

@@ -30,6 +30,8 @@ import sys
 import termios
 import time
 
+from ..events import as_rows
+
 log = logging.getLogger("msmemscope")
 
 _LEN = 8  # bytes of the frame length; a zero length ends the stream
@@ -162,6 +164,8 @@ class SpoolWriter:
         lists of row tuples, in order (``Session._pieces_of``); the writer process joins them."""
         if not self._inline and self._fd is None and not self._start():
             self._inline = True
+        if self._inline or pieces is None:
+            rows = as_rows(rows)  # (a flush's PackedRows made into tuples: only the bytes go as they are)
         if self._inline:
             self._here().write(rows, first, pid, c_syms)
             self._sent = first + len(rows) - 1
@@ -182,11 +186,16 @@ class SpoolWriter:
             # program; the rows still in the pipe are lost, the rest is written from here. Ended
             # on a write error of its own (disk full): the tool's failure, raised to the session
             self._take_over()
-            self._here().write(rows, first, pid, c_syms)
+            self._here().write(as_rows(rows), first, pid, c_syms)
         finally:
             if self._whole:  # in the pipe, whatever interrupted us after: never sent twice
                 self._sent = first + len(rows) - 1
         self._sent = first + len(rows) - 1
+
+    def takes_bytes(self) -> bool:
+        """Whether the rows go to a writer process (``write``'s pieces are sent as they are), not
+        written here (which needs the row tuples)."""
+        return not self._inline
 
     def room_rows(self) -> int | None:
         """Rows (of the last frame's size) that half the pipe holds: a frame that large goes in while

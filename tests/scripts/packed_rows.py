@@ -1,0 +1,133 @@
+"""A traced training loop whose flushes take the native source's records as ``PackedRows`` (no row
+tuple made, session.py ``_take_packed``) where they can, with what makes a flush drain them into
+tuples instead in between: ``msmemscope.mark`` (a Python-side row), a stop/start gap (a FREE of a
+block freed outside the window), and optionally a thread that allocates and frees while flushes
+run. Every packed flush is checked here:
+  * its bytes load as rows whose MALLOC, FREE and STEP rows are, field for field and in order, the
+    rows of its columns (IDs from the flush's first), and whose STEP rows are its ``steps``;
+  * a second leak sink that gets the row tuples (``consume`` of ``rows()``: the path every flush
+    took before) must end with the tracker of the sink that got the columns, state for state.
+Prints: packed flushes, drained flushes, rows checked, whether the two trackers agree."""
+import json
+import marshal
+import os
+import sys
+import threading
+
+import torch
+
+import msmemscope
+from msmemscope import capture
+from msmemscope.analysis import leaks
+from msmemscope.events import Event, PackedRows
+
+out, opts = sys.argv[1], json.loads(sys.argv[2])
+thread = opts.pop("thread", False)
+msmemscope.config(output=out, collect_mode="immediate", **opts)
+s = capture.current()
+assert s.native is not None, s.config
+nat = s.native
+counts = {"packed": 0, "drained": 0, "rows": 0}
+COLS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "owner",
+        "py_stack")
+
+
+def col_value(cols, j, i):
+    data, values = cols[j]
+    if values is None:
+        return int(data[i])
+    k = int(data[i])
+    return values[k] if k < len(values) else None
+
+
+def check(p: PackedRows, first):
+    rows = marshal.loads(p.blob)
+    assert len(rows) == len(p) == p.n
+    keep = [(first + i, r) for i, r in enumerate(rows) if r[0] in (Event.MALLOC, Event.FREE, Event.SYSTEM)]
+    assert len(keep) == len(p.cols[0][0]), (len(keep), len(p.cols[0][0]))
+    for j, (rid, r) in enumerate(keep):
+        got = {c: col_value(p.cols, k, j) for k, c in enumerate(COLS)}
+        assert got["id"] == rid and got["event"] == r[0] and got["event_type"] == r[1] and got["name"] == r[2]
+        assert got["tid"] == r[4] and got["device"] == r[5]
+        if r[0] == Event.SYSTEM:
+            assert p.steps[j] == r, (p.steps[j], r)
+            continue
+        a = r[7]
+        assert (got["alloc_id"], got["addr"], got["size"], got["used"]) == (a[0], a[1], a[2], a[3]), (got, r)
+        assert got["owner"] == (a[5] if r[0] == Event.MALLOC else None)
+        assert got["py_stack"] == (r[8] if r[0] == Event.MALLOC else None)
+    assert set(p.steps) == {j for j, (_, r) in enumerate(keep) if r[0] == Event.SYSTEM}
+    assert p.free_ids() == {r[7][0] for r in rows if r[0] == Event.FREE}
+    counts["rows"] += len(rows)
+
+
+real_take, real_drain = nat.take_packed, nat.drain
+
+
+def take_packed(first, buf):
+    p = real_take(first, buf)
+    if p is not None:
+        counts["packed"] += 1
+        check(p, first)
+    return p
+
+
+def drain(buf, pieces=None):
+    before = len(buf)
+    got = real_drain(buf, pieces)
+    counts["drained"] += len(buf) > before
+    return got
+
+
+nat.take_packed, nat.drain = take_packed, drain
+
+
+class RowsSink(leaks.LeakSink):
+    """The leak sink as every flush fed it before: the row tuples."""
+    takes_packed = True
+
+    def consume_packed(self, packed, first_id):
+        self.consume(packed.rows(), first_id)
+
+
+stop = threading.Event()
+
+
+def churn():  # allocations and frees on another thread while the main thread flushes
+    while not stop.is_set():
+        x = torch.ones(64 * 1024)
+        y = x * 2
+        del x, y
+
+
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+kept = []
+[sink] = [x for x in s.sinks if type(x) is leaks.LeakSink]
+assert sink.takes_packed
+shadow = RowsSink(s)  # from the first row on, as the sink (nothing was flushed yet)
+s.sinks.insert(s.sinks.index(sink) + 1, shadow)
+worker = threading.Thread(target=churn) if thread else None
+for step in range(10):
+    if step == 1 and worker is not None:
+        worker.start()
+    if step in (3, 7):
+        msmemscope.mark(f"step {step}")  # a Python-side row: that flush drains
+    model(torch.randn(16, 32)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    kept.append(torch.ones(256 * (step + 1)))  # a leak: the site grows every step
+    if step == 5:
+        msmemscope.stop()
+        del kept[0]  # freed outside the window: its FREE row has a dict attr, that flush drains
+        msmemscope.start()
+stop.set()
+if worker is not None:
+    worker.join()
+s.flush()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_leak_rows_native import state  # noqa: E402  (the trackers compared as that test does)
+
+same = state(sink.t, []) == state(shadow.t, [])
+msmemscope.stop()
+print(counts["packed"], counts["drained"], counts["rows"], same)

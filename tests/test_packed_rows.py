@@ -1,0 +1,111 @@
+"""A steady loop's flush takes the native source's records with no row tuple made (session.py
+``_take_packed``, ``PackedRows``): the writer process gets their marshal bytes, the leak rule their
+columns (``StepLeakTracker.consume_columns``). What such a flush writes and finds must be what the
+row tuples gave (``MSMEMSCOPE_RECORDS=rows``), flush for flush, with the flushes that must drain
+(a Python-side row, a free outside the window, another thread's rows) mixed in."""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders
+from msmemscope import leak_native
+from msmemscope.capture import native
+
+pytestmark = pytest.mark.skipif(native.load_module() is None or leak_native.load() is None,
+                                reason="the native modules are not built (python -m msmemscope.capture.native build)")
+
+
+@pytest.mark.parametrize("opts", full([{}, {"thread": True, "call_stack": "python:5"}],
+                                      [{}, {"call_stack": "python:5"}, {"thread": True},
+                                       {"thread": True, "call_stack": "python:3"}]),
+                         ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_packed_flushes_are_the_rows_they_stand_for(tmp_path, opts):
+    """Every packed flush's columns are its bytes' MALLOC/FREE/STEP rows (IDs, names, numbers,
+    stacks, STEP tuples, the FREE rows' ids), and a leak sink fed the row tuples of the same flushes
+    ends with the very tracker of the sink fed the columns (tests/scripts/packed_rows.py)."""
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # a flush per step: many packed flushes between the drained ones
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "packed_rows.py"), str(tmp_path / "out"),
+                        json.dumps(opts)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    packed, drained, rows, same = r.stdout.split()[-4:]
+    # marks at two steps, a stop/start gap, the held first step: those flushes drain; the others not
+    # (with the other thread, also those after a step end that drained its rows to see what is live)
+    assert int(packed) >= (1 if opts.get("thread") else 3) and int(drained) >= 3, r.stdout
+    assert int(rows) > 500
+    assert same == "True"
+    [folder] = run_folders(tmp_path / "out")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        res = json.load(f)
+    # the blocks the loop keeps, found (leaks of a growing site, or retained where the marks' labels
+    # split the site)
+    found = [lk for lk in res["leaks"] + res["retained"] if lk["op"] == "torch._ops.aten.ones.default"]
+    assert len(found) >= 7, res
+
+
+PROG = """
+import torch
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+kept = []
+for i in range(8):
+    loss = m(torch.randn(8, 16)).sum()
+    loss.backward(); opt.step(); opt.zero_grad()
+    kept.append(torch.ones(100 * (i + 1)))
+"""
+STABLE = ["id", "event", "event_type", "name", "device", "alloc_id", "size", "used", "owner", "py_stack"]
+
+
+def _flushes(folder):
+    [log] = glob.glob(os.path.join(folder, "msmemscope_logs", "*.log"))
+    with open(log) as f:
+        got = re.findall(r"trace stopped \((\d+) flushes so far, (\d+) of them", f.read())
+    return tuple(map(int, got[-1]))
+
+
+@pytest.mark.parametrize("args", full([["--call-stack=python:4"]],
+                                      [[], ["--call-stack=python:4"], ["--data-format=db"], ["--keep-steps=3"]]),
+                         ids=lambda a: "+".join(x.lstrip("-") for x in a) or "default")
+def test_dump_and_leaks_are_those_of_the_row_tuples(tmp_path, args):
+    """The same program with packed flushes and with every flush drained into tuples: the dumps'
+    rows and the leak analysis' result are the same (addresses aside: two processes)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(PROG)
+    procs, got = {}, {}
+    for how in ("packed", "rows"):
+        env = env_for_tests()
+        env["MSMEMSCOPE_SOURCE"] = "native"
+        env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
+        if how == "rows":
+            env["MSMEMSCOPE_RECORDS"] = "rows"
+        procs[how] = subprocess.Popen([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / how), *args,
+                                       sys.executable, str(prog)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+    for how, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        [folder] = run_folders(tmp_path / how)
+        df = read(dump_of(folder))
+        check_invariants(df)
+        with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+            res = json.load(f)
+        for lk in res["leaks"] + res["retained"]:
+            lk.pop("addr", None), lk.pop("address", None)
+        got[how] = (df, res, _flushes(folder))
+    (a, ra, fa), (b, rb, fb) = got["packed"], got["rows"]
+    assert fb[1] == 0 and fa[1] >= 5, (fa, fb)  # (the steps after the held first one)
+    assert a.height == b.height > 100
+    cols = [c for c in STABLE if c in a.columns]
+    assert a.select(cols).equals(b.select(cols))
+    assert ra["sites"] and ra == rb
+    steps = a.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
+    assert steps.height == 8
