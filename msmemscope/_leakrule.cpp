@@ -899,13 +899,34 @@ int64_t leak_rows(py::handle rows_h, int64_t start, py::handle first_h, py::hand
 // tuples, as the Python replay makes them; None in the place of every other row, whose index in
 // the batch is in ``others`` (the replay makes those from their Attr text).
 namespace {
+// A column's values through the buffer protocol (a numpy array from the reader's frame, or the
+// bytes the native source's take_packed makes): no conversion, a few hundred nanoseconds a column
+// (pybind11's array_t::ensure was ~1-2 us each, 12 columns a call of a loop that is called per
+// flush and per row it leaves).
+struct Buf {
+  Py_buffer view{};
+  bool held = false;
+  Buf() = default;
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  // the buffer of ``o`` holding at least n items of ``size`` bytes (its items of that size, or bytes)
+  const void* bind(PyObject* o, Py_ssize_t n, Py_ssize_t size, const char* what) {
+    if (PyObject_GetBuffer(o, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+    held = true;
+    if ((view.itemsize != size && view.itemsize != 1) || view.len < n * size)
+      throw py::value_error(std::string("replay_rows: a column is not ") + what + " or is shorter than the rows");
+    return view.buf;
+  }
+  ~Buf() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
+
 struct ColumnView {
   bool present = false, text = false;
-  py::array_t<uint32_t> codes;
+  Buf cb, vb, mb;
   PyObject* values = nullptr;  // borrowed from the cols tuple: the strings by code
   Py_ssize_t nvalues = 0;
-  py::array_t<int64_t> ints;
-  py::array_t<bool> nulls;
   bool has_nulls = false;
   const uint32_t* c = nullptr;
   const int64_t* v = nullptr;
@@ -917,20 +938,14 @@ struct ColumnView {
     present = true;
     text = is_text;
     if (is_text) {
-      codes = py::array_t<uint32_t>::ensure(t[0]);
       values = t[1].ptr();
-      if (!codes || !PyList_Check(values)) throw py::type_error("replay_rows: a text column is (uint32 codes, list)");
+      if (!PyList_Check(values)) throw py::type_error("replay_rows: a text column is (uint32 codes, list)");
       nvalues = PyList_GET_SIZE(values);
-      if (codes.size() < n) throw py::value_error("replay_rows: a column is shorter than the rows");
-      c = codes.data();
+      c = (const uint32_t*)cb.bind(t[0].ptr(), n, 4, "uint32 codes");
     } else {
-      ints = py::array_t<int64_t>::ensure(t[0]);
-      if (!ints || ints.size() < n) throw py::value_error("replay_rows: an int column is shorter than the rows");
-      v = ints.data();
+      v = (const int64_t*)vb.bind(t[0].ptr(), n, 8, "int64 values");
       if (!t[1].is_none()) {
-        nulls = py::array_t<bool>::ensure(t[1]);
-        if (!nulls || nulls.size() < n) throw py::value_error("replay_rows: a null mask is shorter than the rows");
-        m = nulls.data();
+        m = (const bool*)mb.bind(t[1].ptr(), n, 1, "a bool mask");
         has_nulls = true;
       }
     }

@@ -154,12 +154,13 @@ class PackedRows:
 
     def free_ids(self) -> set:
         """The allocation ids of the FREE rows (``free_ids`` of the rows)."""
-        ev, aid = self.cols[1], self.cols[6]
-        codes, values = ev
+        import numpy as np
+        (codes, values), aid = self.cols[1], self.cols[6][0]
         free = next((k for k, v in enumerate(values) if v == Event.FREE), None)
-        if free is None or not len(codes):
+        if free is None or not codes:
             return set()
-        return set(aid[0][codes == free].tolist())
+        codes = np.frombuffer(codes, dtype=np.uint32)
+        return set(np.frombuffer(aid, dtype=np.int64)[codes == free].tolist())
 
 
 def as_rows(rows):

@@ -26,7 +26,6 @@
 #endif
 // the headers this file uses, not <torch/extension.h> (all of libtorch's C++ API, twice the build time)
 #include <torch/csrc/utils/pybind.h>
-#include <pybind11/numpy.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -1334,7 +1333,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
 // marshal bytes. ``columns``: the MALLOC, FREE and STEP rows as the leak rule's column loop
 // (leak_columns) and replay_rows take them: (id, event, event_type, name, tid, device, alloc_id,
 // addr, size, used, owner, py_stack), texts as (uint32 codes, the strings by code; a null code past
-// them), numbers as (int64 values, None). ``steps``: {index in the columns: the STEP row's tuple}.
+// them), numbers as (int64 values, None), the codes and values each a bytes object (native order). ``steps``: {index in the columns: the STEP row's tuple}.
 py::object take_packed(int64_t first, py::tuple names, py::list buf) {
   RowNames nm(names);
   std::vector<Rec>& batch = drained;
@@ -1362,18 +1361,17 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf) {
     if (r.kind != OP_START && r.kind != OP_END) ++k;
   enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
   static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
-  py::array_t<int64_t> ints[NCOLS];
-  py::array_t<uint32_t> codes[NCOLS];
+  // each column one bytes object, written in place (the column loop reads them through the buffer
+  // protocol; numpy.frombuffer reads them too)
+  py::object data[NCOLS];
   int64_t* iv[NCOLS] = {nullptr};
   uint32_t* cv[NCOLS] = {nullptr};
   for (int j = 0; j < NCOLS; ++j) {
-    if (is_text[j]) {
-      codes[j] = py::array_t<uint32_t>((py::ssize_t)k);
-      cv[j] = codes[j].mutable_data();
-    } else {
-      ints[j] = py::array_t<int64_t>((py::ssize_t)k);
-      iv[j] = ints[j].mutable_data();
-    }
+    PyObject* b = PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(k * (is_text[j] ? 4 : 8)));
+    if (b == nullptr) throw py::error_already_set();
+    data[j] = py::reinterpret_steal<py::object>(b);
+    if (is_text[j]) cv[j] = (uint32_t*)PyBytes_AS_STRING(b);
+    else iv[j] = (int64_t*)PyBytes_AS_STRING(b);
   }
   // the strings by code: the fixed ones, then each op name and stack as first met
   py::str empty("");
@@ -1433,10 +1431,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf) {
   py::object blob = marshal_rows(batch, nm, empty.ptr(), no_shapes, 0);
   if (blob.is_none()) return py::none();  // the records go back for drain()
   py::list cols;
-  for (int c = 0; c < NCOLS; ++c) {
-    if (is_text[c]) cols.append(py::make_tuple(codes[c], values));
-    else cols.append(py::make_tuple(ints[c], py::none()));
-  }
+  for (int c = 0; c < NCOLS; ++c) cols.append(py::make_tuple(data[c], is_text[c] ? py::object(values) : py::none()));
   {
     std::lock_guard<std::mutex> g(mu);
     done.used = true;

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 
+import numpy as np
 import torch
 
 import msmemscope
@@ -35,8 +36,8 @@ COLS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr"
 def col_value(cols, j, i):
     data, values = cols[j]
     if values is None:
-        return int(data[i])
-    k = int(data[i])
+        return int(np.frombuffer(data, dtype=np.int64)[i])
+    k = int(np.frombuffer(data, dtype=np.uint32)[i])
     return values[k] if k < len(values) else None
 
 
@@ -44,7 +45,7 @@ def check(p: PackedRows, first):
     rows = marshal.loads(p.blob)
     assert len(rows) == len(p) == p.n
     keep = [(first + i, r) for i, r in enumerate(rows) if r[0] in (Event.MALLOC, Event.FREE, Event.SYSTEM)]
-    assert len(keep) == len(p.cols[0][0]), (len(keep), len(p.cols[0][0]))
+    assert len(keep) == len(p.cols[0][0]) // 8, (len(keep), len(p.cols[0][0]))
     for j, (rid, r) in enumerate(keep):
         got = {c: col_value(p.cols, k, j) for k, c in enumerate(COLS)}
         assert got["id"] == rid and got["event"] == r[0] and got["event_type"] == r[1] and got["name"] == r[2]
@@ -96,8 +97,8 @@ stop = threading.Event()
 def churn():  # allocations and frees on another thread while the main thread flushes
     while not stop.is_set():
         x = torch.ones(64 * 1024)
-        y = x * 2
-        del x, y
+        torch.add(x, x)  # an output made and freed at once
+        del x
 
 
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
