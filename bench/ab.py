@@ -11,6 +11,8 @@ alternates blocks of steps in three states, in turn:
   nothing (FUNCTION scope, no inputs, as the native source installs it): what any tracer of op
   launches built on ``RecordFunction`` pays before it records anything (torch.profiler too);
 - ``traced``: tracing started (``msmemscope.start()``), with ``--analysis``;
+- with ``--rows``, also ``traced-rows``: tracing started with every flush's native records made into
+  row tuples (``MSMEMSCOPE_RECORDS=rows``: the flush path before the thirty-fourth session);
 - with ``--profiler``, also ``profiler``: ``torch.profiler.profile(activities=[CPU],
   profile_memory=True)`` entered before the block and left after it (its collection only: the
   stop, which turns the records into events, is outside the timed block).
@@ -66,6 +68,7 @@ def main(argv=None):
     p.add_argument("--floor-io", action="store_true",
                    help="the floor's callback asks for the ops' inputs and outputs (as the access events' does)")
     p.add_argument("--profiler", action="store_true", help="a fourth state: torch.profiler collecting")
+    p.add_argument("--rows", action="store_true", help="a state traced with every flush drained into row tuples")
     p.add_argument("--steps", type=int, default=0, help="steps a block (default: ~0.4 s of plain steps)")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -93,6 +96,10 @@ def main(argv=None):
     if a.profiler:
         times["profiler"] = []
         from torch.profiler import ProfilerActivity, profile
+    if a.rows:
+        times["traced-rows"] = []
+    from msmemscope.capture import session as S
+    packed = S._PACKED
     import random
     rng = random.Random(0)
     order = list(times)
@@ -101,7 +108,8 @@ def main(argv=None):
         for state in order:
             h = floor.add_floor(a.floor_io) if state == "floor" else None
             prof = None
-            if state == "traced":
+            if state in ("traced", "traced-rows"):
+                S._PACKED = packed and state == "traced"
                 msmemscope.start()
             elif state == "profiler":
                 prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -111,7 +119,7 @@ def main(argv=None):
             for _ in range(n):
                 step()
             times[state].append((time.perf_counter() - t) / n)
-            if state == "traced":
+            if state in ("traced", "traced-rows"):
                 msmemscope.stop()
             if prof is not None:
                 prof.__exit__(None, None, None)

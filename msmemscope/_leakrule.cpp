@@ -526,6 +526,9 @@ struct LeakRow {
   bool tid_null = false;
   PyObject* id = nullptr;   // null: id_val, kept by the pending table as a number until asked for
   int64_t id_val = 0;
+  int64_t used_val = 0;     // ``used`` as a number where ``used`` is null (the column loop: no
+                            // int made for it unless it becomes the step's lowest or highest or
+                            // the pool's level)
 };
 
 // the (device, pool) of the last row: most rows of a batch have the same objects, so their key is
@@ -538,6 +541,8 @@ struct LastPool {
   PyObject* key = nullptr;     // owned
   PyObject* mm = nullptr;      // borrowed from cur
   PyObject* used = nullptr;    // owned: the last row's ``used`` not yet in level
+  bool raw = false;            // ... or that number, not yet made an int (used null)
+  int64_t used_val = 0;
   int32_t bpk = -1, ppk = -1;  // the pair's index in the blocks and pending tables
   explicit LastPool(PyObject* l) : level(l) {}
   LastPool(const LastPool&) = delete;
@@ -545,15 +550,27 @@ struct LastPool {
   void note(PyObject* u) {
     Py_INCREF(u);
     Py_XSETREF(used, u);
+    raw = false;
+  }
+  void note_raw(int64_t v) {
+    Py_CLEAR(used);
+    used_val = v;
+    raw = true;
   }
   bool put_level() {
-    if (key == nullptr || used == nullptr) return true;
+    if (key == nullptr) return true;
+    if (raw) {
+      raw = false;
+      used = PyLong_FromLongLong(used_val);
+      if (used == nullptr) return false;
+    }
+    if (used == nullptr) return true;
     Ref u(used);
     used = nullptr;
     return PyDict_SetItem(level, key, u.get()) == 0;
   }
   ~LastPool() {
-    if (used != nullptr && key != nullptr) {  // an exception on the way out: keep it, put the level
+    if ((used != nullptr || raw) && key != nullptr) {  // an exception on the way out: keep it, put the level
       PyObject *t, *v, *tb;
       PyErr_Fetch(&t, &v, &tb);
       if (!put_level()) PyErr_Clear();
@@ -610,6 +627,33 @@ struct Deltas {
     PyErr_Restore(t, val, tb);
   }
 };
+
+// the step's [min, max] of ``used`` (a list of two ints) moved to take ``v``: false on an error.
+// An item that is not an int that fits in 64 bits is compared as Python compares it.
+bool minmax_raw(PyObject* mm, int64_t v) {
+  for (int k = 0; k < 2; ++k) {
+    PyObject* cur = PyList_GET_ITEM(mm, k);
+    int over = 1;
+    long long c = PyLong_CheckExact(cur) ? PyLong_AsLongLongAndOverflow(cur, &over) : 0;
+    bool moves;
+    if (!over) {
+      moves = k == 0 ? v < c : v > c;
+    } else {
+      Ref u(PyLong_FromLongLong(v));
+      if (u.get() == nullptr) return false;
+      int b = PyObject_RichCompareBool(u.get(), cur, k == 0 ? Py_LT : Py_GT);
+      if (b < 0) return false;
+      moves = b != 0;
+    }
+    if (moves) {
+      PyObject* u = PyLong_FromLongLong(v);
+      if (u == nullptr) return false;
+      PyList_SetItem(mm, k, u);  // steals u
+      return true;  // a new lowest is not also a new highest (the Python loop's elif)
+    }
+  }
+  return true;
+}
 
 // the loop's state for one call: what take() needs of consts and state, the last pool, the sites'
 // deltas and the sites last found by op. take() handles a row (true) or leaves it untouched for
@@ -752,7 +796,10 @@ class LeakLoop {
       if (over) return false;
     }
     // from here on the row is handled here: the step's lowest and highest ``used``, the level
-    if (late) {
+    if (used == nullptr) {  // a number (the column loop): compared with the min/max as numbers
+      if (late && !minmax_raw(mm, r.used_val)) throw py::error_already_set();
+      pk.note_raw(r.used_val);
+    } else if (late) {
       PyObject* lo = PyList_GET_ITEM(mm, 0);
       int lt = PyObject_RichCompareBool(used, lo, Py_LT);
       if (lt < 0) throw py::error_already_set();
@@ -768,7 +815,7 @@ class LeakLoop {
         }
       }
     }
-    pk.note(used);  // level[pk] = used, put when the pool changes or the loop ends
+    if (used != nullptr) pk.note(used);  // level[pk] = used, put when the pool changes or the loop ends
     if (r.is_malloc) {
       deltas.add(site, isize);
       if (!site_set_last(site, aid, s_live, s_last)) throw py::error_already_set();
@@ -1087,8 +1134,17 @@ int64_t leak_columns(py::tuple cols, Py_ssize_t start, Py_ssize_t stop, py::hand
     } else {
       row.tid_null = true;
     }
-    Ref aid(v[AID].get(i)), size(v[SIZE].get(i)), used(v[USED].get(i));
-    if (aid.get() == nullptr || size.get() == nullptr || used.get() == nullptr) throw py::error_already_set();
+    // the numbers a row keeps or looks up as ints; ``used`` as a number unless null, the size and
+    // address of a FREE are not read
+    Ref aid(v[AID].get(i));
+    Ref size(row.is_malloc ? v[SIZE].get(i) : Py_NewRef(Py_None));
+    Ref used;
+    if (v[USED].present && !(v[USED].has_nulls && v[USED].m[i])) {
+      row.used_val = v[USED].v[i];
+    } else {
+      used.o = Py_NewRef(Py_None);
+    }
+    if (aid.get() == nullptr || size.get() == nullptr) throw py::error_already_set();
     Ref addr(row.is_malloc ? v[ADDR].get(i) : Py_NewRef(Py_None));
     if (addr.get() == nullptr) throw py::error_already_set();
     row.aid = aid.get();
