@@ -89,6 +89,7 @@ def parts(a):
             rows[0] += len(buf) - n0
     native.NativeSource.drain = counted
     wrap(native.NativeSource, "drain", "native drain")
+    wrap(native.NativeSource, "take_packed", "native take_packed")
     wrap(s.writer, "write", "writer.write")
     if s.labeler is not None:
         wrap(s.labeler, "before_flush", "labeler.before_flush")
@@ -99,6 +100,8 @@ def parts(a):
         wrap(s.modules, "at_step_end", "modules.at_step_end")
     for sink in s.sinks:
         wrap(sink, "consume", type(sink).__name__ + ".consume")
+        if hasattr(sink, "consume_packed"):
+            wrap(sink, "consume_packed", type(sink).__name__ + ".consume_packed")
         wrap(sink, "step_end", type(sink).__name__ + ".step_end")
     t0 = time.perf_counter()
     for _ in range(a.steps):
