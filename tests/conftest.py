@@ -98,6 +98,31 @@ def dump_of(folder):
     return files[0]
 
 
+def run_ways(tmp_path, prog, args, ways, timeout=300):
+    """The program text ``prog`` run under the launcher (``args`` before it) once per way, side by
+    side on the native source: ``ways`` maps a name to the environment it adds. Returns {name: (run
+    folder, its dump read and checked for the invariants)}."""
+    path = tmp_path / "prog.py"
+    path.write_text(prog)
+    procs, got = {}, {}
+    for name, extra in ways.items():
+        env = env_for_tests()
+        env["MSMEMSCOPE_SOURCE"] = "native"
+        env.update(extra)
+        procs[name] = subprocess.Popen([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / name), *args,
+                                        sys.executable, str(path)], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        [folder] = run_folders(tmp_path / name)
+        assert config_of(folder)["source"] == "native"
+        df = read(dump_of(folder))
+        check_invariants(df)
+        got[name] = (folder, df)
+    return got
+
+
 def config_of(folder):
     with open(os.path.join(folder, "config.json")) as f:
         return json.load(f)

@@ -10,7 +10,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders, run_ways
 from msmemscope.capture import native
 
 pytestmark = pytest.mark.skipif(native.load_module() is None,
@@ -58,27 +58,8 @@ STABLE = ["id", "event", "event_type", "name", "device", "alloc_id", "size", "us
                                        ["--analysis=decompose"], ["--data-format=db", "--analysis=decompose"]]),
                          ids=lambda f: "+".join(x.split("=")[-1] for x in f))
 def test_dump_is_the_marshalled_rows_dump(tmp_path, fmt):
-    prog = tmp_path / "prog.py"
-    prog.write_text(PROG)
-    dfs = {}
-    procs = {}
-    for how in ("pieces", "marshal"):
-        env = env_for_tests()
-        env["MSMEMSCOPE_SOURCE"] = "native"
-        if how == "marshal":
-            env["MSMEMSCOPE_HANDOFF"] = "marshal"
-        procs[how] = subprocess.Popen([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / how), *fmt,
-                                       sys.executable, str(prog)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-    for how, p in procs.items():
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-        [folder] = run_folders(tmp_path / how)
-        with open(os.path.join(folder, "config.json")) as f:
-            assert json.load(f)["source"] == "native"
-        df = read(dump_of(folder))
-        check_invariants(df)
-        dfs[how] = df
+    got = run_ways(tmp_path, PROG, fmt, {"pieces": {}, "marshal": {"MSMEMSCOPE_HANDOFF": "marshal"}})
+    dfs = {how: df for how, (_, df) in got.items()}
     a, b = dfs["pieces"], dfs["marshal"]
     assert a.height == b.height > 100
     cols = [c for c in STABLE if c in a.columns]

@@ -13,7 +13,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders
+from conftest import ROOT, check_invariants, dump_of, env_for_tests, full, read, run_folders, run_ways
 from msmemscope import leak_native
 from msmemscope.capture import native
 
@@ -78,24 +78,10 @@ def _flushes(folder):
 def test_dump_and_leaks_are_those_of_the_row_tuples(tmp_path, args):
     """The same program with packed flushes and with every flush drained into tuples: the dumps'
     rows and the leak analysis' result are the same (addresses aside: two processes)."""
-    prog = tmp_path / "prog.py"
-    prog.write_text(PROG)
-    procs, got = {}, {}
-    for how in ("packed", "rows"):
-        env = env_for_tests()
-        env["MSMEMSCOPE_SOURCE"] = "native"
-        env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
-        if how == "rows":
-            env["MSMEMSCOPE_RECORDS"] = "rows"
-        procs[how] = subprocess.Popen([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / how), *args,
-                                       sys.executable, str(prog)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-    for how, p in procs.items():
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-        [folder] = run_folders(tmp_path / how)
-        df = read(dump_of(folder))
-        check_invariants(df)
+    ways = run_ways(tmp_path, PROG, args, {"packed": {"MSMEMSCOPE_STEP_FLUSH_S": "0"},
+                                           "rows": {"MSMEMSCOPE_STEP_FLUSH_S": "0", "MSMEMSCOPE_RECORDS": "rows"}})
+    got = {}
+    for how, (folder, df) in ways.items():
         with open(os.path.join(folder, "analysis", "leaks.json")) as f:
             res = json.load(f)
         for lk in res["leaks"] + res["retained"]:
