@@ -36,8 +36,8 @@ def test_packed_flushes_are_the_rows_they_stand_for(tmp_path, opts):
     assert r.returncode == 0, r.stderr
     packed, drained, rows, same = r.stdout.split()[-4:]
     # marks at two steps, a stop/start gap, the held first step: those flushes drain; the others not
-    # (with the other thread, also those after a step end that drained its rows to see what is live)
-    assert int(packed) >= (1 if opts.get("thread") else 3) and int(drained) >= 3, r.stdout
+    # (with the other thread too: the leak sink reads its FREE records where they wait, no drain)
+    assert int(packed) >= 3 and int(drained) >= 3, r.stdout
     assert int(rows) > 500
     assert same == "True"
     [folder] = run_folders(tmp_path / "out")

@@ -1586,6 +1586,22 @@ py::set live_alloc_ids() {
   return s;
 }
 
+// The allocation ids of the FREE records not yet in a flush's rows (waiting, or in a drain that is
+// building its tuples on another thread): what the session's live set of a flush's step ends adds
+// without draining them (a drain there would make the next flush drain too, not take_packed).
+py::set waiting_free_ids() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    for (const std::vector<Rec>* v : {&recs, &drained})
+      for (const Rec& r : *v)
+        if (r.kind == FREE || r.kind == FREE_UNTRACED) ids.push_back(r.aid);
+  }
+  py::set s;
+  for (int64_t i : ids) s.add(py::int_(i));
+  return s;
+}
+
 // the owner tag of this thread's new blocks from now on (0: none)
 void set_owner_tag(int32_t tag) { owner_tag = tag; }
 
@@ -3227,6 +3243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
   m.def("take_packed", &take_packed);
+  m.def("waiting_free_ids", &waiting_free_ids);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);
   m.def("live_alloc_ids", &live_alloc_ids);

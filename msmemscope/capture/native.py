@@ -388,6 +388,10 @@ class NativeSource(Source):
     def live_alloc_ids(self) -> set:
         return self.m.live_alloc_ids()
 
+    def waiting_free_ids(self) -> set:
+        """The allocation ids of the FREE records not drained yet (after the handover too)."""
+        return self.m.waiting_free_ids()
+
     def block_ids(self, tensors) -> list:
         """The allocation id of the counted block behind each tensor's storage, or -1 (one C++ call)."""
         return self.m.block_ids(tensors)

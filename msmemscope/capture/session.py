@@ -494,7 +494,11 @@ class Session:
         flushed row: the leak rule must still see it live at the step ends of this flush."""
         ids = self.live_alloc_ids()  # first: a block freed after this is among the rows below
         ids |= self.dispatch.freeing.copy()  # freed by the dispatch mode, its row being made
-        self.sync_sources()
+        if self.native is not None:
+            # the native records' FREEs, read where they wait: drained here, they would make the
+            # next flush drain too (take_packed takes records only when no row waits in buf)
+            ids |= self.native.waiting_free_ids()
+        self.dispatch.drain(self.buf)
         ids.update(free_ids(self.buf))
         return ids
 
