@@ -7,7 +7,19 @@ import torch
 from torch import nn
 
 from msmemscope import capture
+from msmemscope.io import spool
 
+KILL_AT = int(os.environ.get("MSMEMSCOPE_TEST_KILL_AT", "1"))  # the loop's step after which it dies
+made = [0]  # flushes of packed records (no row tuples) whose tuples had to be made from their bytes
+_as_rows = spool.as_rows
+
+
+def as_rows(rows):
+    made[0] += type(rows).__name__ == "PackedRows"
+    return _as_rows(rows)
+
+
+spool.as_rows = as_rows
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -18,9 +30,11 @@ for step in range(6):
     loss.backward()
     opt.step()
     print(f"loss {loss.item().hex()}", flush=True)
-    if step == 1:
+    if step == KILL_AT:
         s = capture.current()
         proc = getattr(s.writer, "_proc", None) if s is not None else None
         if proc is not None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+if capture.current() is not None:  # (traced: the untraced run's output is the loss lines alone)
+    print(f"packed rows made from their bytes: {made[0]}")
