@@ -666,7 +666,7 @@ class LeakSink:
         """``consume`` of a flush's ``PackedRows``: its columns through the C++ loop (``takes_packed``)."""
         self._rows, self._live = packed, None
         try:
-            self.t.consume_columns(packed.cols, len(packed.cols[0][0]) // 8, packed.steps)  # (int64 IDs)
+            self.t.consume_columns(packed.cols, packed.column_rows(), packed.steps)
         finally:
             self._rows = self._live = None
 

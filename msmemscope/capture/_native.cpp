@@ -1140,24 +1140,6 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   }
   DrainDone done{epoch};
   const size_t nrec = batch.size();
-  PyObject* ev_launch = names[0].ptr();
-  PyObject* ev_start = names[1].ptr();
-  PyObject* ev_end = names[2].ptr();
-  PyObject* ev_malloc = names[3].ptr();
-  PyObject* ev_free = names[4].ptr();
-  PyObject* pool = names[5].ptr();
-  PyObject* device = names[6].ptr();
-  PyObject* na = names[7].ptr();
-  PyObject* ev_failed = names[8].ptr();
-  PyObject* untraced_key = names[9].ptr();
-  PyObject* ev_access = names[10].ptr();
-  PyObject* acc_read = names[11].ptr();
-  PyObject* acc_write = names[12].ptr();
-  PyObject* origin_key = names[13].ptr();
-  PyObject* before_op = names[14].ptr();
-  PyObject* ev_system = names[15].ptr();
-  PyObject* sys_step = names[16].ptr();
-  PyObject* step_key = names[17].ptr();
   RowNames nm(names);
   // the tuples, appended to `out` once all are made (slots not reached on a failure stay NULL,
   // which the list's release skips)
@@ -1177,7 +1159,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
     ~TidRef() { Py_XDECREF(o); }
   } tid_ref{tid_obj};
   for (const Rec& r : batch) {
-    PyObject* name = r.op >= 0 ? op_str(r.op) : na;
+    PyObject* name = r.op >= 0 ? op_str(r.op) : nm.na;
     if (name == nullptr) throw py::error_already_set();
     PyObject* ev;
     PyObject* type;
@@ -1189,16 +1171,16 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       if (stack == nullptr) throw py::error_already_set();
     }
     if (r.kind == OP_START || r.kind == OP_END) {
-      ev = ev_launch;
-      type = r.kind == OP_START ? ev_start : ev_end;
+      ev = nm.ev_launch;
+      type = r.kind == OP_START ? nm.ev_start : nm.ev_end;
       ptr = Py_None;
       attr = Py_None;
       Py_INCREF(ptr);
       Py_INCREF(attr);
     } else if (r.kind == ACCESS_READ || r.kind == ACCESS_WRITE) {
       // (dtype, shape, block size, alloc_id)
-      ev = ev_access;
-      type = r.kind == ACCESS_WRITE ? acc_write : acc_read;
+      ev = nm.ev_access;
+      type = r.kind == ACCESS_WRITE ? nm.acc_write : nm.acc_read;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       int st = r.extra & 0xff, ndim = r.extra >> 8;
       if (dtype_strs[st] == nullptr)
@@ -1217,38 +1199,38 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       Py_XDECREF(shape);
     } else if (r.kind == STEP_END) {
       // the session's SYSTEM/STEP row: Attr {"step": the step that ended}
-      ev = ev_system;
-      type = sys_step;
+      ev = nm.ev_system;
+      type = nm.sys_step;
       ptr = Py_None;
       Py_INCREF(ptr);
-      attr = Py_BuildValue("{O:L}", step_key, (long long)r.aid);
+      attr = Py_BuildValue("{O:L}", nm.step_key, (long long)r.aid);
     } else if (r.kind == ALLOC_FAILED) {
       ++failed;
       // not a dump row: the session turns it into the OOM snapshot (used and peak at the failure)
-      ev = ev_failed;
-      type = pool;
+      ev = nm.ev_failed;
+      type = nm.pool;
       ptr = Py_None;
       Py_INCREF(ptr);
       attr = Py_BuildValue("(LLL)", (long long)r.size, (long long)r.used, (long long)r.aid);
     } else if (r.kind == FREE_UNTRACED) {
       // FREE of a counted block freed while not recording: Attr is a dict with the flag
-      ev = ev_free;
-      type = pool;
+      ev = nm.ev_free;
+      type = nm.pool;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,O:O}", "allocation_id", (long long)r.aid, "addr",
                            (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
-                           "total", (long long)r.used, untraced_key, Py_True);
+                           "total", (long long)r.used, nm.untraced_key, Py_True);
     } else if (r.kind == MALLOC_BEFORE_OP) {
       // a block allocated before the traced window, first read by a traced op: a dict with its origin
-      ev = ev_malloc;
-      type = pool;
+      ev = nm.ev_malloc;
+      type = nm.pool;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,s:O,O:O}", "allocation_id", (long long)r.aid, "addr",
                            (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
-                           "total", (long long)r.used, "owner", empty.ptr(), origin_key, before_op);
+                           "total", (long long)r.used, "owner", empty.ptr(), nm.origin_key, nm.before_op);
     } else {
-      ev = r.kind == MALLOC ? ev_malloc : ev_free;
-      type = pool;
+      ev = r.kind == MALLOC ? nm.ev_malloc : nm.ev_free;
+      type = nm.pool;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       // MALLOC: (alloc_id, addr, size, used, total, owner); FREE: the same without the owner.
       // The CPU allocator reserves nothing beyond what it hands out: total == used (one object,
@@ -1291,7 +1273,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       if (t == nullptr) {
         Py_XDECREF(ts);
       } else {
-        PyObject* items[10] = {ev, type, name, ts, tid_obj, device, ptr, attr, stack, Py_None};
+        PyObject* items[10] = {ev, type, name, ts, tid_obj, nm.device, ptr, attr, stack, Py_None};
         for (int k = 0; k < 10; ++k) {
           if (k != 3 && k != 6 && k != 7) Py_INCREF(items[k]);  // ts, ptr, attr: references made here
           PyTuple_SET_ITEM(t, k, items[k]);
