@@ -131,7 +131,7 @@ class PackedRows:
     process loads); ``cols``: the MALLOC, FREE and STEP rows as the leak rule's column loop takes
     them (analysis/leaks.py ``StepLeakTracker.consume_columns``), with their row IDs; ``steps``:
     {index in ``cols``: the STEP row's tuple}. A consumer that needs the row tuples asks ``rows()``
-    (made once, from the bytes: the same tuples ``drain`` makes; ``as_rows``)."""
+    (made once, from the bytes: the same tuples ``drain`` makes); it iterates as they do."""
     __slots__ = ("n", "blob", "cols", "steps", "_rows")
 
     def __init__(self, n, blob, cols, steps):
@@ -145,6 +145,12 @@ class PackedRows:
             import marshal
             self._rows = marshal.loads(self.blob)
         return self._rows
+
+    def __iter__(self):  # (a flush cut by a signal writes its rows again: Session._flush, Spool)
+        return iter(self.rows())
+
+    def __getitem__(self, i):
+        return self.rows()[i]
 
     def column_rows(self) -> int:
         """How many rows ``cols`` holds (its ID column: int64 bytes)."""
