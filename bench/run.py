@@ -41,6 +41,7 @@ CONFIGS = {
     "default-rows": "msmemscope, default events, every flush's records made into row tuples (MSMEMSCOPE_RECORDS=rows, as before the thirty-fourth session)",
     "events": "msmemscope, default events with no analysis (--analysis=none): the default less the leak rule",
     "access": "msmemscope --analysis=inefficient (adds access events)",
+    "access-rows": "msmemscope --analysis=inefficient, every flush's records made into row tuples (MSMEMSCOPE_RECORDS=rows, as before the thirty-fifth session)",
     "stack": "msmemscope --call-stack=python:10",
     "access-dispatch": "--analysis=inefficient on the dispatch-mode source (where it ran before the native access events)",
     "stack-dispatch": "--call-stack=python:10 on the dispatch-mode source (where it ran before the native stacks)",
@@ -52,7 +53,7 @@ CONFIGS = {
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
 }
-TRACED = ("default", "default-rows", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
+TRACED = ("default", "default-rows", "access-rows", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
           "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
@@ -68,7 +69,7 @@ if config in {traced!r}:
     if config.endswith("-dispatch"): os.environ["MSMEMSCOPE_SOURCE"] = "python"
     if config == "modules": os.environ["MSMEMSCOPE_MODULES"] = "1"
     if config == "default-eachstep": os.environ["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
-    if config == "default-rows": os.environ["MSMEMSCOPE_RECORDS"] = "rows"
+    if config.endswith("-rows"): os.environ["MSMEMSCOPE_RECORDS"] = "rows"
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
@@ -128,7 +129,7 @@ def run_one(workload, config, steps, env=None):
         raise RuntimeError(f"{workload}/{config} failed: {r.stderr.strip().splitlines()[-1:]}")
     with open(out) as f:
         res = json.load(f)
-    want = {"default": "native", "default-rows": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native",
+    want = {"default": "native", "default-rows": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native", "access-rows": "native",
             "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
             "decompose-nomodules": "native"}.get(config)
     if want == "native" and res["source"] != "native":

@@ -128,14 +128,16 @@ _ACCESS_T = '{"dtype":"%s","shape":[%s],"size":%d,"allocation_id":%d}'
 class PackedRows:
     """A flush's rows still as the native source's records (``take_packed``): no row tuple made.
     ``blob``: every row as the marshal bytes of a list of ``RawRow`` tuples (what the writer
-    process loads); ``cols``: the MALLOC, FREE and STEP rows as the leak rule's column loop takes
-    them (analysis/leaks.py ``StepLeakTracker.consume_columns``), with their row IDs; ``steps``:
-    {index in ``cols``: the STEP row's tuple}. A consumer that needs the row tuples asks ``rows()``
-    (made once, from the bytes: the same tuples ``drain`` makes); it iterates as they do."""
-    __slots__ = ("n", "blob", "cols", "steps", "_rows")
+    process loads). The columns its sinks asked for (``packed_columns``), else None: ``cols``, the
+    MALLOC, FREE and STEP rows as the leak rule's column loop takes them (analysis/leaks.py
+    ``StepLeakTracker.consume_columns``), with their row IDs, and ``steps``, {index in ``cols``: the
+    STEP row's tuple}; ``chunk``, the rows as the inefficient analysis' chunk columns (its
+    ``chunk_from_columns``). A consumer that needs the row tuples asks ``rows()`` (made once, from
+    the bytes: the same tuples ``drain`` makes); it iterates as they do."""
+    __slots__ = ("n", "blob", "cols", "steps", "chunk", "_rows")
 
-    def __init__(self, n, blob, cols, steps):
-        self.n, self.blob, self.cols, self.steps, self._rows = n, blob, cols, steps, None
+    def __init__(self, n, blob, cols, steps, chunk=None):
+        self.n, self.blob, self.cols, self.steps, self.chunk, self._rows = n, blob, cols, steps, chunk, None
 
     def __len__(self):
         return self.n
@@ -158,6 +160,8 @@ class PackedRows:
 
     def free_ids(self) -> set:
         """The allocation ids of the FREE rows (``free_ids`` of the rows)."""
+        if self.cols is None:  # (no leak columns asked for)
+            return free_ids(self.rows())
         import numpy as np
         (codes, values), aid = self.cols[1], self.cols[6][0]
         free = next((k for k, v in enumerate(values) if v == Event.FREE), None)
@@ -165,6 +169,10 @@ class PackedRows:
             return set()
         codes = np.frombuffer(codes, dtype=np.uint32)
         return set(np.frombuffer(aid, dtype=np.int64)[codes == free].tolist())
+
+
+# the columns a sink can read from a PackedRows (its ``packed_columns``)
+PACKED_LEAK, PACKED_CHUNK = "leak", "chunk"
 
 
 def as_rows(rows):

@@ -21,9 +21,13 @@ pytestmark = pytest.mark.skipif(native.load_module() is None or leak_native.load
                                 reason="the native modules are not built (python -m msmemscope.capture.native build)")
 
 
-@pytest.mark.parametrize("opts", full([{}, {"thread": True, "call_stack": "python:5"}],
+ACCESS = {"analysis": "leaks,inefficient"}  # access rows, and the inefficient analysis' chunk columns too
+
+
+@pytest.mark.parametrize("opts", full([{}, {"thread": True, "call_stack": "python:5", **ACCESS}],
                                       [{}, {"call_stack": "python:5"}, {"thread": True},
-                                       {"thread": True, "call_stack": "python:3"}]),
+                                       {"thread": True, "call_stack": "python:3"}, ACCESS,
+                                       {"thread": True, **ACCESS}]),
                          ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_packed_flushes_are_the_rows_they_stand_for(tmp_path, opts):
     """Every packed flush's columns are its bytes' MALLOC/FREE/STEP rows (IDs, names, numbers,
@@ -35,6 +39,9 @@ def test_packed_flushes_are_the_rows_they_stand_for(tmp_path, opts):
                         json.dumps(opts)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     packed, drained, rows, same = r.stdout.split()[-4:]
+    if "analysis" in opts:  # every packed flush also made the chunk columns, access rows among them
+        chunks, access = map(int, re.findall(r"^chunks (\d+) access (\d+)$", r.stdout, re.M)[-1])
+        assert chunks == int(packed) and access > 100, r.stdout
     # marks at two steps, a stop/start gap, the held first step: those flushes drain; the others not
     # (with the other thread too: the leak sink reads its FREE records where they wait, no drain)
     assert int(packed) >= 3 and int(drained) >= 3, r.stdout
@@ -72,8 +79,10 @@ def _flushes(folder):
     return tuple(map(int, got[-1]))
 
 
-@pytest.mark.parametrize("args", full([["--call-stack=python:4"]],
-                                      [[], ["--call-stack=python:4"], ["--data-format=db"], ["--keep-steps=3"]]),
+@pytest.mark.parametrize("args", full([["--call-stack=python:4"], ["--analysis=leaks,inefficient"]],
+                                      [[], ["--call-stack=python:4"], ["--data-format=db"], ["--keep-steps=3"],
+                                       ["--analysis=leaks,inefficient"],
+                                       ["--analysis=inefficient", "--call-stack=python:4"]]),
                          ids=lambda a: "+".join(x.lstrip("-") for x in a) or "default")
 def test_dump_and_leaks_are_those_of_the_row_tuples(tmp_path, args):
     """The same program with packed flushes and with every flush drained into tuples: the dumps'
@@ -81,18 +90,30 @@ def test_dump_and_leaks_are_those_of_the_row_tuples(tmp_path, args):
     ways = run_ways(tmp_path, PROG, args, {"packed": {"MSMEMSCOPE_STEP_FLUSH_S": "0"},
                                            "rows": {"MSMEMSCOPE_STEP_FLUSH_S": "0", "MSMEMSCOPE_RECORDS": "rows"}})
     got = {}
+    access = any("inefficient" in a for a in args)
     for how, (folder, df) in ways.items():
-        with open(os.path.join(folder, "analysis", "leaks.json")) as f:
-            res = json.load(f)
-        for lk in res["leaks"] + res["retained"]:
-            lk.pop("addr", None), lk.pop("address", None)
+        res = {}
+        if not args or args[0] != "--analysis=inefficient":
+            with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+                res = json.load(f)
+            for lk in res["leaks"] + res["retained"]:
+                lk.pop("addr", None), lk.pop("address", None)
+        if access:
+            with open(os.path.join(folder, "analysis", "inefficient.json")) as f:
+                res["inefficient"] = json.load(f)
+            res["inefficient"].pop("dump")
         got[how] = (df, res, _flushes(folder))
     (a, ra, fa), (b, rb, fb) = got["packed"], got["rows"]
     assert fb[1] == 0 and fa[1] >= 5, (fa, fb)  # (the steps after the held first one)
     assert a.height == b.height > 100
     cols = [c for c in STABLE if c in a.columns]
     assert a.select(cols).equals(b.select(cols))
-    assert ra["sites"] and ra == rb
+    assert ra == rb
+    if access:  # found on the access rows, whose flushes were packed too
+        assert (a["event"] == "ACCESS").sum() > 100
+        assert ra["inefficient"]["events"]["access"] > 100 and ra["inefficient"]["blocks"] > 0
+    else:
+        assert ra["sites"]
     steps = a.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     assert steps.height == 8
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from ..events import (A_ALLOC_ID, A_SIZE, ACCESS_ALLOC_ID, ATTR, EVENT, EVENT_TYPE, NAME, PY_STACK,
-                      Event)
+from ..events import (A_ALLOC_ID, A_SIZE, ACCESS_ALLOC_ID, ATTR, EVENT, EVENT_TYPE, NAME, PACKED_CHUNK,
+                      PY_STACK, Event, Pool)
 
 TYPES = ("early_allocation", "late_deallocation", "temporary_idleness")
 _BIT = {t: 1 << i for i, t in enumerate(TYPES)}
@@ -801,6 +801,10 @@ class InefficientSink:
         from .folds import native_module
         mod = native_module()  # the chunk's columns made in C++ at each flush, where built
         self._columns = mod.chunk_columns if mod is not None else None
+        # a flush's rows as the chunk's columns made from the native records (no row tuple made),
+        # where the native source's pool is one this analysis reads
+        self.takes_packed = self._columns is not None and Pool.PTA not in SKIP_POOLS
+        self.packed_columns = (PACKED_CHUNK,)
         self.n_pending = 0
         # polars' Series from numpy reaches for numpy.ma, whose first import (~30 ms) would
         # otherwise land in the program's step that first feeds the tracker
@@ -824,6 +828,18 @@ class InefficientSink:
                 self.pending_first = first_id
             self.pending.extend(rows)
         self.n_pending += len(rows)
+        if self.n_pending >= self.BATCH_ROWS:
+            self._feed()
+
+    def consume_packed(self, packed, first_id):
+        """``consume`` of a flush's ``PackedRows``: the chunk columns made with it (``takes_packed``)."""
+        if self.failed:
+            return
+        if packed.chunk is None:  # (not asked for: the columns from its tuples)
+            self.consume(packed.rows(), first_id)
+            return
+        self.pending.append(packed.chunk)
+        self.n_pending += len(packed)
         if self.n_pending >= self.BATCH_ROWS:
             self._feed()
 

@@ -65,7 +65,7 @@ def hex_addr(addr) -> str:
 from ..frames import user_line as _user_line  # noqa: E402
 from .growth import MIN_RISES, SiteGrowth, fmt_bytes  # noqa: E402
 from ..events import (A_ADDR, A_ALLOC_ID, A_OWNER, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,  # noqa: E402
-                      NAME, PY_STACK, TID, Event, PackedRows, System, free_ids)
+                      NAME, PACKED_LEAK, PY_STACK, TID, Event, PackedRows, System, free_ids)
 
 
 # ---------------------------------------------------------------------------- report text
@@ -652,6 +652,7 @@ class LeakSink:
             self.t.use_native(m)
         # a flush's rows as columns (no row tuple made) where the C++ loop takes them
         self.takes_packed = m is not None and hasattr(m, "leak_columns")
+        self.packed_columns = (PACKED_LEAK,)
         self.session = session
         self._rows = self._live = None  # the rows being consumed, the blocks live at their step ends
 

@@ -858,6 +858,15 @@ void uninstall(bool keep_allocator) {
 
 PyObject* dtype_strs[256] = {nullptr};  // "float32", as str(torch.float32) less "torch."
 
+// The dtype's name, made once (nullptr on no memory). With the GIL.
+PyObject* dtype_str(int st) {
+  if (dtype_strs[st] == nullptr) {
+    auto n = c10::getDtypeNames((at::ScalarType)st).first;
+    dtype_strs[st] = PyUnicode_FromStringAndSize(n.data(), (Py_ssize_t)n.size());
+  }
+  return dtype_strs[st];
+}
+
 // ---------------------------------------------------------------- the rows as marshal bytes (issue 22d)
 // The hand-off to the dump's writer process (io/spool.py) sends each batch marshalled; the rows a
 // drain makes are written here, from the records, as the bytes marshal.dumps(list_of_rows, 2) would
@@ -1183,11 +1192,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       type = r.kind == ACCESS_WRITE ? nm.acc_write : nm.acc_read;
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       int st = r.extra & 0xff, ndim = r.extra >> 8;
-      if (dtype_strs[st] == nullptr)
-        {
-        auto n = c10::getDtypeNames((at::ScalarType)st).first;
-        dtype_strs[st] = PyUnicode_FromStringAndSize(n.data(), (Py_ssize_t)n.size());
-      }
+      dtype_str(st);
       PyObject* shape = PyTuple_New(ndim);
       size_t at = (size_t)(r.used - batch_shape_base);
       if (shape != nullptr)
@@ -1307,18 +1312,101 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   return py::make_tuple((int64_t)nrec, failed, blob);
 }
 
-// take_packed(first, names, buf): the records as a flush writes them and the leak rule reads them, with
-// no row tuple made (DEVELOPING.md, the C++ records): (rows, bytes, columns, steps), or None (nothing
-// taken: no records, a drain in progress, a record of a kind only drain() makes rows of (access,
-// a failed allocation, the dict Attr of an untraced free or a block counted before an op), a text
+// The inefficient analysis' chunk columns of a batch of records, as chunk_columns() (below, the
+// reference) makes them from the same rows' tuples: kinds 1 op start, 2 op end, 3 MALLOC, 4 FREE,
+// 5 ACCESS; int64 pos, int8 kind, int64 alloc_id + uint8 valid, int64 size + uint8 valid, int8
+// before (-1 none), int32 codes (-1 none) into the distinct op names and stacks. take_packed's
+// records hold no block counted before an op (before is 0 or none) and no other kind of row.
+py::tuple chunk_of_records(const std::vector<Rec>& batch, int64_t first, const RowNames& nm) {
+  size_t k = 0;
+  for (const Rec& r : batch)
+    if (r.kind != STEP_END) ++k;
+  std::string pos(k * 8, '\0'), kind(k, '\0'), aid(k * 8, '\0'), aid_ok(k, '\0'), size(k * 8, '\0'),
+      size_ok(k, '\0'), before(k, '\0'), name_codes(k * 4, '\0'), stack_codes(k * 4, '\0');
+  int64_t* posv = (int64_t*)&pos[0];
+  int64_t* aidv = (int64_t*)&aid[0];
+  int64_t* sizev = (int64_t*)&size[0];
+  int32_t* namev = (int32_t*)&name_codes[0];
+  int32_t* stackv = (int32_t*)&stack_codes[0];
+  py::list names, stacks;
+  std::unordered_map<int32_t, int32_t> name_ids, stack_ids;  // op index (-1: "N/A") / stack id -> code
+  auto code_of = [](std::unordered_map<int32_t, int32_t>& ids, py::list& uniq, int32_t key, PyObject* o) {
+    auto it = ids.find(key);
+    if (it != ids.end()) return it->second;
+    if (o == nullptr) throw py::error_already_set();
+    int32_t c = (int32_t)PyList_GET_SIZE(uniq.ptr());
+    if (PyList_Append(uniq.ptr(), o) != 0) throw py::error_already_set();
+    ids.emplace(key, c);
+    return c;
+  };
+  size_t j = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Rec& r = batch[i];
+    if (r.kind == STEP_END) continue;
+    int8_t kd;
+    bool has_aid = false, has_size = false;
+    int8_t bf = -1;
+    int32_t nc = -1, sc = -1;
+    switch (r.kind) {
+      case OP_START:
+        kd = 1;
+        nc = code_of(name_ids, names, r.op >= 0 ? r.op : -1, r.op >= 0 ? op_str(r.op) : nm.na);
+        break;
+      case OP_END:
+        kd = 2;
+        break;
+      case ACCESS_READ:
+      case ACCESS_WRITE:
+        kd = 5;
+        has_aid = true;
+        break;
+      case MALLOC:
+        kd = 3;
+        has_aid = has_size = true;
+        bf = 0;
+        nc = code_of(name_ids, names, r.op >= 0 ? r.op : -1, r.op >= 0 ? op_str(r.op) : nm.na);
+        if (r.stack >= 0) sc = code_of(stack_ids, stacks, r.stack, stack_str(r.stack));
+        break;
+      default:  // FREE
+        kd = 4;
+        has_aid = has_size = true;
+        break;
+    }
+    posv[j] = first + (int64_t)i;
+    kind[j] = (char)kd;
+    aidv[j] = has_aid ? r.aid : 0;
+    aid_ok[j] = (char)has_aid;
+    sizev[j] = has_size ? r.size : 0;
+    size_ok[j] = (char)has_size;
+    before[j] = (char)bf;
+    namev[j] = nc;
+    stackv[j] = sc;
+    ++j;
+  }
+  return py::make_tuple(py::bytes(pos), py::bytes(kind), py::bytes(aid), py::bytes(aid_ok), py::bytes(size),
+                        py::bytes(size_ok), py::bytes(before), py::bytes(name_codes), names, py::bytes(stack_codes),
+                        stacks);
+}
+
+// take_packed(first, names, buf, wants): the records as a flush writes them and its sinks read them,
+// with no row tuple made (DEVELOPING.md, the C++ records): (rows, bytes, columns, steps, chunk), or None
+// (nothing taken: no records, a drain in progress, a record of a kind only drain() makes rows of (a
+// failed allocation, the dict Attr of an untraced free or a block counted before an op), a text
 // that marshal cannot write). ``first``: the first row's ID. ``bytes``: every row as drain()'s
-// marshal bytes. ``columns``: the MALLOC, FREE and STEP rows as the leak rule's column loop
+// marshal bytes. ``wants``: PACK_LEAK | PACK_CHUNK, the columns the sinks read.
+// ``columns`` (PACK_LEAK, else None): the MALLOC, FREE and STEP rows as the leak rule's column loop
 // (leak_columns) and replay_rows take them: (id, event, event_type, name, tid, device, alloc_id,
 // addr, size, used, owner, py_stack), texts as (uint32 codes, the strings by code; a null code past
-// them), numbers as (int64 values, None), the codes and values each a bytes object (native order). ``steps``: {index in the columns: the STEP row's tuple}.
-py::object take_packed(int64_t first, py::tuple names, py::list buf) {
+// them), numbers as (int64 values, None), the codes and values each a bytes object (native order).
+// ``steps``: {index in the columns: the STEP row's tuple}. ``chunk`` (PACK_CHUNK, else None): the
+// inefficient analysis' chunk columns of the rows, as chunk_columns() makes them from the tuples.
+enum PackWants : int { PACK_LEAK = 1, PACK_CHUNK = 2 };
+
+py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) {
   RowNames nm(names);
   std::vector<Rec>& batch = drained;
+  std::vector<int64_t> batch_shapes;
+  int64_t batch_shape_base;
   uint64_t epoch;
   // ``buf``: the session's rows waiting. Only with none there: a row another thread drains and
   // appends (with the GIL) comes before these records or after all of them, never between the
@@ -1327,98 +1415,117 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf) {
   {
     std::lock_guard<std::mutex> g(mu);
     if (draining || recs.empty()) return py::none();
-    for (const Rec& r : recs)
-      if (r.kind != OP_START && r.kind != OP_END && r.kind != MALLOC && r.kind != FREE && r.kind != STEP_END)
+    bool access = false;
+    for (const Rec& r : recs) {
+      if (r.kind == ACCESS_READ || r.kind == ACCESS_WRITE) access = true;
+      else if (r.kind != OP_START && r.kind != OP_END && r.kind != MALLOC && r.kind != FREE && r.kind != STEP_END)
         return py::none();
+    }
     draining = true;
     batch.clear();
     batch.swap(recs);
     epoch = recs_epoch;
+    batch_shape_base = shape_base;
+    if (access) batch_shapes.assign(shapes.begin(), shapes.end());
   }
   DrainDone done{epoch};
   GcPause gc_pause;
   const size_t nrec = batch.size();
-  size_t k = 0;  // the rows of the columns
-  for (const Rec& r : batch)
-    if (r.kind != OP_START && r.kind != OP_END) ++k;
-  enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
-  static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
-  // each column one bytes object, written in place (the column loop reads them through the buffer
-  // protocol; numpy.frombuffer reads them too)
-  py::object data[NCOLS];
-  int64_t* iv[NCOLS] = {nullptr};
-  uint32_t* cv[NCOLS] = {nullptr};
-  for (int j = 0; j < NCOLS; ++j) {
-    PyObject* b = PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(k * (is_text[j] ? 4 : 8)));
-    if (b == nullptr) throw py::error_already_set();
-    data[j] = py::reinterpret_steal<py::object>(b);
-    if (is_text[j]) cv[j] = (uint32_t*)PyBytes_AS_STRING(b);
-    else iv[j] = (int64_t*)PyBytes_AS_STRING(b);
-  }
-  // the strings by code: the fixed ones, then each op name and stack as first met
   py::str empty("");
-  enum : uint32_t { C_MALLOC, C_FREE, C_SYSTEM, C_POOL, C_STEP, C_DEVICE, C_NA, C_EMPTY, C_FIXED };
-  const uint32_t C_NULL = 0xffffffffu;
-  py::list values;
-  for (PyObject* o : {nm.ev_malloc, nm.ev_free, nm.ev_system, nm.pool, nm.sys_step, nm.device, nm.na, empty.ptr()})
-    values.append(py::reinterpret_borrow<py::object>(o));
-  std::unordered_map<int32_t, uint32_t> op_code, stack_code;
-  auto code_of = [&](std::unordered_map<int32_t, uint32_t>& seen, int32_t i, PyObject* (*make)(int32_t)) {
-    auto it = seen.find(i);
-    if (it != seen.end()) return it->second;
-    PyObject* o = make(i);
-    if (o == nullptr) throw py::error_already_set();
-    uint32_t c = (uint32_t)PyList_GET_SIZE(values.ptr());
-    if (PyList_Append(values.ptr(), o) != 0) throw py::error_already_set();
-    seen.emplace(i, c);
-    return c;
-  };
-  py::dict steps;
-  size_t j = 0;
-  for (size_t i = 0; i < nrec; ++i) {
-    const Rec& r = batch[i];
-    if (r.kind == OP_START || r.kind == OP_END) continue;
-    iv[ID][j] = first + (int64_t)i;
-    iv[TID][j] = (int64_t)r.tid;
-    cv[DEV][j] = C_DEVICE;
-    cv[NAME][j] = r.op >= 0 ? code_of(op_code, r.op, op_str) : C_NA;
-    if (r.kind == STEP_END) {
-      // the session's SYSTEM/STEP row, made here as drain() makes it (a few a flush)
-      cv[EV][j] = C_SYSTEM;
-      cv[ET][j] = C_STEP;
-      cv[OWNER][j] = cv[STACK][j] = C_NULL;
-      iv[AID][j] = iv[ADDR][j] = iv[SIZE][j] = iv[USED][j] = 0;
-      PyObject* name = PyList_GET_ITEM(values.ptr(), cv[NAME][j]);
-      py::object attr = py::reinterpret_steal<py::object>(Py_BuildValue("{O:L}", nm.step_key, (long long)r.aid));
-      py::object ts = py::reinterpret_steal<py::object>(PyLong_FromLongLong(r.ts));
-      py::object tid = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(r.tid));
-      if (!attr || !ts || !tid) throw py::error_already_set();
-      py::tuple row = py::make_tuple(py::handle(nm.ev_system), py::handle(nm.sys_step), py::handle(name), ts, tid,
-                                     py::handle(nm.device), py::none(), attr, py::none(), py::none());
-      steps[py::int_(j)] = row;
-    } else {
-      bool is_malloc = r.kind == MALLOC;
-      cv[EV][j] = is_malloc ? C_MALLOC : C_FREE;
-      cv[ET][j] = C_POOL;
-      cv[OWNER][j] = is_malloc ? C_EMPTY : C_NULL;
-      cv[STACK][j] = is_malloc && r.stack >= 0 ? code_of(stack_code, r.stack, stack_str) : C_NULL;
-      iv[AID][j] = r.aid;
-      iv[ADDR][j] = (int64_t)r.ptr;
-      iv[SIZE][j] = r.size;
-      iv[USED][j] = r.used;
+  size_t shapes_used = 0;  // shapes consumed by the batch's ACCESS records
+  for (const Rec& r : batch)
+    if (r.kind == ACCESS_READ || r.kind == ACCESS_WRITE) {
+      if (dtype_str(r.extra & 0xff) == nullptr) throw py::error_already_set();
+      shapes_used = (size_t)(r.used - batch_shape_base) + (size_t)(r.extra >> 8);
     }
-    ++j;
+  py::object cols_out = py::none(), chunk_out = py::none();
+  py::dict steps;
+  if (wants & PACK_LEAK) {
+    size_t k = 0;  // the rows of the columns
+    for (const Rec& r : batch)
+      if (r.kind == MALLOC || r.kind == FREE || r.kind == STEP_END) ++k;
+    enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
+    static const bool is_text[NCOLS] = {false, true, true, true, false, true, false, false, false, false, true, true};
+    // each column one bytes object, written in place (the column loop reads them through the buffer
+    // protocol; numpy.frombuffer reads them too)
+    py::object data[NCOLS];
+    int64_t* iv[NCOLS] = {nullptr};
+    uint32_t* cv[NCOLS] = {nullptr};
+    for (int j = 0; j < NCOLS; ++j) {
+      PyObject* b = PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(k * (is_text[j] ? 4 : 8)));
+      if (b == nullptr) throw py::error_already_set();
+      data[j] = py::reinterpret_steal<py::object>(b);
+      if (is_text[j]) cv[j] = (uint32_t*)PyBytes_AS_STRING(b);
+      else iv[j] = (int64_t*)PyBytes_AS_STRING(b);
+    }
+    // the strings by code: the fixed ones, then each op name and stack as first met
+    enum : uint32_t { C_MALLOC, C_FREE, C_SYSTEM, C_POOL, C_STEP, C_DEVICE, C_NA, C_EMPTY, C_FIXED };
+    const uint32_t C_NULL = 0xffffffffu;
+    py::list values;
+    for (PyObject* o : {nm.ev_malloc, nm.ev_free, nm.ev_system, nm.pool, nm.sys_step, nm.device, nm.na, empty.ptr()})
+      values.append(py::reinterpret_borrow<py::object>(o));
+    std::unordered_map<int32_t, uint32_t> op_code, stack_code;
+    auto code_of = [&](std::unordered_map<int32_t, uint32_t>& seen, int32_t i, PyObject* (*make)(int32_t)) {
+      auto it = seen.find(i);
+      if (it != seen.end()) return it->second;
+      PyObject* o = make(i);
+      if (o == nullptr) throw py::error_already_set();
+      uint32_t c = (uint32_t)PyList_GET_SIZE(values.ptr());
+      if (PyList_Append(values.ptr(), o) != 0) throw py::error_already_set();
+      seen.emplace(i, c);
+      return c;
+    };
+    size_t j = 0;
+    for (size_t i = 0; i < nrec; ++i) {
+      const Rec& r = batch[i];
+      if (r.kind != MALLOC && r.kind != FREE && r.kind != STEP_END) continue;
+      iv[ID][j] = first + (int64_t)i;
+      iv[TID][j] = (int64_t)r.tid;
+      cv[DEV][j] = C_DEVICE;
+      cv[NAME][j] = r.op >= 0 ? code_of(op_code, r.op, op_str) : C_NA;
+      if (r.kind == STEP_END) {
+        // the session's SYSTEM/STEP row, made here as drain() makes it (a few a flush)
+        cv[EV][j] = C_SYSTEM;
+        cv[ET][j] = C_STEP;
+        cv[OWNER][j] = cv[STACK][j] = C_NULL;
+        iv[AID][j] = iv[ADDR][j] = iv[SIZE][j] = iv[USED][j] = 0;
+        PyObject* name = PyList_GET_ITEM(values.ptr(), cv[NAME][j]);
+        py::object attr = py::reinterpret_steal<py::object>(Py_BuildValue("{O:L}", nm.step_key, (long long)r.aid));
+        py::object ts = py::reinterpret_steal<py::object>(PyLong_FromLongLong(r.ts));
+        py::object tid = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(r.tid));
+        if (!attr || !ts || !tid) throw py::error_already_set();
+        py::tuple row = py::make_tuple(py::handle(nm.ev_system), py::handle(nm.sys_step), py::handle(name), ts, tid,
+                                       py::handle(nm.device), py::none(), attr, py::none(), py::none());
+        steps[py::int_(j)] = row;
+      } else {
+        bool is_malloc = r.kind == MALLOC;
+        cv[EV][j] = is_malloc ? C_MALLOC : C_FREE;
+        cv[ET][j] = C_POOL;
+        cv[OWNER][j] = is_malloc ? C_EMPTY : C_NULL;
+        cv[STACK][j] = is_malloc && r.stack >= 0 ? code_of(stack_code, r.stack, stack_str) : C_NULL;
+        iv[AID][j] = r.aid;
+        iv[ADDR][j] = (int64_t)r.ptr;
+        iv[SIZE][j] = r.size;
+        iv[USED][j] = r.used;
+      }
+      ++j;
+    }
+    py::list cols;
+    for (int c = 0; c < NCOLS; ++c) cols.append(py::make_tuple(data[c], is_text[c] ? py::object(values) : py::none()));
+    cols_out = py::tuple(cols);
   }
-  const std::vector<int64_t> no_shapes;
-  py::object blob = marshal_rows(batch, nm, empty.ptr(), no_shapes, 0);
+  if (wants & PACK_CHUNK) chunk_out = chunk_of_records(batch, first, nm);
+  py::object blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
   if (blob.is_none()) return py::none();  // the records go back for drain()
-  py::list cols;
-  for (int c = 0; c < NCOLS; ++c) cols.append(py::make_tuple(data[c], is_text[c] ? py::object(values) : py::none()));
   {
     std::lock_guard<std::mutex> g(mu);
     done.used = true;
+    if (shapes_used > 0 && epoch == recs_epoch) {
+      shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
+      shape_base += (int64_t)shapes_used;
+    }
   }
-  return py::make_tuple((int64_t)nrec, blob, py::tuple(cols), steps);
+  return py::make_tuple((int64_t)nrec, blob, cols_out, steps, chunk_out);
 }
 
 // The session goes over to the dispatch-mode source: ops and new blocks are no longer recorded
@@ -3224,7 +3331,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_flags", &set_flags);
   m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
-  m.def("take_packed", &take_packed);
+  m.def("take_packed", &take_packed, py::arg("first"), py::arg("names"), py::arg("buf"), py::arg("wants") = (int)PACK_LEAK);
   m.def("waiting_free_ids", &waiting_free_ids);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from .. import leak_native
-from ..events import NA, TS, UNTRACED, Access, Event, Op, PackedRows, Pool, System
+from ..events import NA, PACKED_CHUNK, PACKED_LEAK, TS, UNTRACED, Access, Event, Op, PackedRows, Pool, System
 from . import stacks
 from .source import ALLOC_FAILED, Source
 
@@ -354,15 +354,17 @@ class NativeSource(Source):
                 pass
         return failed
 
-    def take_packed(self, first: int, buf: list):
-        """The records as a flush's ``PackedRows`` (no row tuple made; IDs from ``first``), or None
-        where they must be drained into tuples (``drain``): rows wait in ``buf`` (looked at in the
-        same C++ call as the take: another thread's drain cannot come between), no records, one of
-        a kind only ``drain`` makes (access, a failed allocation, an untraced free, a block counted
-        before an op), or after the handover."""
+    def take_packed(self, first: int, buf: list, columns=(PACKED_LEAK,)):
+        """The records as a flush's ``PackedRows`` (no row tuple made; IDs from ``first``) with the
+        ``columns`` asked for (PACKED_LEAK, PACKED_CHUNK), or None where they must be drained into
+        tuples (``drain``): rows wait in ``buf`` (looked at in the same C++ call as the take:
+        another thread's drain cannot come between), no records, one of a kind only ``drain`` makes
+        (a failed allocation, an untraced free, a block counted before an op), or after the
+        handover."""
         if self.handed_over:
             return None
-        got = self.m.take_packed(first, _NAMES, buf)
+        wants = (1 if PACKED_LEAK in columns else 0) | (2 if PACKED_CHUNK in columns else 0)
+        got = self.m.take_packed(first, _NAMES, buf, wants)
         return None if got is None else PackedRows(*got)
 
     def step_end(self, step: int):

@@ -1023,15 +1023,19 @@ class Session:
         nothing rewrites or needs the row tuples: no row waits in ``buf`` (a Python-side row, a drain
         before it), no owner labels or modules (they rewrite MALLOC rows), no device source, no held
         step, no C stacks, a writer process that takes the bytes and sinks that take columns
-        (``takes_packed``). None: the flush drains as ever."""
+        (``takes_packed``), each with the columns it reads (``packed_columns``). None: the flush
+        drains as ever."""
         nat = self.native
         if (not _PACKED or nat is None or not self.native_ops or self.labeler is not None
                 or self.modules is not None or self.device_source is not None or self.c_depth
                 or self._held_step is not None or not getattr(self.writer, "takes_bytes", bool)()
                 or not all(getattr(s, "takes_packed", False) for s in self.sinks)):
             return None
+        columns = set()
+        for s in self.sinks:
+            columns.update(getattr(s, "packed_columns", ()))
         self.dispatch.drain(self.buf)
-        packed = nat.take_packed(self.next_id + 1, self.buf)  # None where rows wait in buf
+        packed = nat.take_packed(self.next_id + 1, self.buf, columns)  # None where rows wait in buf
         if packed is not None:
             self.pieces.clear()  # (none can stand for rows of an empty buffer)
             self._native_counters(nat)

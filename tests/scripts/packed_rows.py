@@ -13,13 +13,15 @@ import marshal
 import os
 import sys
 import threading
+import traceback
 
 import numpy as np
 import torch
 
 import msmemscope
 from msmemscope import capture
-from msmemscope.analysis import leaks
+from msmemscope.analysis import inefficient, leaks
+from msmemscope.analysis.folds import native_module
 from msmemscope.events import Event, PackedRows
 
 out, opts = sys.argv[1], json.loads(sys.argv[2])
@@ -28,7 +30,8 @@ msmemscope.config(output=out, collect_mode="immediate", **opts)
 s = capture.current()
 assert s.native is not None, s.config
 nat = s.native
-counts = {"packed": 0, "drained": 0, "rows": 0}
+counts = {"packed": 0, "drained": 0, "rows": 0, "chunks": 0, "access": 0}
+fold = native_module()
 COLS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "owner",
         "py_stack")
 
@@ -62,14 +65,39 @@ def check(p: PackedRows, first):
     counts["rows"] += len(rows)
 
 
+def check_chunk(p: PackedRows, first):
+    """The inefficient analysis' chunk columns made from the records are those ``chunk_columns``
+    makes from the tuples of the same rows, byte for byte (codes in the same first-met order)."""
+    rows = marshal.loads(p.blob)
+    want = fold.chunk_columns(rows, first, inefficient.SKIP_POOLS)
+    assert len(p.chunk) == len(want)
+    for k in range(8):  # the numbers and the op names' codes (the names are distinct)
+        assert p.chunk[k] == want[k], (k, p.chunk[k], want[k])
+    assert p.chunk[8] == want[8]
+    # stacks: by the tracer's stack id, one text can have two codes; the column they make is the same
+    assert inefficient.chunk_from_columns([p.chunk]).equals(inefficient.chunk_from_columns([want]))
+    counts["chunks"] += 1
+    counts["access"] += sum(r[0] == Event.ACCESS for r in rows)
+
+
 real_take, real_drain = nat.take_packed, nat.drain
 
 
-def take_packed(first, buf):
-    p = real_take(first, buf)
+def take_packed(first, buf, columns):
+    p = real_take(first, buf, columns)
     if p is not None:
-        counts["packed"] += 1
-        check(p, first)
+        try:
+            counts["packed"] += 1
+            if p.cols is not None:
+                check(p, first)
+            else:
+                counts["rows"] += len(p)
+            if p.chunk is not None:
+                check_chunk(p, first)
+        except BaseException:  # the session would log it and go on: the run fails here instead
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(3)
     return p
 
 
@@ -108,6 +136,8 @@ kept = []
 assert sink.takes_packed
 shadow = RowsSink(s)  # from the first row on, as the sink (nothing was flushed yet)
 s.sinks.insert(s.sinks.index(sink) + 1, shadow)
+ineff = [x for x in s.sinks if type(x) is inefficient.InefficientSink]
+assert not ineff or ineff[0].takes_packed
 worker = threading.Thread(target=churn) if thread else None
 for step in range(10):
     if step == 1 and worker is not None:
@@ -131,4 +161,6 @@ from test_leak_rows_native import state  # noqa: E402  (the trackers compared as
 
 same = state(sink.t, []) == state(shadow.t, [])
 msmemscope.stop()
+if ineff:  # the inefficient analysis got chunks made from the records, with access rows among them
+    print("chunks", counts["chunks"], "access", counts["access"])
 print(counts["packed"], counts["drained"], counts["rows"], same)
