@@ -103,6 +103,10 @@ def parts(a):
         if hasattr(sink, "consume_packed"):
             wrap(sink, "consume_packed", type(sink).__name__ + ".consume_packed")
         wrap(sink, "step_end", type(sink).__name__ + ".step_end")
+        if hasattr(sink, "tracker") and hasattr(sink, "_feed"):  # the inefficient analysis' batched fold
+            wrap(sink.tracker, "feed", type(sink).__name__ + " tracker.feed")
+            from msmemscope.analysis import inefficient
+            wrap(inefficient, "chunk_from_columns", "inefficient.chunk_from_columns")
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()

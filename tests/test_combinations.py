@@ -34,7 +34,8 @@ def _rows(df, event, **where):
     return q
 
 
-@pytest.mark.parametrize("source,analysis", full([("python", None), ("native", "leaks,decompose")],  # (make test's time)
+@pytest.mark.parametrize("source,analysis", full([("python", None), ("native", "leaks,decompose"),  # (make test's time)
+                                                   ("native", "inefficient")],  # (access rows in packed flushes)
                                                   [(s, None) for s in SOURCES] + [("native", "leaks,decompose"),
                                                                                   ("native", "inefficient")]),
                          ids=lambda v: str(v))
@@ -337,7 +338,8 @@ ALL_ONLINE = "leaks,decompose,inefficient"
 @pytest.mark.parametrize("mode,source,analysis", full(
     [("term", "python", None), ("compile", "native", ALL_ONLINE)],  # (make test's time)
     [(m, s, None) for m in ("", "term", "opt") for s in SOURCES]
-    + [(m, s, ALL_ONLINE) for m in ("", "term", "opt", "compile") for s in SOURCES]))
+    + [(m, s, ALL_ONLINE) for m in ("", "term", "opt", "compile") for s in SOURCES]
+    + [("term", "native", "inefficient")]))  # (flushes of access rows that stay packed)
 def test_signals_during_flushes(tmp_path, source, mode, analysis):
     """A SIGUSR1 every millisecond while the buffer flushes every 64 rows, the handler allocating
     (it runs inside flushes); with ``term``, a SIGTERM mid-run. The losses are the plain run's, the
