@@ -106,7 +106,7 @@ def parts(a):
         if hasattr(sink, "tracker") and hasattr(sink, "_feed"):  # the inefficient analysis' batched fold
             wrap(sink.tracker, "feed", type(sink).__name__ + " tracker.feed")
             from msmemscope.analysis import inefficient
-            wrap(inefficient, "chunk_from_columns", "inefficient.chunk_from_columns")
+            wrap(inefficient.Columns, "of_parts", "inefficient.Columns.of_parts")
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()

@@ -164,6 +164,16 @@ def test_chunk_columns_are_chunk_from_rows(rows, cut, first):
     got = I.chunk_from_columns(parts)
     assert got.equals(want), (got, want)
     assert got.schema == want.schema
+    # the online tracker folds the parts as they are (no frame, texts made for the rows it keeps):
+    # what it finds is what the frame gives, fed whole or a flush's parts at a time
+    by_frame, whole, each = I.Tracker(3), I.Tracker(3), I.Tracker(3)
+    by_frame.feed(want)
+    whole.feed(I.Columns.of_parts(parts))
+    for p in parts:
+        each.feed(I.Columns.of_parts([p]))
+    found = by_frame.finish()
+    assert whole.finish().equals(found) and each.finish().equals(found)
+    assert whole.counts == each.counts == by_frame.counts
 
 
 @st.composite

@@ -261,15 +261,17 @@ class Tracker:
             self.feed(ch.slice(i, rows))
 
     # -------------------------------------------------------------- one chunk
-    def feed(self, ch: pl.DataFrame) -> None:
-        n = ch.height
+    def feed(self, ch) -> None:
+        """Fold one chunk: a frame of ``CHUNK_SCHEMA`` (offline) or its ``Columns`` (online)."""
+        c = ch if type(ch) is Columns else Columns.of_frame(ch)
+        n = c.n
         if n == 0:
             return
-        kind = ch["kind"].to_numpy()
+        kind = c.kind
         st, en = kind == K_START, kind == K_END
-        names = ch["name"]
+        names = c.names
         # the op name of a row: the last START row (with a name) up to it, else the chunk before's
-        named_starts = np.flatnonzero(st & names.is_not_null().to_numpy())
+        named_starts = np.flatnonzero(st & names.not_null())
 
         def last_start(rows):
             j = np.searchsorted(named_starts, rows, side="right") - 1
@@ -280,16 +282,14 @@ class Tracker:
         self.k += n_start
         self.depth = max(0, self.depth + n_start - n_end)
         if len(named_starts):
-            self.op_name = names[int(named_starts[-1])]
+            self.op_name = names.at(int(named_starts[-1]))
         self.counts["ops"] += n_start
         self.counts["malloc"] += int(np.count_nonzero(kind == K_MALLOC))
         self.counts["free"] += int(np.count_nonzero(kind == K_FREE))
         self.counts["access"] += int(np.count_nonzero(kind == K_ACCESS))
 
         n_old = len(self.b["alloc_id"])
-        aid_col = ch["alloc_id"]
-        cols = (kind, ch["pos"].to_numpy(), aid_col.fill_null(0).to_numpy(), aid_col.is_not_null().to_numpy(),
-                ch["before"].fill_null(False).to_numpy().astype(bool, copy=False), ch["size"].fill_null(0).to_numpy())
+        cols = (kind, c.pos, c.aid, c.aid_ok, c.before, c.size)
         fold = _native_fold()
         if fold is not None:
             b, mk, mk_inside, freed, late = fold(*cols, k0, depth0, self.b)
@@ -317,7 +317,7 @@ class Tracker:
                 if op_before is not None:  # inside an op opened in an earlier chunk
                     opn = pl.select(pl.when(pl.Series(inside & (ls < 0))).then(pl.lit(op_before))
                                     .otherwise(opn)).to_series()
-                parts.append(pl.DataFrame({"op": opn, "stack": ch["stack"].gather(rows)}))
+                parts.append(pl.DataFrame({"op": opn, "stack": c.stacks.gather(rows)}))
             if not parts:
                 return self.text.clear()
             return pl.concat(parts, how="vertical")
@@ -446,36 +446,95 @@ def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
                         schema=CHUNK_SCHEMA)
 
 
-def chunk_from_columns(parts) -> pl.DataFrame:
-    """``chunk_from_rows``'s frame from the native ``chunk_columns`` of one or more flushes (in order)."""
-    def cat(j):
-        return b"".join(p[j] for p in parts)
-    pos = np.frombuffer(cat(0), dtype=np.int64)
-    kind = np.frombuffer(cat(1), dtype=np.int8)
-    aid, aid_ok = np.frombuffer(cat(2), dtype=np.int64), np.frombuffer(cat(3), dtype=np.bool_)
-    size, size_ok = np.frombuffer(cat(4), dtype=np.int64), np.frombuffer(cat(5), dtype=np.bool_)
-    before = np.frombuffer(cat(6), dtype=np.int8)
+class Texts:
+    """A string column as the tracker reads it: which rows have a text, one row's text, the texts
+    of some rows (a String series). From a polars series (``of_series``) or, online, from the codes
+    of each flush's columns into its distinct strings (``of_codes``): the strings of the few rows
+    asked for are made, not a column of every row."""
+    __slots__ = ("series", "codes", "uniq")
 
-    def strings(codes_at, uniq_at):
-        """A string column from each part's codes into its distinct strings."""
-        codes, uniq, off = [], [], 0
+    def __init__(self, series=None, codes=None, uniq=None):
+        self.series, self.codes, self.uniq = series, codes, uniq
+
+    @classmethod
+    def of_codes(cls, parts, codes_at, uniq_at):
+        """Each part's int32 codes (-1: none) into its own distinct strings, as one column."""
+        codes, uniq = [], []
         for p in parts:
             c = np.frombuffer(p[codes_at], dtype=np.int32).astype(np.int64)
-            codes.append(np.where(c >= 0, c + off, -1))
+            codes.append(np.where(c >= 0, c + len(uniq), -1))
             uniq.extend(p[uniq_at])
-            off += len(p[uniq_at])
         c = np.concatenate(codes) if codes else np.empty(0, np.int64)
-        u = pl.Series(uniq, dtype=pl.String)
-        return u.gather(np.maximum(c, 0)) if len(u) else pl.Series(values=[None] * len(c), dtype=pl.String), c >= 0
-    names, has_name = strings(7, 8)
-    stacks, has_stack = strings(9, 10)
-    df = pl.DataFrame({"pos": pos, "kind": kind, "name": names, "has_name": has_name,
-                       "alloc_id": aid, "aid_ok": aid_ok, "size": size, "size_ok": size_ok, "before": before,
-                       "stack": stacks, "has_stack": has_stack})
-    return df.select(
-        "pos", "kind", name=pl.when("has_name").then("name"), alloc_id=pl.when("aid_ok").then("alloc_id"),
-        size=pl.when("size_ok").then("size"), before=pl.when(pl.col("before") >= 0).then(pl.col("before") == 1),
-        stack=pl.when("has_stack").then("stack")).cast(CHUNK_SCHEMA)
+        return cls(codes=c, uniq=uniq)
+
+    def not_null(self) -> np.ndarray:
+        return self.series.is_not_null().to_numpy() if self.codes is None else self.codes >= 0
+
+    def at(self, i: int):
+        if self.codes is None:
+            return self.series[i]
+        k = int(self.codes[i])
+        return self.uniq[k] if k >= 0 else None
+
+    def gather(self, idx) -> pl.Series:
+        if self.codes is None:
+            return self.series.gather(idx)
+        c = self.codes[idx]
+        # the texts by code, and one null past them for the rows that have none
+        return pl.Series(self.uniq + [None], dtype=pl.String).gather(np.where(c >= 0, c, len(self.uniq)))
+
+
+class Columns:
+    """A chunk as the tracker folds it: numpy columns (``kind``, ``pos``, ``aid`` with ``aid_ok``,
+    ``before``, ``size``; 0 / False where the frame has null) and the op names and stacks as
+    ``Texts``. Online it is made from the native columns of one or more flushes (``of_parts``:
+    ``chunk_columns`` of row tuples, or ``take_packed``'s chunk of the records) with no frame and no
+    string per row; offline from a ``CHUNK_SCHEMA`` frame (``of_frame``)."""
+    __slots__ = ("n", "kind", "pos", "aid", "aid_ok", "before", "before_ok", "size", "size_ok", "names", "stacks")
+
+    @classmethod
+    def of_parts(cls, parts):
+        def cat(j, dtype):
+            return np.frombuffer(b"".join(p[j] for p in parts), dtype=dtype)
+        c = cls()
+        c.pos, c.kind = cat(0, np.int64), cat(1, np.int8)
+        c.aid, c.aid_ok = cat(2, np.int64), cat(3, np.bool_)
+        c.size, c.size_ok = cat(4, np.int64), cat(5, np.bool_)
+        before = cat(6, np.int8)  # -1: none
+        c.before, c.before_ok = before == 1, before >= 0
+        c.names, c.stacks = Texts.of_codes(parts, 7, 8), Texts.of_codes(parts, 9, 10)
+        c.n = len(c.pos)
+        return c
+
+    @classmethod
+    def of_frame(cls, ch: pl.DataFrame):
+        c = cls()
+        c.n = ch.height
+        c.kind, c.pos = ch["kind"].to_numpy(), ch["pos"].to_numpy()
+        aid = ch["alloc_id"]
+        c.aid, c.aid_ok = aid.fill_null(0).to_numpy(), aid.is_not_null().to_numpy()
+        c.before = ch["before"].fill_null(False).to_numpy().astype(bool, copy=False)
+        c.before_ok = ch["before"].is_not_null().to_numpy()
+        c.size, c.size_ok = ch["size"].fill_null(0).to_numpy(), ch["size"].is_not_null().to_numpy()
+        c.names, c.stacks = Texts(ch["name"]), Texts(ch["stack"])
+        return c
+
+    def frame(self) -> pl.DataFrame:
+        """The chunk as a ``CHUNK_SCHEMA`` frame, nulls where the rows have none (what
+        ``chunk_from_rows`` makes of the same rows)."""
+        every = np.arange(self.n)
+        df = pl.DataFrame({"pos": self.pos, "kind": self.kind, "name": self.names.gather(every),
+                           "alloc_id": self.aid, "aid_ok": self.aid_ok, "size": self.size, "size_ok": self.size_ok,
+                           "before": self.before, "before_ok": self.before_ok, "stack": self.stacks.gather(every)})
+        return df.select(
+            "pos", "kind", "name", alloc_id=pl.when("aid_ok").then("alloc_id"), size=pl.when("size_ok").then("size"),
+            before=pl.when("before_ok").then("before"), stack="stack").cast(CHUNK_SCHEMA)
+
+
+def chunk_from_columns(parts) -> pl.DataFrame:
+    """``chunk_from_rows``'s frame from the native ``chunk_columns`` of one or more flushes (in
+    order); the tracker itself reads them as ``Columns.of_parts``."""
+    return Columns.of_parts(parts).frame()
 
 
 # ------------------------------------------------------------------ results
@@ -853,7 +912,7 @@ class InefficientSink:
         if not rows or self.failed:
             return
         try:
-            self.tracker.feed(chunk_from_columns(rows) if self._columns is not None else chunk_from_rows(rows, first))
+            self.tracker.feed(Columns.of_parts(rows) if self._columns is not None else chunk_from_rows(rows, first))
         except Exception as e:  # never let the analysis break the traced program
             self.failed = f"{type(e).__name__}: {e}"
             logging.getLogger("msmemscope").error("inefficient analysis stopped: %s", self.failed)

@@ -75,7 +75,7 @@ def check_chunk(p: PackedRows, first):
         assert p.chunk[k] == want[k], (k, p.chunk[k], want[k])
     assert p.chunk[8] == want[8]
     # stacks: by the tracer's stack id, one text can have two codes; the column they make is the same
-    assert inefficient.chunk_from_columns([p.chunk]).equals(inefficient.chunk_from_columns([want]))
+    assert inefficient.chunk_from_columns([p.chunk]).equals(inefficient.chunk_from_rows(rows, first))
     counts["chunks"] += 1
     counts["access"] += sum(r[0] == Event.ACCESS for r in rows)
 
