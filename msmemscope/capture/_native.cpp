@@ -1312,6 +1312,25 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   return py::make_tuple((int64_t)nrec, failed, blob);
 }
 
+// Codes of texts into one list of distinct strings, by a key of ours (an op index, a stack id): a
+// key's string is made (``make``) and appended the first time the key is met only.
+struct TextCodes {
+  py::list& uniq;
+  std::unordered_map<int32_t, uint32_t> seen;
+  explicit TextCodes(py::list& u) : uniq(u) {}
+  template <class Make>
+  uint32_t code(int32_t key, Make make) {
+    auto it = seen.find(key);
+    if (it != seen.end()) return it->second;
+    PyObject* o = make();
+    if (o == nullptr) throw py::error_already_set();
+    uint32_t c = (uint32_t)PyList_GET_SIZE(uniq.ptr());
+    if (PyList_Append(uniq.ptr(), o) != 0) throw py::error_already_set();
+    seen.emplace(key, c);
+    return c;
+  }
+};
+
 // The inefficient analysis' chunk columns of a batch of records, as chunk_columns() (below, the
 // reference) makes them from the same rows' tuples: kinds 1 op start, 2 op end, 3 MALLOC, 4 FREE,
 // 5 ACCESS; int64 pos, int8 kind, int64 alloc_id + uint8 valid, int64 size + uint8 valid, int8
@@ -1329,15 +1348,9 @@ py::tuple chunk_of_records(const std::vector<Rec>& batch, int64_t first, const R
   int32_t* namev = (int32_t*)&name_codes[0];
   int32_t* stackv = (int32_t*)&stack_codes[0];
   py::list names, stacks;
-  std::unordered_map<int32_t, int32_t> name_ids, stack_ids;  // op index (-1: "N/A") / stack id -> code
-  auto code_of = [](std::unordered_map<int32_t, int32_t>& ids, py::list& uniq, int32_t key, PyObject* o) {
-    auto it = ids.find(key);
-    if (it != ids.end()) return it->second;
-    if (o == nullptr) throw py::error_already_set();
-    int32_t c = (int32_t)PyList_GET_SIZE(uniq.ptr());
-    if (PyList_Append(uniq.ptr(), o) != 0) throw py::error_already_set();
-    ids.emplace(key, c);
-    return c;
+  TextCodes name_of(names), stack_of(stacks);  // by op index (-1: "N/A"), by stack id
+  auto op_name = [&](const Rec& r) {
+    return (int32_t)name_of.code(r.op >= 0 ? r.op : -1, [&] { return r.op >= 0 ? op_str(r.op) : nm.na; });
   };
   size_t j = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -1350,7 +1363,7 @@ py::tuple chunk_of_records(const std::vector<Rec>& batch, int64_t first, const R
     switch (r.kind) {
       case OP_START:
         kd = 1;
-        nc = code_of(name_ids, names, r.op >= 0 ? r.op : -1, r.op >= 0 ? op_str(r.op) : nm.na);
+        nc = op_name(r);
         break;
       case OP_END:
         kd = 2;
@@ -1364,8 +1377,8 @@ py::tuple chunk_of_records(const std::vector<Rec>& batch, int64_t first, const R
         kd = 3;
         has_aid = has_size = true;
         bf = 0;
-        nc = code_of(name_ids, names, r.op >= 0 ? r.op : -1, r.op >= 0 ? op_str(r.op) : nm.na);
-        if (r.stack >= 0) sc = code_of(stack_ids, stacks, r.stack, stack_str(r.stack));
+        nc = op_name(r);
+        if (r.stack >= 0) sc = (int32_t)stack_of.code(r.stack, [&] { return stack_str(r.stack); });
         break;
       default:  // FREE
         kd = 4;
@@ -1464,17 +1477,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
     py::list values;
     for (PyObject* o : {nm.ev_malloc, nm.ev_free, nm.ev_system, nm.pool, nm.sys_step, nm.device, nm.na, empty.ptr()})
       values.append(py::reinterpret_borrow<py::object>(o));
-    std::unordered_map<int32_t, uint32_t> op_code, stack_code;
-    auto code_of = [&](std::unordered_map<int32_t, uint32_t>& seen, int32_t i, PyObject* (*make)(int32_t)) {
-      auto it = seen.find(i);
-      if (it != seen.end()) return it->second;
-      PyObject* o = make(i);
-      if (o == nullptr) throw py::error_already_set();
-      uint32_t c = (uint32_t)PyList_GET_SIZE(values.ptr());
-      if (PyList_Append(values.ptr(), o) != 0) throw py::error_already_set();
-      seen.emplace(i, c);
-      return c;
-    };
+    TextCodes op_code(values), stack_code(values);  // (one list: the fixed strings, then these)
     size_t j = 0;
     for (size_t i = 0; i < nrec; ++i) {
       const Rec& r = batch[i];
@@ -1482,7 +1485,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
       iv[ID][j] = first + (int64_t)i;
       iv[TID][j] = (int64_t)r.tid;
       cv[DEV][j] = C_DEVICE;
-      cv[NAME][j] = r.op >= 0 ? code_of(op_code, r.op, op_str) : C_NA;
+      cv[NAME][j] = r.op >= 0 ? op_code.code(r.op, [&] { return op_str(r.op); }) : C_NA;
       if (r.kind == STEP_END) {
         // the session's SYSTEM/STEP row, made here as drain() makes it (a few a flush)
         cv[EV][j] = C_SYSTEM;
@@ -1502,7 +1505,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
         cv[EV][j] = is_malloc ? C_MALLOC : C_FREE;
         cv[ET][j] = C_POOL;
         cv[OWNER][j] = is_malloc ? C_EMPTY : C_NULL;
-        cv[STACK][j] = is_malloc && r.stack >= 0 ? code_of(stack_code, r.stack, stack_str) : C_NULL;
+        cv[STACK][j] = is_malloc && r.stack >= 0 ? stack_code.code(r.stack, [&] { return stack_str(r.stack); }) : C_NULL;
         iv[AID][j] = r.aid;
         iv[ADDR][j] = (int64_t)r.ptr;
         iv[SIZE][j] = r.size;
