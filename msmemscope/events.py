@@ -131,8 +131,8 @@ class PackedRows:
     process loads). The columns its sinks asked for (``packed_columns``), else None: ``cols``, the
     MALLOC, FREE and STEP rows as the leak rule's column loop takes them (analysis/leaks.py
     ``StepLeakTracker.consume_columns``), with their row IDs, and ``steps``, {index in ``cols``: the
-    STEP row's tuple}; ``chunk``, the rows as the inefficient analysis' chunk columns (its
-    ``chunk_from_columns``). A consumer that needs the row tuples asks ``rows()`` (made once, from
+    STEP row's tuple}; ``chunk``, the rows as the inefficient analysis' chunk columns (what its
+    ``Columns.of_parts`` reads). A consumer that needs the row tuples asks ``rows()`` (made once, from
     the bytes: the same tuples ``drain`` makes); it iterates as they do."""
     __slots__ = ("n", "blob", "cols", "steps", "chunk", "_rows")
 

@@ -448,9 +448,9 @@ def chunk_from_rows(rows, first_id: int) -> pl.DataFrame:
 
 class Texts:
     """A string column as the tracker reads it: which rows have a text, one row's text, the texts
-    of some rows (a String series). From a polars series (``of_series``) or, online, from the codes
-    of each flush's columns into its distinct strings (``of_codes``): the strings of the few rows
-    asked for are made, not a column of every row."""
+    of some rows (a String series). Of a polars series (``Texts(series)``, offline) or, online, of
+    the codes of each flush's columns into its distinct strings (``of_codes``): only the strings of
+    the rows asked for are made, not a column of every row."""
     __slots__ = ("series", "codes", "uniq")
 
     def __init__(self, series=None, codes=None, uniq=None):
