@@ -325,3 +325,35 @@ def test_online_compressed_dump_annotated_in_place(tmp_path_factory):
     assert df["id"].to_list() == list(range(1, df.height + 1))
     _check_planted(_types_in_dump(df))
     assert not glob.glob(os.path.join(os.path.dirname(dump), ".*")), "temporary file left behind"
+
+
+def test_annotate_db_marks_named_rows_and_clears_earlier_marks(db_run, tmp_path):
+    """``annotate_db`` in one pass over the table: the MALLOC rows the marks name get their type,
+    those an earlier annotation marked and the marks no longer name lose it, every other row (and
+    every other column) is as it was; a row ID that is not a MALLOC row's is left alone."""
+    import shutil
+    import sqlite3
+    from msmemscope.analysis.inefficient import annotate_db
+    db = str(tmp_path / "dump.db")
+    shutil.copy(dump_of(db_run[0]), db)
+    before = read(db)
+    mallocs = before.filter(pl.col("event") == "MALLOC")["id"].to_list()
+    frees = before.filter(pl.col("event") == "FREE")["id"].to_list()
+    already = set(_types_in_dump(before).filter(pl.col("t").is_not_null())["id"].to_list())
+    assert len(mallocs) > 50 and already
+    first = {rid: "early_allocation" for rid in mallocs[::7]} | {frees[0]: "late_deallocation"}
+    assert annotate_db(db, first) == len(set(mallocs[::7]) | already)
+    second = {rid: "temporary_idleness" for rid in mallocs[3::11]}
+    assert annotate_db(db, second) == len(set(mallocs[3::11]) | set(mallocs[::7]))
+    after = read(db)
+    got = dict(_types_in_dump(after).select("id", "t").iter_rows())
+    assert {k: v for k, v in got.items() if v is not None} == second
+    # nothing else moved: the other columns, and the Attr of the rows never marked
+    same = [c for c in before.columns if c != "attr"]
+    assert after.select(same).equals(before.select(same))
+    untouched = set(mallocs) - set(mallocs[::7]) - set(mallocs[3::11]) - already
+    a = dict(before.select("id", "attr").iter_rows())
+    b = dict(after.select("id", "attr").iter_rows())
+    assert all(a[i] == b[i] for i in untouched) and a[frees[0]] == b[frees[0]]
+    with sqlite3.connect(db) as con:  # the marks' table was temporary
+        assert con.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'msmemscope%'").fetchone()[0] == 0

@@ -664,22 +664,23 @@ def annotate_csv(src: str, dst_file, marks: dict[int, str]) -> int:
 
 
 def annotate_db(path: str, marks: dict[int, str]) -> int:
-    marks = dict(marks)
+    """Set ``inefficient_type`` on the MALLOC rows of the db dump ``path`` whose ID ``marks`` names
+    (and take it off the rows an earlier annotation marked that ``marks`` does not name). One pass
+    over the table: the marks go to a temporary table joined on ID (the dump's ID column has no
+    index, so a lookup per mark was a scan per mark: a 1M-row dump with ~10^5 flagged blocks did
+    not finish in 13 minutes); the rows are then updated by rowid."""
     con = sqlite3.connect(path)
     try:
-        changed = 0
         with con:
-            for (rid,) in con.execute("SELECT ID FROM memscope_dump WHERE Event='MALLOC' "
-                                      "AND Attr LIKE '%inefficient_type%'").fetchall():
-                marks.setdefault(rid, None)
-            for rid, val in marks.items():
-                row = con.execute("SELECT Attr FROM memscope_dump WHERE ID=? AND Event='MALLOC'", (rid,)).fetchone()
-                if row is None:
-                    continue
-                con.execute("UPDATE memscope_dump SET Attr=? WHERE ID=? AND Event='MALLOC'",
-                            (_add_type(row[0], val), rid))
-                changed += 1
-        return changed
+            con.execute("CREATE TEMP TABLE msmemscope_marks (id INTEGER PRIMARY KEY, val TEXT)")
+            con.executemany("INSERT OR REPLACE INTO msmemscope_marks VALUES (?, ?)", marks.items())
+            rows = con.execute(
+                "SELECT d.rowid, d.Attr, m.val FROM memscope_dump d LEFT JOIN msmemscope_marks m ON m.id = d.ID "
+                "WHERE d.Event='MALLOC' AND (m.id IS NOT NULL OR d.Attr LIKE '%inefficient_type%')").fetchall()
+            con.executemany("UPDATE memscope_dump SET Attr=? WHERE rowid=?",
+                            [(_add_type(attr, val), rowid) for rowid, attr, val in rows])
+            con.execute("DROP TABLE msmemscope_marks")
+        return len(rows)
     finally:
         con.close()
 
