@@ -332,7 +332,6 @@ def test_annotate_db_marks_named_rows_and_clears_earlier_marks(db_run, tmp_path)
     those an earlier annotation marked and the marks no longer name lose it, every other row (and
     every other column) is as it was; a row ID that is not a MALLOC row's is left alone."""
     import shutil
-    import sqlite3
     from msmemscope.analysis.inefficient import annotate_db
     db = str(tmp_path / "dump.db")
     shutil.copy(dump_of(db_run[0]), db)
