@@ -11,7 +11,9 @@ followed): the wall-clock ratio of bench/run.py stays the judge of the issue's t
     python bench/instructions.py --workloads gpt2,mlp --configs plain,default,access --steps 4 [--top 20]
 
 Each configuration is one process (~1-2 min: the start-up runs uninstrumented under valgrind);
-they run two at a time.
+they run two at a time. The loop's first flush still drains what the two warm-up steps left (the
+held first optimizer step): over 4 steps it adds ~0.4-0.7 M instructions a step on GPT-2; use
+--steps 12 for steady-state figures (BENCHMARKS.md, thirty-fifth session).
 """
 from __future__ import annotations
 
