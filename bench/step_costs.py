@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import statistics
