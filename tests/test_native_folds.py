@@ -174,6 +174,21 @@ def test_chunk_columns_are_chunk_from_rows(rows, cut, first):
     found = by_frame.finish()
     assert whole.finish().equals(found) and each.finish().equals(found)
     assert whole.counts == each.counts == by_frame.counts
+    # the online sink's compact form: every flagged block's numbers, the whole rows of the largest
+    # (size, then row), and what the sink's close makes of them, as the full form's
+    for top in (1, 3, I.TOP):
+        compact = I.Tracker(3, top=top)
+        for p in parts:
+            compact.feed(I.Columns.of_parts([p]))
+        small = compact.finish()
+        assert small.schema == found.schema
+        assert small.select("alloc_id", "mpos", "size", "bits").equals(found.select("alloc_id", "mpos", "size", "bits"))
+        sel_full, sel_small = I.select(found), I.select(small)
+        assert I.marks_of(sel_small) == I.marks_of(sel_full)
+        if top == I.TOP:  # the sink's summary: totals, and the worst blocks named with their op and line
+            assert I.summarize(sel_small, {}, 3) == I.summarize(sel_full, {}, 3)
+        best = sel_full.sort(["size", "mpos"], descending=[True, False]).head(top)
+        assert sel_small.sort(["size", "mpos"], descending=[True, False]).head(top).equals(best)
 
 
 @st.composite

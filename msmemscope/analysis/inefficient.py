@@ -242,9 +242,14 @@ class Tracker:
     live, so a chunk's many short-lived blocks never copy their stacks. ``texts`` False: no op
     name or stack is gathered at all (null), for a caller that wants only the totals."""
 
-    def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD, texts: bool = True):
+    def __init__(self, idle_threshold: int = DEFAULT_IDLE_THRESHOLD, texts: bool = True, top: int | None = None):
         self.idle_threshold = int(idle_threshold)
         self.texts = texts
+        # ``top``: keep only what the online sink's close reads (the compact form): of every flagged
+        # block its ID, row, size and bits, and the op name and stack of the ``top`` largest (by
+        # size, then row) only; the other columns are null in ``finish()``'s frame
+        self.top = top
+        self.best = pl.DataFrame(schema=_RESULT_SCHEMA)  # (compact) the top largest flagged so far, whole
         self.k = 0            # ATEN_START rows so far
         self.depth = 0        # open ops
         self.op_name = None   # name of the current/last op
@@ -335,11 +340,30 @@ class Tracker:
     def _flag(self, b, idx, bits, text_of):
         if not len(idx):
             return
+        if self.top is not None:
+            self._flag_compact(b, idx, bits, text_of)
+            return
         t = text_of(idx)
         self.flagged.append(pl.DataFrame({
             "alloc_id": b["alloc_id"][idx], "mpos": b["mpos"][idx], "size": b["size"][idx], "op": t["op"],
             "stack": t["stack"], "first_op": b["first_op"][idx], "aop": b["aop"][idx],
             "max_gap": b["max_gap"][idx], "bits": bits[idx]}).cast(_RESULT_SCHEMA))
+
+    def _flag_compact(self, b, idx, bits, text_of):
+        """``_flag`` of the compact form: the numbers every flagged block needs, and whole rows for
+        the ``top`` largest so far (texts made for this chunk's candidates only)."""
+        size, mpos = b["size"][idx], b["mpos"][idx]
+        self.flagged.append(pl.DataFrame({"alloc_id": b["alloc_id"][idx], "mpos": mpos, "size": size,
+                                          "bits": bits[idx]}))
+        # this chunk's candidates: its own top largest (size descending, then row ascending)
+        cand = np.sort(idx[np.lexsort((mpos, -size))[:self.top]])
+        t = text_of(cand)
+        rows = pl.DataFrame({
+            "alloc_id": b["alloc_id"][cand], "mpos": b["mpos"][cand], "size": b["size"][cand], "op": t["op"],
+            "stack": t["stack"], "first_op": b["first_op"][cand], "aop": b["aop"][cand],
+            "max_gap": b["max_gap"][cand], "bits": bits[cand]}).cast(_RESULT_SCHEMA)
+        self.best = (pl.concat([self.best, rows], how="vertical")
+                     .sort(["size", "mpos"], descending=[True, False]).head(self.top))
 
     def finish(self, ordered: bool = True) -> pl.DataFrame:
         """Judge the blocks still live (not late: their free is not in the trace); all flagged
@@ -355,6 +379,10 @@ class Tracker:
             return pl.DataFrame(schema=_RESULT_SCHEMA)
         res = pl.concat(self.flagged, how="vertical")
         self.flagged = [res]
+        if self.top is not None:  # every column, whole for the top largest, null elsewhere
+            whole = self.best.drop("alloc_id", "size", "bits")
+            res = (res.join(whole, on="mpos", how="left")
+                   .select(list(_RESULT_SCHEMA)).cast(_RESULT_SCHEMA))
         return res.sort("mpos") if ordered else res
 
 
@@ -855,7 +883,9 @@ class InefficientSink:
             self.idle_threshold = int(v) if v else DEFAULT_IDLE_THRESHOLD
         except ValueError:
             self.idle_threshold = DEFAULT_IDLE_THRESHOLD
-        self.tracker = Tracker(self.idle_threshold)
+        # the compact form: what close reads (every flagged block's row, size and bits; the texts of
+        # the TOP largest), not every block's op name and stack held to the end
+        self.tracker = Tracker(self.idle_threshold, top=TOP)
         self.failed = None
         self.pending, self.pending_first = [], None
         from .folds import native_module
