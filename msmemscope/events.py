@@ -159,9 +159,8 @@ class PackedRows:
         return len(self.cols[0][0]) // 8
 
     def free_ids(self) -> set:
-        """The allocation ids of the FREE rows (``free_ids`` of the rows)."""
-        if self.cols is None:  # (no leak columns asked for)
-            return free_ids(self.rows())
+        """The allocation ids of the FREE rows (``free_ids`` of the rows), from the leak columns
+        (the leak sink, which asks for them, is the one caller)."""
         import numpy as np
         (codes, values), aid = self.cols[1], self.cols[6][0]
         free = next((k for k, v in enumerate(values) if v == Event.FREE), None)

@@ -340,29 +340,17 @@ class Tracker:
     def _flag(self, b, idx, bits, text_of):
         if not len(idx):
             return
-        if self.top is not None:
-            self._flag_compact(b, idx, bits, text_of)
+        if self.top is None:
+            self.flagged.append(_whole_rows(b, idx, bits, text_of(idx)))
             return
-        t = text_of(idx)
-        self.flagged.append(pl.DataFrame({
-            "alloc_id": b["alloc_id"][idx], "mpos": b["mpos"][idx], "size": b["size"][idx], "op": t["op"],
-            "stack": t["stack"], "first_op": b["first_op"][idx], "aop": b["aop"][idx],
-            "max_gap": b["max_gap"][idx], "bits": bits[idx]}).cast(_RESULT_SCHEMA))
-
-    def _flag_compact(self, b, idx, bits, text_of):
-        """``_flag`` of the compact form: the numbers every flagged block needs, and whole rows for
-        the ``top`` largest so far (texts made for this chunk's candidates only)."""
+        # the compact form: the numbers every flagged block needs, and whole rows for the ``top``
+        # largest so far (texts made for this chunk's candidates only: its own largest, by size
+        # descending, then row ascending)
         size, mpos = b["size"][idx], b["mpos"][idx]
         self.flagged.append(pl.DataFrame({"alloc_id": b["alloc_id"][idx], "mpos": mpos, "size": size,
                                           "bits": bits[idx]}))
-        # this chunk's candidates: its own top largest (size descending, then row ascending)
         cand = np.sort(idx[np.lexsort((mpos, -size))[:self.top]])
-        t = text_of(cand)
-        rows = pl.DataFrame({
-            "alloc_id": b["alloc_id"][cand], "mpos": b["mpos"][cand], "size": b["size"][cand], "op": t["op"],
-            "stack": t["stack"], "first_op": b["first_op"][cand], "aop": b["aop"][cand],
-            "max_gap": b["max_gap"][cand], "bits": bits[cand]}).cast(_RESULT_SCHEMA)
-        self.best = (pl.concat([self.best, rows], how="vertical")
+        self.best = (pl.concat([self.best, _whole_rows(b, cand, bits, text_of(cand))], how="vertical")
                      .sort(["size", "mpos"], descending=[True, False]).head(self.top))
 
     def finish(self, ordered: bool = True) -> pl.DataFrame:
@@ -384,6 +372,14 @@ class Tracker:
             res = (res.join(whole, on="mpos", how="left")
                    .select(list(_RESULT_SCHEMA)).cast(_RESULT_SCHEMA))
         return res.sort("mpos") if ordered else res
+
+
+def _whole_rows(b, idx, bits, t) -> pl.DataFrame:
+    """The result rows (``_RESULT_SCHEMA``) of blocks ``idx`` of ``b``, ``t`` their op and stack."""
+    return pl.DataFrame({
+        "alloc_id": b["alloc_id"][idx], "mpos": b["mpos"][idx], "size": b["size"][idx], "op": t["op"],
+        "stack": t["stack"], "first_op": b["first_op"][idx], "aop": b["aop"][idx],
+        "max_gap": b["max_gap"][idx], "bits": bits[idx]}).cast(_RESULT_SCHEMA)
 
 
 def _no_text(n: int) -> pl.DataFrame:
@@ -922,11 +918,9 @@ class InefficientSink:
             self._feed()
 
     def consume_packed(self, packed, first_id):
-        """``consume`` of a flush's ``PackedRows``: the chunk columns made with it (``takes_packed``)."""
+        """``consume`` of a flush's ``PackedRows``: the chunk columns made with it (the session asks
+        for the columns every sink names in ``packed_columns``)."""
         if self.failed:
-            return
-        if packed.chunk is None:  # (not asked for: the columns from its tuples)
-            self.consume(packed.rows(), first_id)
             return
         self.pending.append(packed.chunk)
         self.n_pending += len(packed)

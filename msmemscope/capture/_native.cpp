@@ -1115,6 +1115,16 @@ struct GcPause {
 struct DrainDone {
   uint64_t epoch;
   bool used = false;
+  // every row made: the records go (those appended meanwhile stay), and the shapes their ACCESS
+  // records used (the first ``shapes_used`` of ``shapes``)
+  void taken(size_t shapes_used) {
+    std::lock_guard<std::mutex> g(mu);
+    used = true;
+    if (shapes_used > 0 && epoch == recs_epoch) {
+      shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
+      shape_base += (int64_t)shapes_used;
+    }
+  }
   ~DrainDone() {
     std::lock_guard<std::mutex> g(mu);
     if (!used && epoch == recs_epoch) recs.insert(recs.begin(), drained.begin(), drained.end());
@@ -1297,15 +1307,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   }
   py::object blob = py::none();
   if (want_bytes && failed == 0) blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
-  {
-    // every tuple made: the records go (those appended meanwhile stay), and the shapes they used
-    std::lock_guard<std::mutex> g(mu);
-    done.used = true;
-    if (shapes_used > 0 && epoch == recs_epoch) {
-      shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
-      shape_base += (int64_t)shapes_used;
-    }
-  }
+  done.taken(shapes_used);
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
@@ -1520,14 +1522,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
   if (wants & PACK_CHUNK) chunk_out = chunk_of_records(batch, first, nm);
   py::object blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
   if (blob.is_none()) return py::none();  // the records go back for drain()
-  {
-    std::lock_guard<std::mutex> g(mu);
-    done.used = true;
-    if (shapes_used > 0 && epoch == recs_epoch) {
-      shapes.erase(shapes.begin(), shapes.begin() + shapes_used);
-      shape_base += (int64_t)shapes_used;
-    }
-  }
+  done.taken(shapes_used);
   return py::make_tuple((int64_t)nrec, blob, cols_out, steps, chunk_out);
 }
 
