@@ -118,3 +118,76 @@ def test_writer_naps_instead_of_waiting_in_read(tmp_path, end):
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     assert steps.height == 8
     assert df.filter(pl.col("event") == "MALLOC").height >= 8 * 2
+
+
+def _some_rows(n):
+    return [("MALLOC", "PTA", f"op{i % 7}", 1_700_000_000_000_000_000 + i, 140_000_000_000_000 + i, "cpu",
+             1 << 40 | i, (i, 1 << 40 | i, 64 * i, 10 * i, 20 * i, ""), None, None) for i in range(n)]
+
+
+def test_a_frame_carries_the_native_bytes_as_they_are():
+    """Marshal bytes among a frame's pieces are sent after a marshalled head that names their
+    lengths (the length flagged ``_RAW``), not copied into one marshalled frame; the writer process
+    reads back the same rows in the same order whatever the mix of bytes and row lists, and a
+    frame whose bytes do not add up is refused, never read short."""
+    import marshal
+    from msmemscope.io import spool
+    rows = _some_rows(40)
+    for pieces in ([marshal.dumps(rows[:15]), rows[15:22], marshal.dumps(rows[22:])],
+                   [rows[:5], marshal.dumps(rows[5:])], [marshal.dumps(rows)]):
+        parts = spool._frame_parts(11, 4242, None, pieces)
+        assert len(parts) == 2 + sum(type(p) is bytes for p in pieces)
+        assert parts[-1] is pieces[-1]  # the bytes object itself: nothing copied
+        data = b"".join(parts)
+        assert spool._read_frame(data, True) == (11, 4242, rows, None)
+        with pytest.raises(ValueError):
+            spool._read_frame(data[:-3], True)
+    parts = spool._frame_parts(11, 4242, {"x": 1}, [rows[:3], rows[3:]])  # no bytes: one marshalled frame
+    assert len(parts) == 1 and spool._read_frame(parts[0], False) == (11, 4242, rows, {"x": 1})
+
+
+def test_a_frame_larger_than_the_pipe_arrives_whole():
+    """``_send`` writes a frame's parts with writev and resumes after each partial write at the
+    right byte of the right part: a frame of megabytes through a pipe of 64 KB, read slowly, while
+    a timer's signal cuts the blocking writes short (a signal after some bytes ends a write there)."""
+    import marshal
+    import signal
+    import threading
+    import time
+    from msmemscope.io import spool
+    rows = _some_rows(30_000)
+    pieces = [marshal.dumps(rows[:10_000]), rows[10_000:10_007], marshal.dumps(rows[10_007:])]
+    parts = spool._frame_parts(1, 2, None, pieces)
+    size = sum(len(p) for p in parts)
+    assert size > 1 << 20
+    r, w = os.pipe()
+    got = []
+
+    def read():
+        while True:
+            b = os.read(r, 7_000)
+            if not b:
+                return
+            got.append(b)
+            time.sleep(0.0005)
+    t = threading.Thread(target=read)
+    t.start()
+    s = object.__new__(spool.SpoolWriter)
+    s._fd, s._bell, s._room = w, None, 1 << 16
+    cuts = []
+    old = signal.signal(signal.SIGALRM, lambda *a: cuts.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+    try:
+        s._send((size | spool._RAW).to_bytes(spool._LEN, "little"), *parts)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    os.close(w)
+    assert len(cuts) > 3
+    t.join(60)
+    os.close(r)
+    assert s._whole
+    data = b"".join(got)
+    n = int.from_bytes(data[:spool._LEN], "little")
+    assert n & spool._RAW and n & ~spool._RAW == len(data) - spool._LEN == size
+    assert spool._read_frame(data[spool._LEN:], True) == (1, 2, rows, None)

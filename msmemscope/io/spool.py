@@ -35,6 +35,10 @@ from ..events import as_rows
 log = logging.getLogger("msmemscope")
 
 _LEN = 8  # bytes of the frame length; a zero length ends the stream
+# A frame whose length has this bit set carries the native source's marshal bytes as they are,
+# after its head (``_frame_parts``): sent by the system call from where they lie, not copied into a
+# marshalled frame (GPT-2's default events: ~0.5 M instructions a step, BENCHMARKS.md)
+_RAW = 1 << (8 * _LEN - 1)
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # -I -S: no site, no user paths, no sitecustomize (the launcher's tracing hook): stdlib only
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
@@ -172,15 +176,16 @@ class SpoolWriter:
             return
         try:
             if pieces is not None:
-                data = marshal.dumps((first, pid, None, c_syms or None, pieces))
+                parts = _frame_parts(first, pid, c_syms, pieces)
             else:
-                data = marshal.dumps((first, pid, rows, c_syms or None))
+                parts = [marshal.dumps((first, pid, rows, c_syms or None))]
         except ValueError:  # a C traceback object or an exotic attribute value
-            data = marshal.dumps((first, pid, _plain_rows(rows), c_syms or None))
+            parts = [marshal.dumps((first, pid, _plain_rows(as_rows(rows)), c_syms or None))]
+        size = sum(len(p) for p in parts)
         if rows:
-            self._row_bytes = len(data) / len(rows)
+            self._row_bytes = size / len(rows)
         try:
-            self._send(len(data).to_bytes(_LEN, "little"), data)
+            self._send(((size | _RAW) if len(parts) > 1 else size).to_bytes(_LEN, "little"), *parts)
         except BrokenPipeError:
             # the writer process ended. Killed (the OOM killer, say): never let that reach the
             # program; the rows still in the pipe are lost, the rest is written from here. Ended
@@ -213,13 +218,14 @@ class SpoolWriter:
             self._bounded = BoundedWriter(self.inner, self.keep_steps)
         return self._bounded
 
-    def _send(self, head: bytes, data: bytes) -> None:
-        """One frame, ``head`` then ``data``: gathered by the system call (a step's rows are
-        megabytes: joining them to their length would copy them once more)."""
+    def _send(self, *parts) -> None:
+        """One frame, its length then its parts: gathered by the system call (a step's rows are
+        megabytes: joining them would copy them once more)."""
         from .files import fault_point
         self._whole = False
         fault_point()
-        total = len(head) + len(data)
+        views = [memoryview(p) for p in parts]
+        total = sum(len(v) for v in views)
         if self._bell is not None and total > self._room - _queued(self._fd):
             # the pipe cannot take the frame whole: this write would wait for the writer process's
             # next wake-up (it naps up to NAP_MAX while the pipe is empty; 0.5-1.3 ms a step on the
@@ -228,12 +234,15 @@ class SpoolWriter:
                 os.write(self._bell, b"!")
             except OSError:
                 pass  # full (it rings already) or gone (the writer ended: the write below says so)
-        view = memoryview(data)
-
-        def rest(done):
-            if done < len(head):
-                return os.writev(self._fd, [head[done:], view])
-            return os.write(self._fd, view[done - len(head):])
+        def rest(done):  # the parts from byte ``done`` on
+            out = []
+            for v in views:
+                if done >= len(v):
+                    done -= len(v)
+                    continue
+                out.append(v[done:] if done else v)
+                done = 0
+            return os.writev(self._fd, out)
         done = 0
         try:
             while done < total:
@@ -436,11 +445,44 @@ def _read_exact(fd: int, n: int, in_frame: bool = False) -> bytes | None:
     return b"".join(chunks)
 
 
+def _frame_parts(first, pid, c_syms, pieces) -> list:
+    """A frame of pieces as the buffers to send: with marshal bytes among them (the native source's
+    rows), their lengths in place of them in a marshalled head, the head's length before it, and
+    the bytes after it as they are (a frame with ``_RAW``, ``_read_frame``); else one marshalled
+    frame."""
+    if not any(type(p) is bytes for p in pieces):
+        return [marshal.dumps((first, pid, None, c_syms or None, pieces))]
+    head = marshal.dumps((first, pid, None, c_syms or None, [len(p) if type(p) is bytes else p for p in pieces]))
+    return [len(head).to_bytes(_LEN, "little"), head, *(p for p in pieces if type(p) is bytes)]
+
+
+def _read_frame(data, raw: bool) -> tuple:
+    """(first, pid, rows, c_syms) of a frame's bytes (``raw``: its length had ``_RAW``)."""
+    if not raw:
+        frame = marshal.loads(data)
+        first, pid, rows, c_syms = frame[:4]
+        return first, pid, join_pieces(frame[4]) if len(frame) > 4 else rows, c_syms
+    view = memoryview(data)
+    n = int.from_bytes(view[:_LEN], "little")
+    pos = _LEN + n
+    first, pid, _, c_syms, spec = marshal.loads(view[_LEN:pos])
+    pieces = []
+    for p in spec:
+        if type(p) is int:  # the next marshal bytes after the head
+            pieces.append(view[pos:pos + p])
+            pos += p
+        else:
+            pieces.append(p)
+    if pos != len(data):
+        raise ValueError(f"a frame of {len(data)} bytes holds {pos}")
+    return first, pid, join_pieces(pieces), c_syms
+
+
 def join_pieces(pieces) -> list:
     """A frame's rows from its pieces: marshal bytes (the native source's rows) and lists of rows."""
     rows: list = []
     for p in pieces:
-        rows.extend(marshal.loads(p) if type(p) is bytes else p)
+        rows.extend(marshal.loads(p) if isinstance(p, (bytes, memoryview)) else p)
     return rows
 
 
@@ -487,14 +529,11 @@ def serve(argv) -> None:
             n = int.from_bytes(head, "little")
             if n == 0:
                 break
-            data = _read_exact(0, n, in_frame=True)
+            data = _read_exact(0, n & ~_RAW, in_frame=True)
             if data is None:
                 break
             t0 = time.perf_counter()
-            frame = marshal.loads(data)
-            first, pid, rows, c_syms = frame[:4]
-            if len(frame) > 4:
-                rows = join_pieces(frame[4])
+            first, pid, rows, c_syms = _read_frame(data, bool(n & _RAW))
             writer.write(rows, first, pid, c_syms)
             now = time.perf_counter()
             busy += now - t0
