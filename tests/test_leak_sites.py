@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import sys
 
 import pytest
 
@@ -622,3 +623,56 @@ def test_the_optimizer_in_backward_with_threads_gaps_and_watch(tmp_path, how, ex
         assert {c["op"] for c in writes} == {"aten.addcdiv_.default"} and len({c["tid"] for c in writes}) == 1, writes
         # watched from the second iteration on; the gap's iteration is not checked (docs/watch.md)
         assert len(writes) == iterations - 1 - ("gap" in extra), writes
+
+
+LABELLED = """
+import sys, torch
+from torch import nn
+import msmemscope
+from msmemscope.describe import describer
+torch.manual_seed(0)
+model = nn.Linear(32, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(16, 32)
+cache, other = [], []
+for s in range(int(sys.argv[1])):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    with describer(owner="cache"):
+        cache.append(torch.zeros(256))   # 1 KB a step, labelled: a leak of its own site
+    if s < 2:
+        other.append(torch.zeros(256))   # the same op unlabelled, twice only: retained, not growing
+"""
+
+
+@pytest.mark.parametrize("source,fmt", full([("native", []), ("python", ["--data-format=db"])],
+                                            [("native", []), ("python", []), ("native", ["--data-format=db"]),
+                                             ("python", ["--data-format=db"]),
+                                             ("native", ["--compress=zstd", "--keep-steps=2"])]),
+                         ids=lambda v: v if isinstance(v, str) else "+".join(x.split("=")[-1] for x in v) or "csv")
+def test_offline_leaks_keep_the_describe_labels_the_online_sites_have(tmp_path, source, fmt):
+    """A describe label (``--analysis=decompose``) splits an op's site (``op@label``) online; the offline replay must read the
+    owner column too, or a labelled leak and an unlabelled retained block of the same op merge into
+    one site and the retained blocks are called leaks (found by combining labels with check-leaks)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(LABELLED)
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    r = run_cli(["-o", str(tmp_path / "out"), "--analysis=leaks,decompose", *fmt, sys.executable, str(prog), "8"],
+                env=env)
+    assert r.returncode == 0, r.stderr
+    folder, = run_folders(tmp_path / "out")
+    with open(os.path.join(folder, "analysis", "leaks.json")) as f:
+        on = json.load(f)
+    check_invariants(read(dump_of(folder)))
+    # the truth, from the program's own tensors: 256 float32 a step under the label, 2 x 1 KB unlabelled
+    labelled = [s for s in on["sites"] if s["op"].endswith("@cache")]
+    assert len(labelled) == 1 and labelled[0]["bytes_per_step"] == 1024, on["sites"]
+    assert not [s for s in on["sites"] if "zeros" in s["op"] and not s["op"].endswith("@cache")], on["sites"]
+    assert sum(b["size"] for b in on["retained"] if "zeros" in b["op"]) == 2048, on["retained"]
+    r = run_cli(["check-leaks", folder, "--json"])
+    assert r.returncode == 0, r.stderr
+    off = json.loads(r.stdout)
+    for key in ("sites", "leaks", "retained", "summary"):
+        assert off[key] == on[key], key

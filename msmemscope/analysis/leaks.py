@@ -160,7 +160,8 @@ class StepLeakTracker:
         self._ranges: dict = {}      # tid -> [(range_id, message)] open ranges
         self._marks: dict = {}       # tid -> last mark message
         self._lines: dict = {}       # Python stack text -> the user's line
-        self.recorded = None         # offline with --steps: the recorded steps (a FREE outside is unseen)
+        self._level_at_end = None    # a summarised step's pools' last ``used`` (its STEP_SUMMARY row)
+        self.recorded = None         # offline with --steps: the recorded steps (growth is not judged)
         # blocks whose MALLOC row is their first sight (Attr origin "before_op": made before the
         # traced window, or in a stop/start gap, and first met as an op's input): not allocated in
         # the step of that row, so never a finding of the block rule (the model's parameters were
@@ -314,8 +315,6 @@ class StepLeakTracker:
                     live = self.live_ids()
                 if alloc_id not in live:
                     continue
-            if self.recorded is not None and n not in self.recorded:
-                continue  # step n was not recorded: its FREE rows are not in the dump
             site = blocks[key][0]
             site.hits += 1
             self.hits += 1
@@ -332,6 +331,9 @@ class StepLeakTracker:
         self.growth.end_step(n)
         self.steps_ended += 1
         self.step = n + 1
+        if self._level_at_end:  # a summarised step ended: the next starts from its true last level
+            self.level.update(self._level_at_end)
+            self._level_at_end = None
         self._bound_fluct()
         return new
 
@@ -463,15 +465,20 @@ class StepLeakTracker:
 
     def summary(self, attr):
         """A bounded dump's summarised step (io/bounded.py): the least and most ``used`` of each
-        pool over the step's rows, dropped ones included, count for fluctuation."""
-        rng = attr.get("used_range") if isinstance(attr, dict) else None
-        if not isinstance(rng, dict):
+        pool over the step's rows, dropped ones included, count for fluctuation; the pool's ``used``
+        at the step's last row (``used_end``) is its level when the step ends (``end_step``)."""
+        if not isinstance(attr, dict):
             return
-        for k, v in rng.items():
-            dev, _, pool = str(k).rpartition("/")
-            if isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v):
-                self._used((dev, pool), v[0])
-                self._used((dev, pool), v[1])
+        rng = attr.get("used_range")
+        if isinstance(rng, dict):
+            for k, v in rng.items():
+                dev, _, pool = str(k).rpartition("/")
+                if isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v):
+                    self._used((dev, pool), v[0])
+                    self._used((dev, pool), v[1])
+        end = attr.get("used_end")
+        if isinstance(end, dict):
+            self._level_at_end = {tuple(str(k).rpartition("/")[::2]): v for k, v in end.items() if type(v) is int}
 
     # ------------------------------------------------------------------ results
     def results(self, judged=True) -> dict:
@@ -837,9 +844,24 @@ def fluctuation(df) -> dict:
     """(device, pool) -> {step: (min used, max used)} for ended steps >= 2 (vectorized)."""
     pl = _pl()
     last = ended_steps(df)
-    g = (_mem(df).filter(pl.col("used").is_not_null()).sort("id")
-         .with_columns(prev=pl.col("used").shift(1).over("device", "event_type"))
-         .filter((pl.col("step") >= 2) & (pl.col("step") <= last))
+    sums = (df.lazy().filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP_SUMMARY"))
+            .select("step", "attr").collect()) if "attr" in df.columns else None
+    # a summarised step's pools' level at its end (its last row may be a dropped one): where the
+    # next step's first row starts from, not the last kept row's ``used``
+    ends = [(str(k).rpartition("/")[0], str(k).rpartition("/")[2], step, v)
+            for step, text in (sums.iter_rows() if sums is not None else ())
+            for k, v in ((_attr_json(text) or {}).get("used_end") or {}).items() if type(v) is int]
+    q = (_mem(df).filter(pl.col("used").is_not_null()).sort("id")
+         .with_columns(prev=pl.col("used").shift(1).over("device", "event_type"),
+                       prev_step=pl.col("step").shift(1).over("device", "event_type")))
+    if ends:
+        e = pl.DataFrame(ends, schema={"device": pl.String, "event_type": pl.String, "prev_step": pl.Int64,
+                                       "_end": pl.Int64}, orient="row").lazy()
+        q = (q.with_columns(pl.col("device", "event_type").cast(pl.String), pl.col("prev_step").cast(pl.Int64))
+             .join(e, on=["device", "event_type", "prev_step"], how="left")
+             .with_columns(prev=pl.when((pl.col("prev_step") != pl.col("step")) & pl.col("_end").is_not_null())
+                           .then(pl.col("_end")).otherwise(pl.col("prev"))))
+    g = (q.filter((pl.col("step") >= 2) & (pl.col("step") <= last))
          .group_by("device", "event_type", "step")
          .agg(mn=pl.min_horizontal(pl.col("used").min(), pl.col("prev").min()),
               mx=pl.max_horizontal(pl.col("used").max(), pl.col("prev").max()))
@@ -849,10 +871,9 @@ def fluctuation(df) -> dict:
     for dev, pool, step, mn, mx in g.iter_rows():
         out.setdefault((dev, pool), {})[step] = (mn, mx)
     # a bounded dump's summarised steps: the range over every row of the step, dropped ones included
-    sums = (df.lazy().filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP_SUMMARY")
-                             & (pl.col("step") >= 2) & (pl.col("step") <= last))
-            .select("step", "attr").collect()) if "attr" in df.columns else None
     for step, text in (sums.iter_rows() if sums is not None else ()):
+        if step is None or not 2 <= step <= last:
+            continue
         rng = (_attr_json(text) or {}).get("used_range")
         for k, v in (rng.items() if isinstance(rng, dict) else ()):
             dev, _, pool = str(k).rpartition("/")
@@ -924,9 +945,11 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
     return results
 
 
-#: what the offline leak checks read of a dump (the reader's column layer)
-COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "py_stack", "step",
-           "origin")
+#: what the offline leak checks read of a dump (the reader's column layer); ``owner`` for the describe
+#: labels a site carries without Python stacks, as online (without it the replay merged a labelled
+#: site with its op's unlabelled blocks)
+COLUMNS = ("id", "event", "event_type", "name", "tid", "device", "alloc_id", "addr", "size", "used", "owner",
+           "py_stack", "step", "origin")
 EVENTS = ("MALLOC", "FREE", "MSTX", "OP_LAUNCH", "SYSTEM")
 #: the step rule's (``replay``): no op rows (the marks' check names the enclosing op; the step rule
 #: takes the op from the MALLOC row's name), half the rows of a dump with launch events
@@ -969,7 +992,8 @@ def _attr_json(text):
 
 def replay(df, recorded=None) -> StepLeakTracker:
     """The online tracker run over a dump's rows (the same implementation, offline). ``recorded``:
-    the steps a ``--steps`` run recorded (block findings only where the dump can show the FREE)."""
+    the steps a ``--steps`` run recorded (kept for the report; the FREE rows of counted blocks are in the
+    dump at every step, recorded or not, flagged ``untraced``)."""
     pl = _pl()
     t = StepLeakTracker()
     m = native_module()

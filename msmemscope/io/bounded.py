@@ -16,7 +16,8 @@ to it, and every block its OOM rows name). Every other step is *summarised*:
 - one ``SYSTEM/STEP_SUMMARY`` row, with the ID of the first row dropped (so it sorts inside the
   step), says what was dropped: ``{"step", "rows", "malloc", "free", "access", "ops", "other",
   "bytes_dropped", "used_range": {"<device>/<pool>": [min, max]}}`` (``used_range``: the least and
-  most bytes in use in the pool at any row of the step, dropped rows included; ``total_max``:
+  most bytes in use in the pool at any row of the step, dropped rows included; ``used_end``: the
+  bytes in use at the pool's last row of the step, dropped or kept; ``total_max``:
   the most bytes reserved; ``step``: the
   reader's step, 1 + STEP rows before it).
 
@@ -247,6 +248,7 @@ class BoundedWriter:
                 counts["other"] += 1
         used: dict = {}
         total: dict = {}
+        last: dict = {}
         for r in rows:
             if r[0] == "MALLOC" or r[0] == "FREE":
                 u = _alloc(r)[2]
@@ -256,6 +258,7 @@ class BoundedWriter:
                     total[k] = t
                 if u is None:
                     continue
+                last[k] = u
                 mm = used.get(k)
                 if mm is None:
                     used[k] = [u, u]
@@ -264,8 +267,11 @@ class BoundedWriter:
                 elif u > mm[1]:
                     mm[1] = u
         first = rows[dropped[0]]
+        # used_end: each pool's ``used`` at its last row of the step, which may be a dropped one: the
+        # level the next step starts from (the last kept row's ``used`` can count a dropped block
+        # still live then, and fluctuation would start the next step from there)
         attr = {"step": st.index, "rows": len(dropped), **counts, "bytes_dropped": nbytes, "used_range": used,
-                "total_max": total}
+                "used_end": last, "total_max": total}
         return ("SYSTEM", System.STEP_SUMMARY, "N/A", first[3], first[4], first[5], None, attr, None, None)
 
     # ------------------------------------------------------------------ ending
