@@ -393,3 +393,52 @@ msmemscope.stop()
     assert int(held) <= 10, r.stdout
     (folder,) = run_folders(tmp_path / "o")
     check_invariants(read(dump_of(folder)))
+
+
+FIRST_SIGHT = """
+import sys, torch
+from torch import nn
+import msmemscope
+from msmemscope.describe import describer
+torch.manual_seed(0)
+model = nn.Linear(32, 8)                 # made before tracing: first seen by the forward's ops
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(16, 32)
+msmemscope.config(analysis="decompose", output=sys.argv[1])
+msmemscope.start()
+for s in range(3):
+    opt.zero_grad()
+    with describer(owner="fwd"):
+        out = model(x)                   # its output is allocated under the label
+    out.square().mean().backward()
+    opt.step()
+    msmemscope.step()
+msmemscope.stop()
+print(out.shape[0] * out.shape[1] * 4)
+"""
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_a_label_is_not_given_to_blocks_first_seen_under_it(tmp_path, source):
+    """Blocks made before start() and first met as an op's input inside a ``describer`` block (the
+    weights, the batch) get their MALLOC row then (origin before_op) but were not allocated under the
+    label: they stay ``PTA@weight`` / ``PTA@ops``, while the forward's own output carries it."""
+    import polars as pl
+    prog = tmp_path / "prog.py"
+    prog.write_text(FIRST_SIGHT)
+    env = dict(os.environ, MSMEMSCOPE_SOURCE=source)
+    r = __import__("subprocess").run([sys.executable, str(prog), str(tmp_path / "out")], env=env,
+                                     capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out_bytes = int(r.stdout.split()[-1])
+    folder, = run_folders(tmp_path / "out")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    m = df.filter(pl.col("event") == "MALLOC")
+    seen = m.filter(pl.col("attr").str.contains("before_op"))
+    # the weight (32x8), the bias (8) and x (16x32): first seen inside the labelled forward
+    assert sorted(seen["size"].to_list()) == [32, 8 * 32 * 4, 16 * 32 * 4], seen.select("size", "owner")
+    assert not [o for o in seen["owner"].to_list() if "fwd" in (o or "")], seen.select("size", "owner")
+    assert set(seen.filter(pl.col("size") != 16 * 32 * 4)["owner"].to_list()) == {"PTA@weight"}
+    labelled = m.filter(pl.col("owner").str.contains("@fwd"))
+    assert labelled.height >= 3 and out_bytes in labelled["size"].to_list()
