@@ -419,10 +419,12 @@ print(out.shape[0] * out.shape[1] * 4)
 
 
 @pytest.mark.parametrize("source", ["native", "python"])
-def test_a_label_is_not_given_to_blocks_first_seen_under_it(tmp_path, source):
-    """Blocks made before start() and first met as an op's input inside a ``describer`` block (the
-    weights, the batch) get their MALLOC row then (origin before_op) but were not allocated under the
-    label: they stay ``PTA@weight`` / ``PTA@ops``, while the forward's own output carries it."""
+def test_a_label_tags_the_blocks_first_seen_under_it(tmp_path, source):
+    """The original's docs tag "every memory allocation event in the block" (its decompose example
+    makes the model and batch before start() and trains under one describer): blocks made before
+    start() and first met as an op's input inside a ``describer`` block get their MALLOC row there
+    (origin before_op), and that row carries the label, as the forward's own output does; the
+    category stays theirs (weight, ops)."""
     import polars as pl
     prog = tmp_path / "prog.py"
     prog.write_text(FIRST_SIGHT)
@@ -438,7 +440,10 @@ def test_a_label_is_not_given_to_blocks_first_seen_under_it(tmp_path, source):
     seen = m.filter(pl.col("attr").str.contains("before_op"))
     # the weight (32x8), the bias (8) and x (16x32): first seen inside the labelled forward
     assert sorted(seen["size"].to_list()) == [32, 8 * 32 * 4, 16 * 32 * 4], seen.select("size", "owner")
-    assert not [o for o in seen["owner"].to_list() if "fwd" in (o or "")], seen.select("size", "owner")
-    assert set(seen.filter(pl.col("size") != 16 * 32 * 4)["owner"].to_list()) == {"PTA@weight"}
+    assert set(seen.filter(pl.col("size") != 16 * 32 * 4)["owner"].to_list()) == {"PTA@weight@fwd"}
+    assert seen.filter(pl.col("size") == 16 * 32 * 4)["owner"].to_list() == ["PTA@ops@fwd"]
     labelled = m.filter(pl.col("owner").str.contains("@fwd"))
-    assert labelled.height >= 3 and out_bytes in labelled["size"].to_list()
+    assert out_bytes in labelled["size"].to_list()
+    # what the backward and the optimizer allocate, outside the block, is not labelled
+    assert m.filter(~pl.col("owner").str.contains("@fwd")).height > 0
+

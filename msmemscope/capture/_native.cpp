@@ -523,9 +523,7 @@ void count_block_locked(Block& b, const void* data, int32_t kind, int32_t op, in
   if (used_bytes > peak_bytes) peak_bytes = used_bytes;
   if (emit_alloc)
     recs.push_back({now_ns(), tid(), (uint64_t)data, b.size, used_bytes, b.aid, kind, op, stack, 0});
-  // the labels open on this thread are for blocks allocated under them, not for one made before
-  // tracing and first seen now as an op's input
-  if (owner_tag != 0 && kind == MALLOC) tagged.emplace_back(b.aid, owner_tag);
+  if (owner_tag != 0) tagged.emplace_back(b.aid, owner_tag);
 }
 
 Block* block_of_locked(const at::Tensor& t, int32_t op, int32_t stack) {

@@ -319,7 +319,7 @@ class DispatchSource(Source):
                 b.native = True
                 self.live[key] = b
                 if s.labeler is not None:
-                    s.labeler.on_new(b, made_here=False)  # (its labels were given where it was made)
+                    s.labeler.on_new(b)
                 return b
         if not s.emit:
             # outside the traced window (stopped, a step outside --steps): the block is not in
@@ -334,7 +334,7 @@ class DispatchSource(Source):
         b.stack = stack
         self.live[key] = b
         if s.labeler is not None:
-            s.labeler.on_new(b, made_here=not seen_as_input)
+            s.labeler.on_new(b)
         if s.emit_alloc:
             attr = (aid, addr, size, used, total, b.owner or "")
             if seen_as_input:

@@ -313,13 +313,10 @@ class Labeler:
         self._patched.clear()
 
     # ------------------------------------------------------------ capture-time sources
-    def on_new(self, b, made_here=True):
-        """Called by ``Session.new_block`` before the MALLOC row is built: the initial owner.
-        ``made_here``: allocated now, so under the labels and component open on this thread; not a
-        block made before tracing (or in a stop/start gap) and first seen as an op's input, nor one
-        the native source counted before a handover: those were not allocated under them."""
-        users = current_labels() if made_here else ()
-        comp = getattr(_tls, "component", None) if made_here else None
+    def on_new(self, b):
+        """Called by ``Session.new_block`` before the MALLOC row is built: the initial owner."""
+        users = current_labels()
+        comp = getattr(_tls, "component", None)
         if users or comp:
             inf = self.info[b.alloc_id] = Info()
             inf.users = users
@@ -827,6 +824,7 @@ class NativeLabeler(Labeler):
         from . import modules
         self._cpp = modules.native_hooks() if modules.wanted(session.opts) else None
         self._cats_by_thread = {}  # each thread's last walk (``_mine``)
+        self._walked = None  # the last step end's (thread, last allocation id before it, categories, live ids)
 
     def install(self):
         global _on_labels_changed
