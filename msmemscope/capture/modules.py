@@ -842,7 +842,12 @@ class ModuleTracker:
         me = _get_ident()
         prev = self._answered_upto.get(me, 0)
         if nat is not None:
-            self._answered_upto[me] = nat.m.last_alloc_id()  # before the walk: one made during it is the next's
+            now = nat.m.last_alloc_id()
+            if now == prev and me in self._answered_upto:
+                # nothing allocated since this thread's last answer (a flush right after the step end
+                # that answered): the walk could find no block above it (GPT-2: ~130 us a flush)
+                return dict(earlier or {})
+            self._answered_upto[me] = now  # before the walk: one made during it is the next's
         got = {k: v for k, v in self._walk_mine().items() if k > prev}
         if earlier:
             got.update(earlier)

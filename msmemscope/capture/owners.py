@@ -854,9 +854,13 @@ class NativeLabeler(Labeler):
 
     def _take_saved(self):
         """The blocks the C++ pack hook saw saved for backward since the last call."""
-        if self._cpp is not None:
-            for aid in self._cpp.mt_take_saved():
-                self._info_aid(aid).saved = True
+        if self._cpp is None:
+            return
+        saved = self._cpp.mt_take_saved()
+        if saved:
+            self._walked = None  # labels may change: the step end's walk is no answer now
+        for aid in saved:
+            self._info_aid(aid).saved = True
 
     def remove(self):
         global _on_labels_changed
@@ -1019,7 +1023,10 @@ class NativeLabeler(Labeler):
     def _take_facts(self):
         """The tags (user labels, components) and the saved-for-backward marks the C++ side
         gathered since the last call, into ``info``."""
-        for aid, tag in self.nat.m.take_tagged():
+        tagged = self.nat.m.take_tagged()
+        if tagged:
+            self._walked = None  # labels may change: the step end's walk is no answer now
+        for aid, tag in tagged:
             users, comp = self.tag_info[tag]
             inf = self._info_aid(aid)
             inf.users, inf.comp = users, comp
@@ -1057,9 +1064,11 @@ class NativeLabeler(Labeler):
         """A step ended and its flush waits: label the live blocks as they are now, as that step's
         flush would have (the rows keep these labels when the blocks are gone by the flush), with
         an OWNER row now for a block whose label changed after its MALLOC row got one."""
+        mark = self.nat.m.last_alloc_id()  # before the walk: a block made during it is not in it
         self._take_facts()
-        _, _, changed = self._label_live(self.flushed_upto, at_step_end=True)
+        cats, live, changed = self._label_live(self.flushed_upto, at_step_end=True)
         self._owner_rows(changed)
+        self._walked = (threading.get_ident(), mark, cats, live)
 
     def before_flush(self):
         s = self.s
@@ -1070,7 +1079,13 @@ class NativeLabeler(Labeler):
         s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
         self._take_facts()
         prev_upto, self.flushed_upto = self.flushed_upto, upto
-        cats, live, changed = self._label_live(prev_upto)
+        walked, self._walked = self._walked, None
+        if walked is not None and walked[0] == threading.get_ident() and walked[1] == upto:
+            # this thread's step end labelled every live block just now and nothing was allocated or
+            # learnt since (a flush right after its step end): the same walk would change nothing
+            cats, live, changed = walked[2], walked[3], []
+        else:
+            cats, live, changed = self._label_live(prev_upto)
         pool = nat.pool
         owner_of = self._owner_of
         get_cat = cats.get
