@@ -431,3 +431,55 @@ def test_a_block_learnt_after_the_peak_counts_at_the_peak_as_what_it_is(folded):
     assert tables[1] == {"Net": {"parameters": 100, "activations": 50}, "Net.fc": {"parameters": 100, "activations": 50}}
     assert tables[2] == {"Net": {"parameters": 100, "gradients": 30}, "Net.out": {"gradients": 30},
                          "Net.head": {"parameters": 100}}
+
+
+CATS = [None, ("weight", ()), ("gradient", ()), ("optimizer_state", ()), ("weight", ("fsdp",))]
+
+
+@settings(**SETTINGS)
+@given(st.data())
+def test_label_live_is_the_labellers_python_loop(data):
+    """``label_live`` (the owner labeller's loop over the live blocks at each step end and flush, in
+    C++) leaves ``owner`` and ``at_step`` as the Python loop of ``NativeLabeler._label_live`` does, with
+    the same changed blocks, and hands back exactly the blocks the loop must answer itself (those
+    with facts in ``info``, or a (pool, category) not in the plain cache yet): random live sets,
+    owners, pending step-end labels, categories (shared and equal-but-distinct objects)."""
+    pool = "PTA"
+    ids = data.draw(st.lists(st.integers(0, 40), unique=True, max_size=30))
+    owner = data.draw(st.dictionaries(st.integers(0, 40), st.sampled_from(OWNERS[1:])))
+    at_step = data.draw(st.dictionaries(st.integers(0, 40), st.sampled_from(OWNERS[1:]), max_size=5))
+    info = {k: object() for k in data.draw(st.lists(st.integers(0, 40), max_size=6))}
+    cats = {k: (tuple(c) if c is not None and data.draw(st.booleans()) else c)  # a copy: not the same object
+            for k, c in data.draw(st.dictionaries(st.integers(0, 40), st.sampled_from(CATS))).items()}
+    plain = {(pool, c): data.draw(st.sampled_from(OWNERS[1:]))
+             for c in [None] + data.draw(st.lists(st.sampled_from(CATS), max_size=4))}
+    # the boundary often a live block's own id (a block written at the last flush)
+    prev_upto = data.draw(st.sampled_from(ids) if ids and data.draw(st.booleans()) else st.integers(-1, 40))
+    at_step_end = data.draw(st.booleans())
+
+    def owner_of(aid):  # what the labeller's _owner_of answers
+        return "INFO" if aid in info else plain.setdefault((pool, cats.get(aid)), "NEW")
+
+    def python_loop(live, own, pending):
+        changed = []
+        for aid in live:
+            new = owner_of(aid)
+            if own.get(aid) != new:
+                own[aid] = new
+                if aid <= prev_upto or aid in pending:
+                    changed.append(aid)
+                elif at_step_end:
+                    pending[aid] = new
+        return changed
+
+    want_owner, want_at = dict(owner), dict(at_step)
+    plain_before = dict(plain)
+    want = python_loop(ids, want_owner, want_at)
+    plain.clear()
+    plain.update(plain_before)
+    got_owner, got_at = dict(owner), dict(at_step)
+    changed, todo = MOD.label_live(ids, got_owner, got_at, info, cats, plain, pool, prev_upto, at_step_end)
+    assert set(todo) == {a for a in ids if a in info or (pool, cats.get(a)) not in plain_before}
+    changed = list(changed) + python_loop(todo, got_owner, got_at)
+    assert sorted(changed) == sorted(want)
+    assert got_owner == want_owner and got_at == want_at

@@ -817,6 +817,7 @@ class NativeLabeler(Labeler):
         self._plain = {}       # (pool, resolved) -> owner of a block without Info (compose's answer)
         # the row loop of before_flush in C++ where built (MSMEMSCOPE_FOLD=python: this loop)
         self._relabel_rows = getattr(native.built_with("relabel_mallocs"), "relabel_mallocs", None)
+        self._label_live_c = getattr(native.built_with("label_live"), "label_live", None)  # (_label_live's loop)
         self._walk = native.built_with("live_categories")  # the walk of the live objects in C++
         # with module attribution's C++ hooks (capture/modules.py), those hooks also keep the
         # forwards' depth and first allocation id for this labeller, and the saved-tensor pack hook
@@ -1045,8 +1046,12 @@ class NativeLabeler(Labeler):
         owner, at_step = self.owner, self.at_step
         owner_of = self._owner_of
         get_cat = cats.get
-        changed = []
-        for aid in live:
+        changed, rest = [], live
+        if self._label_live_c is not None:
+            # the blocks nothing particular is known of in C++; the others below
+            changed, rest = self._label_live_c(live, owner, at_step, self.info, cats, self._plain, pool,
+                                               prev_upto, at_step_end)
+        for aid in rest:
             new = owner_of(aid, pool, get_cat(aid))
             if owner.get(aid) != new:
                 owner[aid] = new
