@@ -88,12 +88,13 @@ def split_late_options(program: list[str]) -> tuple[list[str], list[str]]:
     """(our options, the program's argv) from what follows the program's name.
 
     ``msmemscope train.py --steps=3`` traces train.py with --steps=3, as the original does. The
-    scan stops at a ``--`` (removed); ``msmemscope [options] -- <program> [args]`` hands every
-    argument to the program untouched."""
+    scan stops at a ``--``: removed where it ended options of ours taken before it, else the
+    program's own (``train.py a -- b`` gets ``a -- b``, as without us: it was dropped before);
+    ``msmemscope [options] -- <program> [args]`` hands every argument to the program untouched."""
     taken, rest = [], [program[0]]
     for i, arg in enumerate(program[1:], 1):
         if arg == "--":
-            rest.extend(program[i + 1:])
+            rest.extend(program[i + 1:] if taken else program[i:])
             break
         name, eq, _ = arg.partition("=")
         if eq and name.startswith("--") and name[2:] in LATE_OPTIONS:

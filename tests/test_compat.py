@@ -423,8 +423,11 @@ def test_late_options_split():
     from msmemscope.cli import split_late_options
     assert split_late_options(["t.py", "--steps=3", "--lr=1", "-x", "--watch=a,b"]) == \
         (["--steps=3", "--watch=a,b"], ["t.py", "--lr=1", "-x"])
-    # `--` ends our scan and is dropped; what follows goes to the program untouched
-    assert split_late_options(["t.py", "a", "--", "--steps=3"]) == ([], ["t.py", "a", "--steps=3"])
+    # `--` ends our scan; what follows goes to the program untouched, and the `--` too unless it
+    # ended options of ours (a program's own `--` was dropped before: argv not as without us)
+    assert split_late_options(["t.py", "a", "--", "--steps=3"]) == ([], ["t.py", "a", "--", "--steps=3"])
+    assert split_late_options(["t.py", "a", "--", "d"]) == ([], ["t.py", "a", "--", "d"])
+    assert split_late_options(["t.py", "--steps=3", "--", "--steps=5"]) == (["--steps=3"], ["t.py", "--steps=5"])
     assert split_late_options(["t.py", "--steps", "3"]) == ([], ["t.py", "--steps", "3"])
 
 
@@ -539,3 +542,16 @@ def test_config_before_import_torch_under_the_launcher(tmp_path):
         o = json.load(f)["options"]
     assert o["analysis"] == ["leaks"] and o["steps"] == [1, 2]
     assert _dump(folders[0]).filter(pl.col("event") == "MALLOC").height == 3
+
+
+def test_a_programs_own_double_dash_reaches_it(tmp_path):
+    """``msmemscope prog.py a -- d``: the program's argv is what it is without us (``a -- d``); it lost
+    the ``--`` before. A ``--`` that ends options of ours after the program is still ours."""
+    prog = tmp_path / "argv.py"
+    prog.write_text("import sys, json\nprint(json.dumps(sys.argv[1:]))\n")
+    for args, want in ((["a", "--", "d"], ["a", "--", "d"]), (["--steps=1", "--", "d"], ["d"])):
+        r = run_cli(["-q", "-o", str(tmp_path / "out"), str(prog), *args])
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == want
+        plain = subprocess.run([sys.executable, str(prog), *want], capture_output=True, text=True)
+        assert plain.stdout == r.stdout
