@@ -195,10 +195,13 @@ def test_module_hooks_removed_at_stop_and_cli(tmp_path):
     r = run_cli(["decompose", "--by=module", "--depth=3", dump])
     assert r.returncode == 0 and "Sequential.2.0" in r.stdout and "memory by module" in r.stdout
     for bad, why in ((["--by=layer"], "--by=layer"), (["--depth=0"], "--depth=0"), (["--depth=x"], "whole number"),
-                     (["--step=9"], "no MALLOC row carries a module in step 9")):
+                     (["--step=99"], "has steps 1 to ")):  # (it said: no module in step 99)
         r = run_cli(["decompose", "--by=module", *bad, dump])
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "msmemscope: error:" in r.stderr, r.stderr
         assert why in r.stderr, r.stderr
+    # --step with the owner table (the whole run): refused in one line, not ignored
+    r = run_cli(["decompose", "--step=2", dump])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "works with --by=module" in r.stderr, r.stderr
     # a dump written before module attribution (format 1): reads, has no modules, says so in one line
     old = tmp_path / "old.csv"
     import re

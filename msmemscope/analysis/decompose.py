@@ -857,6 +857,8 @@ def main(argv) -> int:
         return error_exit(f"--depth={a.depth}: at least 1 (the root module)")
     if step is not None and step < 1:
         return error_exit(f"--step={a.step}: steps are numbered from 1")
+    if step is not None and a.by != "module":
+        return error_exit(f"--step={a.step}: works with --by=module (the owner table covers the whole run)")
     if a.output:
         d = os.path.dirname(os.path.abspath(a.output))
         if not os.path.isdir(d):
@@ -869,7 +871,11 @@ def main(argv) -> int:
             r = summarize_dump(path)
             return r, format_table(r)
         from ..io.reader import read_dump
-        r = module_table(read_dump(path, columns=MODULE_COLUMNS_READ, events=EVENTS), step)
+        df = read_dump(path, columns=MODULE_COLUMNS_READ, events=EVENTS)
+        last = int(df["step"].max() or 1) if "step" in df.columns and df.height else 1
+        if step is not None and step > last:
+            raise DumpError(f"--step={step}: {path} has steps 1 to {last}")
+        r = module_table(df, step)
         if not r:
             raise DumpError(f"{path}: no MALLOC row carries a module{'' if step is None else f' in step {step}'} "
                             "(trace with --analysis=decompose, or MSMEMSCOPE_MODULES=1)")
