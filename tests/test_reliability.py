@@ -457,3 +457,35 @@ def test_csv_text_fields_neutralised(tmp_path, out_dir):
     [res] = os.listdir(tmp_path / "c" / "compare")
     assert _formula_cells(tmp_path / "c" / "compare" / res) == []
     assert "'=op0()" in (tmp_path / "c" / "compare" / res).read_text()
+
+
+OP_ERROR = """
+import threading, torch
+def f():
+    a = torch.ones(3, 4)
+    b = torch.ones(5, 6)
+    return a @ b
+t = threading.Thread(target=f)
+t.start(); t.join()
+try:
+    f()
+except RuntimeError as e:
+    raise ValueError("wrapped") from e
+"""
+
+
+@pytest.mark.parametrize("source,opts", [("python", []), ("native", ["--analysis=oom"])])
+def test_an_op_error_prints_the_traceback_it_prints_without_us(tmp_path, source, opts):
+    """An op that raises unwinds through the dispatch mode (the dispatch-mode source, or the OOM
+    analysis on the native one): the uncaught exception's traceback, a thread's and a chained one
+    printed byte for byte as without us (it showed our __torch_dispatch__ and torch's op call), and
+    the same exit status."""
+    prog = tmp_path / "op_error.py"
+    prog.write_text(OP_ERROR)
+    plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, cwd=tmp_path)
+    env = env_for_tests()
+    env["MSMEMSCOPE_SOURCE"] = source
+    r = run_cli(["-q", "-o", str(tmp_path / "out"), *opts, sys.executable, str(prog)], env=env, cwd=tmp_path)
+    assert plain.returncode == r.returncode == 1
+    assert "shapes cannot be multiplied" in plain.stderr and plain.stderr.count("Traceback") == 3
+    assert r.stderr == plain.stderr

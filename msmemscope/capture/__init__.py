@@ -18,5 +18,7 @@ def create(opts, launched=False):
     global _session
     if _session is None:
         from .session import Session
+        from .tracebacks import install
+        install()  # an uncaught exception prints without our dispatch mode's frames
         _session = Session(opts, launched=launched)
     return _session
