@@ -872,7 +872,8 @@ def main(argv) -> int:
             return r, format_table(r)
         from ..io.reader import read_dump
         df = read_dump(path, columns=MODULE_COLUMNS_READ, events=EVENTS)
-        last = int(df["step"].max() or 1) if "step" in df.columns and df.height else 1
+        # steps 1 to the STEP rows + 1 (the rows after the last STEP row are a step too)
+        last = 1 + df.filter((df["event"] == Event.SYSTEM) & (df["event_type"] == System.STEP)).height
         if step is not None and step > last:
             raise DumpError(f"--step={step}: {path} has steps 1 to {last}")
         r = module_table(df, step)
