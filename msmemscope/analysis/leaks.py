@@ -161,7 +161,6 @@ class StepLeakTracker:
         self._marks: dict = {}       # tid -> last mark message
         self._lines: dict = {}       # Python stack text -> the user's line
         self._level_at_end = None    # a summarised step's pools' last ``used`` (its STEP_SUMMARY row)
-        self.recorded = None         # offline with --steps: the recorded steps (growth is not judged)
         # blocks whose MALLOC row is their first sight (Attr origin "before_op": made before the
         # traced window, or in a stop/start gap, and first met as an op's input): not allocated in
         # the step of that row, so never a finding of the block rule (the model's parameters were
@@ -990,16 +989,15 @@ def _attr_json(text):
     return v if isinstance(v, dict) else None
 
 
-def replay(df, recorded=None) -> StepLeakTracker:
-    """The online tracker run over a dump's rows (the same implementation, offline). ``recorded``:
-    the steps a ``--steps`` run recorded (kept for the report; the FREE rows of counted blocks are in the
-    dump at every step, recorded or not, flagged ``untraced``)."""
+def replay(df) -> StepLeakTracker:
+    """The online tracker run over a dump's rows (the same implementation, offline). With --steps
+    too: the FREE rows of counted blocks are in the dump at every step, recorded or not (flagged
+    ``untraced``), so every step end is judged as online."""
     pl = _pl()
     t = StepLeakTracker()
     m = native_module()
     if m is not None:
         t.use_native(m)  # the online sink's C++ loop and tables, where built; its rows from the columns
-    t.recorded = set(recorded) if recorded else None
     if "origin" in df.columns:
         t.first_sight = {(d, p, a) for d, p, a in df.lazy().filter(
             (pl.col("event") == "MALLOC") & (pl.col("origin") == FIRST_SIGHT)).select(
@@ -1134,7 +1132,7 @@ def analyze(input_path) -> list[dict]:
     out = []
     for d in find_dumps(os.fspath(input_path)):
         recorded = _recorded_steps(d)
-        t = replay(_read(d, STEP_EVENTS), recorded)
+        t = replay(_read(d, STEP_EVENTS))
         judged = recorded is None
         res = t.results(judged)
         lines = report_lines(t, judged, res) + gap_report(t.fluctuation())
