@@ -135,15 +135,15 @@ def test_a_frame_carries_the_native_bytes_as_they_are():
     rows = _some_rows(40)
     for pieces in ([marshal.dumps(rows[:15]), rows[15:22], marshal.dumps(rows[22:])],
                    [rows[:5], marshal.dumps(rows[5:])], [marshal.dumps(rows)]):
-        parts = spool._frame_parts(11, 4242, None, pieces)
-        assert len(parts) == 2 + sum(type(p) is bytes for p in pieces)
+        parts, raw = spool._frame_parts(11, 4242, None, pieces)
+        assert raw and len(parts) == 2 + sum(type(p) is bytes for p in pieces)
         assert parts[-1] is pieces[-1]  # the bytes object itself: nothing copied
         data = b"".join(parts)
         assert spool._read_frame(data, True) == (11, 4242, rows, None)
         with pytest.raises(ValueError):
             spool._read_frame(data[:-3], True)
-    parts = spool._frame_parts(11, 4242, {"x": 1}, [rows[:3], rows[3:]])  # no bytes: one marshalled frame
-    assert len(parts) == 1 and spool._read_frame(parts[0], False) == (11, 4242, rows, {"x": 1})
+    parts, raw = spool._frame_parts(11, 4242, {"x": 1}, [rows[:3], rows[3:]])  # no bytes: one marshalled frame
+    assert not raw and len(parts) == 1 and spool._read_frame(parts[0], False) == (11, 4242, rows, {"x": 1})
 
 
 def test_a_frame_larger_than_the_pipe_arrives_whole():
@@ -157,7 +157,7 @@ def test_a_frame_larger_than_the_pipe_arrives_whole():
     from msmemscope.io import spool
     rows = _some_rows(30_000)
     pieces = [marshal.dumps(rows[:10_000]), rows[10_000:10_007], marshal.dumps(rows[10_007:])]
-    parts = spool._frame_parts(1, 2, None, pieces)
+    parts, _ = spool._frame_parts(1, 2, None, pieces)
     size = sum(len(p) for p in parts)
     assert size > 1 << 20
     r, w = os.pipe()

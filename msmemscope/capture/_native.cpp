@@ -2063,7 +2063,6 @@ py::tuple label_live(py::iterable live, py::dict owner, py::dict at_step, py::di
       if (same < 0) throw py::error_already_set();
       if (same) continue;
     }
-    py::object keep = py::reinterpret_borrow<py::object>(label);  // (the owner dict may drop the old one)
     if (PyDict_SetItem(owner.ptr(), aid, label) != 0) throw py::error_already_set();
     long long id = PyLong_AsLongLong(aid);
     if (id == -1 && PyErr_Occurred()) throw py::error_already_set();

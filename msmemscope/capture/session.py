@@ -631,11 +631,11 @@ class Session:
         if opt is None:
             return True
         tid = threading.get_ident()
-        lead, others = self._lead_opt.get(tid, (None, None))
-        if lead is not None and lead() is opt:
+        lead, others = self._lead_opt.get(tid, (lambda: None, None))
+        if lead() is opt:
             others.clear()
             return True
-        if lead is not None and lead() is not None and id(opt) not in others:
+        if lead() is not None and id(opt) not in others:
             others.add(id(opt))
             return False
         try:

@@ -176,16 +176,16 @@ class SpoolWriter:
             return
         try:
             if pieces is not None:
-                parts = _frame_parts(first, pid, c_syms, pieces)
+                parts, raw = _frame_parts(first, pid, c_syms, pieces)
             else:
-                parts = [marshal.dumps((first, pid, rows, c_syms or None))]
+                parts, raw = [marshal.dumps((first, pid, rows, c_syms or None))], False
         except ValueError:  # a C traceback object or an exotic attribute value
-            parts = [marshal.dumps((first, pid, _plain_rows(as_rows(rows)), c_syms or None))]
+            parts, raw = [marshal.dumps((first, pid, _plain_rows(as_rows(rows)), c_syms or None))], False
         size = sum(len(p) for p in parts)
         if rows:
             self._row_bytes = size / len(rows)
         try:
-            self._send(((size | _RAW) if len(parts) > 1 else size).to_bytes(_LEN, "little"), *parts)
+            self._send((size | _RAW if raw else size).to_bytes(_LEN, "little"), *parts)
         except BrokenPipeError:
             # the writer process ended. Killed (the OOM killer, say): never let that reach the
             # program; the rows still in the pipe are lost, the rest is written from here. Ended
@@ -445,15 +445,15 @@ def _read_exact(fd: int, n: int, in_frame: bool = False) -> bytes | None:
     return b"".join(chunks)
 
 
-def _frame_parts(first, pid, c_syms, pieces) -> list:
-    """A frame of pieces as the buffers to send: with marshal bytes among them (the native source's
-    rows), their lengths in place of them in a marshalled head, the head's length before it, and
-    the bytes after it as they are (a frame with ``_RAW``, ``_read_frame``); else one marshalled
-    frame."""
+def _frame_parts(first, pid, c_syms, pieces) -> tuple[list, bool]:
+    """(the buffers to send, whether the frame is raw) of a frame of pieces: with marshal bytes among
+    them (the native source's rows), their lengths in place of them in a marshalled head, the head's
+    length before it, and the bytes after it as they are (a frame with ``_RAW``, ``_read_frame``);
+    else one marshalled frame."""
     if not any(type(p) is bytes for p in pieces):
-        return [marshal.dumps((first, pid, None, c_syms or None, pieces))]
+        return [marshal.dumps((first, pid, None, c_syms or None, pieces))], False
     head = marshal.dumps((first, pid, None, c_syms or None, [len(p) if type(p) is bytes else p for p in pieces]))
-    return [len(head).to_bytes(_LEN, "little"), head, *(p for p in pieces if type(p) is bytes)]
+    return [len(head).to_bytes(_LEN, "little"), head, *(p for p in pieces if type(p) is bytes)], True
 
 
 def _read_frame(data, raw: bool) -> tuple:
