@@ -21,7 +21,7 @@ import sys
 import polars as pl
 import pytest
 
-from conftest import FULL, ROOT, check_invariants, dump_of, env_for_tests, read, run_cli
+from conftest import FULL, ROOT, check_invariants, dump_of, env_for_tests, read, run_cli, run_folders
 
 EXAMPLES = os.path.join(ROOT, "tests", "orig_examples")
 PEER = os.path.join(ROOT, "tests", "data", "peer-dumps")
@@ -549,9 +549,11 @@ def test_a_programs_own_double_dash_reaches_it(tmp_path):
     the ``--`` before. A ``--`` that ends options of ours after the program is still ours."""
     prog = tmp_path / "argv.py"
     prog.write_text("import sys, json\nprint(json.dumps(sys.argv[1:]))\n")
-    for args, want in ((["a", "--", "d"], ["a", "--", "d"]), (["--steps=1", "--", "d"], ["d"])):
-        r = run_cli(["-q", "-o", str(tmp_path / "out"), str(prog), *args])
+    for i, (args, want) in enumerate(((["a", "--", "d"], ["a", "--", "d"]), (["--steps=1", "--", "d"], ["d"]))):
+        r = run_cli(["-q", "-o", str(tmp_path / f"out{i}"), str(prog), *args])
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout.strip().splitlines()[-1]) == want
         plain = subprocess.run([sys.executable, str(prog), *want], capture_output=True, text=True)
         assert plain.stdout == r.stdout
+        for folder in run_folders(tmp_path / f"out{i}"):
+            check_invariants(read(dump_of(folder)))

@@ -355,6 +355,7 @@ def test_fluctuation_of_a_bounded_dump_starts_each_step_from_the_true_level(tmp_
     src = dump_of(run_folders(tmp_path / "w")[0])
     small = rewrite(src, str(tmp_path / "memscope_dump_b.csv"), 1)
     whole, cut = read(src), read(small)
+    check_invariants(whole)
     check_invariants(cut)
     t1, t2 = leaks.replay(leaks._read(src)), leaks.replay(leaks._read(small))
     assert leaks.fluct_json(t1.fluctuation()) == leaks.fluct_json(t2.fluctuation())

@@ -489,3 +489,5 @@ def test_an_op_error_prints_the_traceback_it_prints_without_us(tmp_path, source,
     assert plain.returncode == r.returncode == 1
     assert "shapes cannot be multiplied" in plain.stderr and plain.stderr.count("Traceback") == 3
     assert r.stderr == plain.stderr
+    folder, = run_folders(tmp_path / "out")
+    check_invariants(read(dump_of(folder)))  # the dump of a program that died of it holds
