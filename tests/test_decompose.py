@@ -418,7 +418,7 @@ print(out.shape[0] * out.shape[1] * 4)
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["python"], ["native", "python"]))  # (make test's time)
 def test_a_label_tags_the_blocks_first_seen_under_it(tmp_path, source):
     """The original's docs tag "every memory allocation event in the block" (its decompose example
     makes the model and batch before start() and trains under one describer): blocks made before
