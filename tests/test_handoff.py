@@ -17,8 +17,11 @@ pytestmark = pytest.mark.skipif(native.load_module() is None,
                                 reason="the native module is not built (python -m msmemscope.capture.native build)")
 
 
-# {}: every step boundary a STEP record in the drains' bytes; --steps: the boundaries' other path
-@pytest.mark.parametrize("opts", full([], [{}]) + [{"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"}])
+# {}: every step boundary a STEP record in the drains' bytes; --steps: the boundaries' other path;
+# decompose: the owner labels and modules given as the records are drained (owner and module texts,
+# 8-item attrs, a dict attr labelled)
+@pytest.mark.parametrize("opts", full([], [{}]) + [{"analysis": "inefficient", "call_stack": "python:5", "steps": "2,3,5"},
+                                                   {"analysis": "decompose"}])
 def test_native_bytes_load_as_the_rows(tmp_path, opts):
     env = env_for_tests()
     env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"  # a frame per step: pieces in several frames
@@ -31,6 +34,10 @@ def test_native_bytes_load_as_the_rows(tmp_path, opts):
     [folder] = run_folders(tmp_path)
     df = read(dump_of(folder))
     check_invariants(df)
+    if opts.get("analysis") == "decompose":  # labelled rows went through the bytes
+        m = df.filter(pl.col("event") == "MALLOC")
+        assert {"PTA@weight", "PTA@gradient", "PTA@optimizer_state"} <= set(m["owner"]), set(m["owner"])
+        assert '"module"' in " ".join(m["attr"].to_list())
     if opts:  # the dict attrs of both kinds went through the bytes
         assert df.filter(pl.col("event") == "ACCESS").height > 0
         assert df.filter((pl.col("event") == "MALLOC") & pl.col("attr").str.contains("before_op")).height >= 1

@@ -236,9 +236,9 @@ CAPTURE = textwrap.dedent(r'''
     decompose.DecomposeSink.consume, decompose.DecomposeSink.step_end = consume, step_end
     real = modules._native_module()
     class Recorder:  # the native attribution's inputs and output at each flush
-        def attribute(self, buf, marks, base, owned, cats):
+        def attribute(self, buf, marks, base, owned, cats, start=0):
             before = list(buf)
-            n = real.attribute(buf, marks, base, owned, cats)
+            n = real.attribute(buf, marks, base, owned, cats, start)
             bufs.append((before, marks, base, owned, cats, list(buf), n))
             return n
     modules._native_module = lambda: Recorder()
@@ -278,6 +278,8 @@ def real_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "stream.pkl"
     env = env_for_tests()
     env["MSMEMSCOPE_QUIET"] = "1"
+    # the row passes over tuples (the labels given at the drain are held to them in test_labels_at_drain.py)
+    env["MSMEMSCOPE_LABELS"] = "rows"
     r = subprocess.run([sys.executable, "-c", CAPTURE, str(out)], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

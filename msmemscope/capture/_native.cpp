@@ -1034,17 +1034,166 @@ struct RowNames {
   }
 };
 
+// Owner labels and module attribution given to a batch's MALLOC records before any row is made of
+// them: the row passes of capture/owners.py NativeLabeler.before_flush (``relabel_mallocs``) and of
+// capture/modules.py ModuleTracker.attribute (fold ``attribute``), on the records instead of on row
+// tuples, so the tuples and the marshal bytes are made once, labelled (the hand-off then sends the
+// bytes as they are). Per record index: the owner text (nullptr: the empty one), the module and
+// phase (module nullptr: none). Borrowed, kept alive by the dicts they come from or by `keep`.
+struct BatchLabels {
+  std::vector<PyObject*> owner, module, phase;
+  py::list keep;
+  Py_ssize_t attributed = 0;  // records given a module
+  PyObject* owner_of(size_t i, PyObject* empty) const { return owner.empty() || owner[i] == nullptr ? empty : owner[i]; }
+  PyObject* module_of(size_t i) const { return module.empty() ? nullptr : module[i]; }
+};
+
+// `spec` = (owners, modules, in_buf). owners: None or (owner, info, cats, plain, prev_upto, owner_of),
+// the labeller's: a block's label is owner[aid]; not there, and made after prev_upto: plain, unless
+// info or cats know it (then owner_of(aid), a Python call); made up to prev_upto: none (its row
+// keeps the empty label, as the row pass leaves a row it labelled at an earlier flush). Every id
+// labelled goes into in_buf. modules: None or (marks, base, owned, cats), the module tracker's:
+// the thread's state at the record's time (marks: tid -> (times, states), base: tid -> state before
+// them; a state is (module, phase)), the owning module (owned[aid]) winning; a MALLOC without owner
+// label whose owning module is known gets "<pool>@<category>" (cats[aid]).
+void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const RowNames& nm, BatchLabels& lb) {
+  if (spec.size() < 3) throw py::value_error("labels: (owners, modules, in_buf)");
+  py::object owners = spec[0], mods = spec[1];
+  PyObject* in_buf = spec[2].ptr();
+  if (!PySet_Check(in_buf)) throw py::type_error("labels: in_buf is a set");
+  const bool do_own = !owners.is_none(), do_mod = !mods.is_none();
+  PyObject *owner_d = nullptr, *info_d = nullptr, *cats_d = nullptr, *plain = nullptr, *owner_fn = nullptr;
+  int64_t prev_upto = 0;
+  PyObject *marks_d = nullptr, *base_d = nullptr, *owned_d = nullptr, *mcats_d = nullptr;
+  py::tuple ow, md;
+  if (do_own) {
+    ow = owners.cast<py::tuple>();
+    if (ow.size() < 6) throw py::value_error("owners: 6 items");
+    owner_d = ow[0].ptr(); info_d = ow[1].ptr(); cats_d = ow[2].ptr(); plain = ow[3].ptr();
+    prev_upto = ow[4].cast<int64_t>();
+    owner_fn = ow[5].ptr();
+    if (!PyDict_Check(owner_d) || !PyDict_Check(info_d) || !PyDict_Check(cats_d)) throw py::type_error("owners: dicts");
+    lb.owner.assign(batch.size(), nullptr);
+  }
+  if (do_mod) {
+    md = mods.cast<py::tuple>();
+    if (md.size() < 4) throw py::value_error("modules: 4 items");
+    marks_d = md[0].ptr(); base_d = md[1].ptr(); owned_d = md[2].ptr(); mcats_d = md[3].ptr();
+    if (!PyDict_Check(marks_d) || !PyDict_Check(base_d) || !PyDict_Check(owned_d) || !PyDict_Check(mcats_d))
+      throw py::type_error("modules: dicts");
+    lb.module.assign(batch.size(), nullptr);
+    lb.phase.assign(batch.size(), nullptr);
+  }
+  if (!do_own && !do_mod) return;
+  struct Marks {
+    std::vector<int64_t> ts;
+    PyObject* states = nullptr;  // borrowed: the list in `marks`
+    PyObject* base = nullptr;    // borrowed or nullptr
+  };
+  std::unordered_map<uint64_t, Marks> threads;
+  auto state_at = [&](uint64_t tid, int64_t ts) -> PyObject* {  // borrowed; nullptr: none
+    auto it = threads.find(tid);
+    if (it == threads.end()) {
+      Marks t;
+      py::object key = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(tid));
+      if (!key) throw py::error_already_set();
+      PyObject* m = PyDict_GetItemWithError(marks_d, key.ptr());
+      if (m == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      t.base = PyDict_GetItemWithError(base_d, key.ptr());
+      if (t.base == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (m != nullptr && PyTuple_Check(m) && PyTuple_GET_SIZE(m) >= 2) {
+        PyObject* tl = PyTuple_GET_ITEM(m, 0);
+        t.states = PyTuple_GET_ITEM(m, 1);
+        if (!PyList_Check(tl) || !PyList_Check(t.states)) throw std::invalid_argument("marks: (list, list)");
+        Py_ssize_t k = PyList_GET_SIZE(tl);
+        t.ts.reserve((size_t)k);
+        for (Py_ssize_t j = 0; j < k; ++j) {
+          int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
+          if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+          t.ts.push_back(v);
+        }
+      }
+      it = threads.emplace(tid, std::move(t)).first;
+    }
+    const Marks& t = it->second;
+    PyObject* st = t.base;
+    if (t.states != nullptr) {
+      size_t j = (size_t)(std::upper_bound(t.ts.begin(), t.ts.end(), ts) - t.ts.begin());
+      if (j > 0 && j <= (size_t)PyList_GET_SIZE(t.states)) st = PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
+    }
+    return st == Py_None ? nullptr : st;
+  };
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Rec& r = batch[i];
+    if (r.kind != MALLOC && r.kind != MALLOC_BEFORE_OP) continue;
+    py::object aid = py::reinterpret_steal<py::object>(PyLong_FromLongLong(r.aid));
+    if (!aid) throw py::error_already_set();
+    PyObject* label = nullptr;
+    if (do_own) {
+      label = PyDict_GetItemWithError(owner_d, aid.ptr());
+      if (label == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        if (r.aid > prev_upto) {
+          int known = PyDict_Contains(info_d, aid.ptr());
+          if (known == 0) known = PyDict_Contains(cats_d, aid.ptr());
+          if (known < 0) throw py::error_already_set();
+          if (known) {
+            py::object o = py::reinterpret_borrow<py::object>(owner_fn)(aid);
+            lb.keep.append(o);
+            label = o.ptr();
+          } else {
+            label = plain;
+          }
+        }
+      }
+      if (label != nullptr) {
+        if (PySet_Add(in_buf, aid.ptr()) != 0) throw py::error_already_set();
+        lb.owner[i] = label;
+      }
+    }
+    if (do_mod) {
+      PyObject* state = state_at(r.tid, r.ts);
+      PyObject* own = PyDict_GetItemWithError(owned_d, aid.ptr());
+      if (own == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (own == Py_None) own = nullptr;
+      if (state == nullptr && own == nullptr) continue;
+      if (state != nullptr && (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) < 2))
+        throw std::invalid_argument("a module state is (module, phase)");
+      lb.module[i] = own != nullptr ? own : PyTuple_GET_ITEM(state, 0);
+      lb.phase[i] = state != nullptr ? PyTuple_GET_ITEM(state, 1) : Py_None;
+      ++lb.attributed;
+      if (r.kind == MALLOC && own != nullptr) {
+        int has = label == nullptr ? 0 : PyObject_IsTrue(label);
+        if (has < 0) throw py::error_already_set();
+        if (!has) {
+          PyObject* cat = PyDict_GetItemWithError(mcats_d, aid.ptr());
+          if (cat == nullptr && PyErr_Occurred()) throw py::error_already_set();
+          if (cat != nullptr) {
+            py::object o = py::reinterpret_steal<py::object>(PyUnicode_FromFormat("%S@%S", nm.pool, cat));
+            if (!o) throw py::error_already_set();
+            lb.keep.append(o);
+            if (lb.owner.empty()) lb.owner.assign(batch.size(), nullptr);
+            lb.owner[i] = o.ptr();
+          }
+        }
+      }
+    }
+  }
+}
+
 // The batch's rows as marshal bytes, as drain() makes them into tuples (a failed-allocation marker
 // has no bytes: the caller makes none for a batch with one); None when a text is not UTF-8
 // encodable. With the GIL.
 py::object marshal_rows(const std::vector<Rec>& batch, const RowNames& nm, PyObject* empty,
-                        const std::vector<int64_t>& batch_shapes, int64_t batch_shape_base) {
+                        const std::vector<int64_t>& batch_shapes, int64_t batch_shape_base,
+                        const BatchLabels* lb = nullptr) {
   // the same rows as marshal bytes, from the same records and string objects (see Marshal)
   Marshal m;
   m.room(batch.size() * 96 + 16);
   m.byte('[');
   m.i32((int32_t)batch.size());
-  for (const Rec& r : batch) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Rec& r = batch[i];
     PyObject* name = r.op >= 0 ? op_str(r.op) : nm.na;
     PyObject* stack = nullptr;
     if ((r.kind == OP_START || r.kind == MALLOC || r.kind == MALLOC_BEFORE_OP) && r.stack >= 0)
@@ -1095,9 +1244,22 @@ py::object marshal_rows(const std::vector<Rec>& batch, const RowNames& nm, PyObj
         m.byte('z');
         m.byte((char)5);
         m.raw("owner", 5);
-        m.str(empty);
+        m.str(lb != nullptr ? lb->owner_of(i, empty) : empty);
         m.str(nm.origin_key);
         m.str(nm.before_op);
+        PyObject* mod = lb != nullptr ? lb->module_of(i) : nullptr;
+        if (mod != nullptr) {  // after the others, as the module tracker adds them to a dict attr
+          m.byte('z');
+          m.byte((char)6);
+          m.raw("module", 6);
+          m.str(mod);
+          if (lb->phase[i] != Py_None) {
+            m.byte('z');
+            m.byte((char)5);
+            m.raw("phase", 5);
+            m.str(lb->phase[i]);
+          }
+        }
       } else {
         m.str(nm.untraced_key);
         m.byte('T');
@@ -1105,13 +1267,19 @@ py::object marshal_rows(const std::vector<Rec>& batch, const RowNames& nm, PyObj
       m.byte('0');
     } else {
       m.u64(r.ptr);
-      m.small_tuple(r.kind == MALLOC ? 6 : 5);
+      PyObject* mod = r.kind == MALLOC && lb != nullptr ? lb->module_of(i) : nullptr;
+      m.small_tuple(r.kind == MALLOC ? (mod != nullptr ? 8 : 6) : 5);
       m.i64(r.aid);
       m.u64(r.ptr);
       m.i64(r.size);
       m.i64(r.used);
       m.i64(r.used);
-      if (r.kind == MALLOC) m.str(empty);
+      if (r.kind == MALLOC) m.str(lb != nullptr ? lb->owner_of(i, empty) : empty);
+      if (mod != nullptr) {  // (alloc_id, addr, size, used, total, owner, module, phase)
+        m.str(mod);
+        if (lb->phase[i] == Py_None) m.none();
+        else m.str(lb->phase[i]);
+      }
     }
     if (stack != nullptr) m.str(stack);
     else m.none();
@@ -1164,7 +1332,10 @@ struct DrainDone {
 // (event, event_type, name, ts, tid, device, ptr, attr, py_stack, c_stack).
 // `names` = (OP_LAUNCH, ATEN_START, ATEN_END, MALLOC, FREE, PTA, "cpu", "N/A", marker of a failed
 // allocation).
-py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
+// `labels` (None, or the spec of label_batch): the MALLOC rows made with their owner labels and
+// modules; returns then two more items: the number of rows given a module, and the last allocation
+// id when the records were taken (every block up to it has its MALLOC row in this drain or before).
+py::tuple drain(py::list out, py::tuple names, bool want_bytes, py::object labels) {
   // The records are taken out, made into tuples, and only then dropped: a tuple that cannot be
   // made (no memory) raises with every record put back for the next drain. Records added while
   // the tuples are built (frees on other threads) go to `recs` and stay after the taken ones.
@@ -1173,9 +1344,14 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   std::vector<int64_t> batch_shapes;
   int64_t batch_shape_base;
   uint64_t epoch;
+  int64_t last_aid;
   {
     std::lock_guard<std::mutex> g(mu);
-    if (draining || recs.empty()) return py::make_tuple((int64_t)0, (int64_t)0, py::none());
+    last_aid = next_aid;
+    if (draining || recs.empty()) {
+      if (!labels.is_none()) return py::make_tuple((int64_t)0, (int64_t)0, py::none(), (int64_t)0, last_aid);
+      return py::make_tuple((int64_t)0, (int64_t)0, py::none());
+    }
     draining = true;
     batch.clear();
     batch.swap(recs);
@@ -1186,6 +1362,9 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
   DrainDone done{epoch};
   const size_t nrec = batch.size();
   RowNames nm(names);
+  BatchLabels lb;
+  const bool labelled = !labels.is_none();
+  if (labelled) label_batch(batch, labels.cast<py::tuple>(), nm, lb);  // (may call Python: before the pause)
   // the tuples, appended to `out` once all are made (slots not reached on a failure stay NULL,
   // which the list's release skips)
   py::list made = py::reinterpret_steal<py::list>(PyList_New((Py_ssize_t)nrec));
@@ -1203,7 +1382,8 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
     PyObject*& o;
     ~TidRef() { Py_XDECREF(o); }
   } tid_ref{tid_obj};
-  for (const Rec& r : batch) {
+  for (size_t i = 0; i < nrec; ++i) {
+    const Rec& r = batch[i];
     PyObject* name = r.op >= 0 ? op_str(r.op) : nm.na;
     if (name == nullptr) throw py::error_already_set();
     PyObject* ev;
@@ -1268,7 +1448,15 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       ptr = PyLong_FromUnsignedLongLong(r.ptr);
       attr = Py_BuildValue("{s:L,s:K,s:L,s:L,s:L,s:O,O:O}", "allocation_id", (long long)r.aid, "addr",
                            (unsigned long long)r.ptr, "size", (long long)r.size, "used", (long long)r.used,
-                           "total", (long long)r.used, "owner", empty.ptr(), nm.origin_key, nm.before_op);
+                           "total", (long long)r.used, "owner", lb.owner_of(i, empty.ptr()), nm.origin_key,
+                           nm.before_op);
+      PyObject* mod = lb.module_of(i);
+      if (attr != nullptr && mod != nullptr &&  // after the others, as the module tracker adds them
+          (PyDict_SetItemString(attr, "module", mod) != 0 ||
+           (lb.phase[i] != Py_None && PyDict_SetItemString(attr, "phase", lb.phase[i]) != 0))) {
+        Py_DECREF(attr);
+        attr = nullptr;
+      }
     } else {
       ev = r.kind == MALLOC ? nm.ev_malloc : nm.ev_free;
       type = nm.pool;
@@ -1277,7 +1465,8 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
       // The CPU allocator reserves nothing beyond what it hands out: total == used (one object,
       // as the address is the row's ptr: fewer ints to make, and marshal writes a reference).
       // Built item by item: Py_BuildValue parses its format on every row.
-      attr = PyTuple_New(r.kind == MALLOC ? 6 : 5);
+      PyObject* mod = r.kind == MALLOC ? lb.module_of(i) : nullptr;
+      attr = PyTuple_New(r.kind == MALLOC ? (mod != nullptr ? 8 : 6) : 5);
       PyObject* used = PyLong_FromLongLong(r.used);
       PyObject* aid = PyLong_FromLongLong(r.aid);
       PyObject* size = PyLong_FromLongLong(r.size);
@@ -1295,9 +1484,16 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
         Py_INCREF(used);
         PyTuple_SET_ITEM(attr, 3, used);
         PyTuple_SET_ITEM(attr, 4, used);
-        if (r.kind == MALLOC) {
-          Py_INCREF(empty.ptr());
-          PyTuple_SET_ITEM(attr, 5, empty.ptr());
+        if (r.kind == MALLOC) {  // (..., owner) or (..., owner, module, phase)
+          PyObject* owner = lb.owner_of(i, empty.ptr());
+          Py_INCREF(owner);
+          PyTuple_SET_ITEM(attr, 5, owner);
+          if (mod != nullptr) {
+            Py_INCREF(mod);
+            PyTuple_SET_ITEM(attr, 6, mod);
+            Py_INCREF(lb.phase[i]);
+            PyTuple_SET_ITEM(attr, 7, lb.phase[i]);
+          }
         }
       }
     }
@@ -1321,7 +1517,7 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
         }
         // made here of ints, strings, None and such tuples (untracked as made): no cycle can go
         // through them (a dict attr of ints and strings is untracked by Python as it is made)
-        if (PyTuple_CheckExact(attr)) PyObject_GC_UnTrack(attr);
+        if (PyTuple_CheckExact(attr)) untrack_if_atomic(attr);
         if (!PyObject_GC_IsTracked(attr)) PyObject_GC_UnTrack(t);
         ptr = attr = nullptr;  // now the tuple's
       }
@@ -1332,11 +1528,13 @@ py::tuple drain(py::list out, py::tuple names, bool want_bytes) {
     PyList_SET_ITEM(lst, made_n++, t);  // steals t
   }
   py::object blob = py::none();
-  if (want_bytes && failed == 0) blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
+  if (want_bytes && failed == 0)
+    blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base, labelled ? &lb : nullptr);
   done.taken(shapes_used);
   // appending cannot fail half-way on memory: the list is grown once by the slice assignment
   Py_ssize_t n = PyList_GET_SIZE(out.ptr());
   if (PyList_SetSlice(out.ptr(), n, n, lst) != 0) throw py::error_already_set();
+  if (labelled) return py::make_tuple((int64_t)nrec, failed, blob, (int64_t)lb.attributed, last_aid);
   return py::make_tuple((int64_t)nrec, failed, blob);
 }
 
@@ -3210,7 +3408,7 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
 // (module, phase) or None. `owned[alloc_id]` (the module owning the block) wins over the running
 // module; `cats[alloc_id]` gives an unlabelled owned block its owner (`<pool>@<category>`). The
 // row is replaced in `buf` by one whose Attr ends with (module, phase). Returns the rows changed.
-Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned, py::dict cats) {
+Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned, py::dict cats, Py_ssize_t start) {
   struct Thread {
     std::vector<int64_t> ts;
     PyObject* states;  // borrowed: the list in `marks`
@@ -3253,7 +3451,7 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
     return PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
   };
   Py_ssize_t n = PyList_GET_SIZE(buf.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  for (Py_ssize_t i = std::max<Py_ssize_t>(start, 0); i < n; ++i) {
     PyObject* r = PyList_GET_ITEM(buf.ptr(), i);
     if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 8 || !same_str(PyTuple_GET_ITEM(r, 0), malloc_s.ptr())) continue;
     PyObject* a = PyTuple_GET_ITEM(r, 7);
@@ -3417,7 +3615,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uninstall", &uninstall, py::arg("keep_allocator") = false);
   m.def("set_flags", &set_flags);
   m.def("step_end", &step_end);
-  m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false);
+  m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false,
+        py::arg("labels") = py::none());
   m.def("take_packed", &take_packed, py::arg("first"), py::arg("names"), py::arg("buf"), py::arg("wants") = (int)PACK_LEAK);
   m.def("waiting_free_ids", &waiting_free_ids);
   m.def("counters", &counters);
@@ -3443,6 +3642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end_window", &fold::Fold::end_window)
       .def("live", &fold::Fold::live);
   m.def("chunk_columns", &fold::chunk_columns);
-  m.def("attribute", &fold::attribute);
+  m.def("attribute", &fold::attribute, py::arg("buf"), py::arg("marks"), py::arg("base"), py::arg("owned"),
+        py::arg("cats"), py::arg("start") = 0);
   modtrack::add_to(m);  // module attribution (issue 25)
 }

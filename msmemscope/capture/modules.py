@@ -908,13 +908,25 @@ class ModuleTracker:
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
         optimizer state: capture/owners.py), which wins over the running module. ``owner_rows``:
         the attrs of the OWNER rows made since the last flush, given the module owning their block."""
+        malloc = Event.MALLOC
+        spec = self.spec(owned, bool(owner_rows) or any(r[EVENT] == malloc for r in buf))
+        return self.finish(buf, spec, owner_rows)
+
+    def labels_at_drain(self) -> bool:
+        """Whether the native source can give the modules as it drains (``spec`` there): the marks
+        are C++, and so is the row pass over what waits in the buffer."""
+        return self.nat is not None and _native_module() is not None
+
+    def spec(self, owned=None, any_rows=True):
+        """(marks, base, owned, cats) of this flush: each thread's states at their times and before
+        them, and the owning module (and category) of the blocks it answers. ``owned`` given (the
+        Python owner labeller's): those, no category; else this tracker's walk, where ``any_rows``."""
         if self.nat is not None:
             marks, base = self.nat.mt_marks()
         else:
             with self.lock:
                 marks = {t: (list(a), list(b)) for t, (a, b) in self.marks.items()}
                 base = dict(self.base)
-        malloc = Event.MALLOC
         cats = {}
         at_step, self.at_step = self.at_step, None
         if owned is None:  # no owner labels: the owning modules and their categories from here
@@ -922,7 +934,7 @@ class ModuleTracker:
             try:
                 if at_step is not None:  # step ends came since the last flush: this thread's new blocks
                     found = self._answer_new(at_step)
-                elif owner_rows or any(r[EVENT] == malloc for r in buf):
+                elif any_rows:
                     found = self.owned_blocks()
                 else:
                     found = {}
@@ -930,13 +942,24 @@ class ModuleTracker:
                 found = dict(at_step or {})
             owned = {k: v[0] for k, v in found.items()}
             cats = {k: v[1] for k, v in found.items()}
-        if owner_rows:
-            self._attribute_owner_rows(owner_rows, owned)
+        return marks, base, owned, cats
+
+    def attribute_rows(self, buf, spec, start=0) -> int:
+        """The row pass of ``attribute`` over ``buf[start:]`` with a flush's ``spec``."""
+        if start >= len(buf):
+            return 0
         mod = _native_module()
         if mod is not None:
-            n = mod.attribute(buf, marks, base, owned, cats)
-        else:
-            n = _attribute_py(buf, marks, base, owned, cats)
+            return mod.attribute(buf, *spec, start)
+        return _attribute_py(buf, *spec, start)
+
+    def finish(self, buf, spec, owner_rows=(), start=0, attributed=0):
+        """The end of a flush's attribution: the OWNER rows given their blocks' owning modules, the
+        rows of ``buf[start:]`` attributed (those before were, ``attributed`` of them given a module
+        where the native source drained them), and the marks before this flush folded away."""
+        if owner_rows:
+            self._attribute_owner_rows(owner_rows, spec[2])
+        n = attributed + self.attribute_rows(buf, spec, start)
         self.attributed += n
         self._prune()
         return n
@@ -986,13 +1009,13 @@ def _native_module():
     return native.built_with("attribute")
 
 
-def _attribute_py(buf, marks, base, owned, cats):
-    """``ModuleTracker.attribute``'s work on the rows in Python: the reference of the native
-    ``attribute`` (capture/_native.cpp), used where it is not built."""
+def _attribute_py(buf, marks, base, owned, cats, start=0):
+    """``ModuleTracker.attribute``'s work on the rows ``buf[start:]`` in Python: the reference of the
+    native ``attribute`` (capture/_native.cpp), used where it is not built."""
     malloc = Event.MALLOC
     n = 0
     get_own, get_marks, get_base, right = owned.get, marks.get, base.get, bisect.bisect_right
-    for i in range(len(buf)):
+    for i in range(start, len(buf)):
         r = buf[i]
         if r[EVENT] != malloc:
             continue

@@ -328,6 +328,16 @@ class NativeSource(Source):
         (``ALLOC_FAILED`` rows: the session makes OOM snapshots of them) are among them. With
         ``pieces`` (a list), the rows are also made as marshal bytes, noted there as
         ``(position in buf, count, first row, last row, bytes)`` (the session's hand-off)."""
+        return self._drain(buf, pieces, None)[0]
+
+    def drain_labelled(self, buf: list, pieces: list | None, labels) -> tuple:
+        """``drain`` with the MALLOC rows made with their owner labels and modules (``labels``: the
+        spec ``Session._drain_labelled`` makes). Returns (failed-allocation markers, rows given a
+        module, the last allocation id when the records were taken: every block up to it has its
+        MALLOC row drained)."""
+        return self._drain(buf, pieces, None if self.handed_over else labels)
+
+    def _drain(self, buf, pieces, labels):
         if self.handed_over:
             # only FREE rows of the blocks counted here (and OP_END of ops closed at the
             # handover): merged by time with the dispatch-mode source's rows (account() gave those
@@ -338,11 +348,15 @@ class NativeSource(Source):
                 buf[:] = heapq.merge(buf, rows, key=_ts)
                 if pieces is not None:
                     pieces.clear()  # the buffer's rows moved: no piece stands for its rows any more
-            return failed
-        if pieces is None:
-            return self.m.drain(buf, _NAMES)[1]
+            return failed, 0, None
+        if pieces is None and labels is None:
+            return self.m.drain(buf, _NAMES)[1], 0, None
         start = len(buf)
-        n, failed, blob = self.m.drain(buf, _NAMES, True)
+        got = self.m.drain(buf, _NAMES, pieces is not None, labels)
+        n, failed, blob = got[:3]
+        attributed, last = got[3:] if labels is not None else (0, None)
+        if pieces is None:
+            return failed, attributed, last
         if blob is not None and n and len(buf) == start + n:
             # these rows as marshal bytes (made in C++ from the same records): the hand-off sends
             # them as they are if the buffer still holds these rows there at the flush. Another
@@ -352,7 +366,7 @@ class NativeSource(Source):
                 pieces.append((start, n, buf[start], buf[start + n - 1], blob))
             except IndexError:
                 pass
-        return failed
+        return failed, attributed, last
 
     def take_packed(self, first: int, buf: list, columns=(PACKED_LEAK,)):
         """The records as a flush's ``PackedRows`` (no row tuple made; IDs from ``first``) with the

@@ -1075,13 +1075,24 @@ class NativeLabeler(Labeler):
         self._owner_rows(changed)
         self._walked = (threading.get_ident(), mark, cats, live)
 
-    def before_flush(self):
+    def drain_labels(self, drain):
+        """A flush whose drain gives the labels (``Session._drain_labelled``): ``before_flush(drain)``."""
+        self.before_flush(drain)
+
+    def before_flush(self, drain=None):
+        """Label the MALLOC rows of this flush. ``drain`` (the session's labelled drain, where it can):
+        called as ``drain(owners, in_buf, relabel_waiting)`` after the walk, it makes the native
+        source's rows with these labels (``owners``: the spec of the native ``label_batch``) and
+        calls ``relabel_waiting()`` first, this loop over the rows already in the buffer; it returns
+        the last allocation id when the records were taken. Without it the records are drained
+        into tuples first and every MALLOC row of the buffer is relabelled here."""
         s = self.s
         nat = self.nat
-        # the last id before the drain: every block up to it has its MALLOC row in the buffer now
-        # (one made after the drain waits for the next flush, where it is labelled as new)
+        # the last id before the walk: every block up to it has its MALLOC row in the buffer after
+        # the drain (one made after the drain waits for the next flush, where it is labelled as new)
         upto = nat.m.last_alloc_id()
-        s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
+        if drain is None:
+            s.sync_sources()   # the native MALLOC rows into the buffer, to be labelled there
         self._take_facts()
         prev_upto, self.flushed_upto = self.flushed_upto, upto
         walked, self._walked = self._walked, None
@@ -1099,13 +1110,39 @@ class NativeLabeler(Labeler):
         at_step, self.at_step = self.at_step, {}
         owner = {**self.owner, **at_step} if at_step else self.owner
         in_buf = set()
-        buf = s.buf
+        plain = owner_of(-1, pool, None)  # a block freed since its MALLOC that nothing is known of (no Info has id -1)
+        if drain is None:
+            self._relabel_waiting(owner, cats, plain, in_buf, prev_upto)
+        else:
+            last = drain((owner, self.info, cats, plain, prev_upto, lambda aid: owner_of(aid, pool, get_cat(aid))),
+                         in_buf, lambda: self._relabel_waiting(owner, cats, plain, in_buf, prev_upto))
+            if last is not None and last > upto:
+                # blocks made after the walk whose MALLOC rows this drain took: written now, so a
+                # later change of their label is an OWNER row
+                self.flushed_upto = last
+        now = self.owner
+        self._owner_rows([aid for aid in changed if aid not in in_buf or at_step.get(aid, now[aid]) != now[aid]])
+        # forget what we knew about blocks that are gone (blocks made after the walk are kept)
+        if len(now) > len(live):
+            self.owner = {k: v for k, v in list(now.items()) if k in live}
+        if self.info:
+            # a snapshot: the program's threads add to it meanwhile (user labels, the Python pack hook)
+            self.info = {k: v for k, v in list(self.info.items()) if k in live or k > upto}
+
+    def _relabel_waiting(self, owner, cats, plain, in_buf, prev_upto):
+        """The owner label of each MALLOC row in the buffer (``owner``, else ``owner_of``'s answer);
+        each id labelled goes into ``in_buf``."""
+        buf = self.s.buf
+        if not buf:
+            return
+        pool = self.nat.pool
+        owner_of = self._owner_of
+        get_cat = cats.get
         malloc = Event.MALLOC
         if self._relabel_rows is not None:
             # the loop below in C++ for the rows it can take (tuple attrs, blocks whose label is
-            # known); it hands back the others, which take this loop. A block freed since its
-            # MALLOC that nothing is known of gets owner_of's plain answer (no Info has id -1)
-            rows = self._relabel_rows(buf, owner, self.info, cats, owner_of(-1, pool, None),
+            # known); it hands back the others, which take this loop
+            rows = self._relabel_rows(buf, owner, self.info, cats, plain,
                                       in_buf, prev_upto, (malloc, EVENT, ATTR, A_ALLOC_ID, A_OWNER))
         else:
             rows = range(len(buf))
@@ -1128,11 +1165,3 @@ class NativeLabeler(Labeler):
                     buf[i] = r[:ATTR] + (a[:A_OWNER] + (new,) + a[A_OWNER + 1:],) + r[ATTR + 1:]
             elif a.get("owner") != new:
                 buf[i] = r[:ATTR] + ({**a, "owner": new},) + r[ATTR + 1:]
-        now = self.owner
-        self._owner_rows([aid for aid in changed if aid not in in_buf or at_step.get(aid, now[aid]) != now[aid]])
-        # forget what we knew about blocks that are gone
-        if len(now) > len(live):
-            self.owner = {k: v for k, v in list(now.items()) if k in live}
-        if self.info:
-            # a snapshot: the program's threads add to it meanwhile (user labels, the Python pack hook)
-            self.info = {k: v for k, v in list(self.info.items()) if k in live or k > self.flushed_upto}

@@ -87,6 +87,9 @@ _PIECES = os.environ.get("MSMEMSCOPE_HANDOFF", "").strip().lower() != "marshal"
 # a steady loop's flush takes the native source's records with no row tuple made (``_take_packed``;
 # MSMEMSCOPE_RECORDS=rows: every flush drains them into row tuples, as before)
 _PACKED = _PIECES and os.environ.get("MSMEMSCOPE_RECORDS", "").strip().lower() != "rows"
+# owner labels and modules given to the native source's rows as they are drained, whose bytes then go
+# to the writer as they are (``_drain_labelled``; MSMEMSCOPE_LABELS=rows: drained, then rewritten)
+_LABELS_AT_DRAIN = _PIECES and os.environ.get("MSMEMSCOPE_LABELS", "").strip().lower() != "rows"
 
 
 def _why(exc) -> str:
@@ -191,6 +194,7 @@ class Session:
         self._lead_opt: dict = {}
         self._flushes = 0
         self._packed_flushes = 0  # of them, flushes of native records with no row tuple made (_take_packed)
+        self._labelled_flushes = 0  # of them, flushes whose drain gave the labels (_drain_labelled)
         self._step_flush_ns = _step_flush_ns()
         self._last_flush_ns = 0
         self._last_wait_ns = 0               # when the last boundary whose flush waits ended its step
@@ -449,19 +453,26 @@ class Session:
             self.peak[pk] = used
         return used, ts
 
-    def sync_sources(self):
+    def sync_sources(self, labels=None):
         """Move the native source's records into ``buf`` and take its counters: called before a
-        Python-side row is appended, so that rows keep the order in which things happened."""
+        Python-side row is appended, so that rows keep the order in which things happened. With
+        ``labels`` (``_drain_labelled``) the MALLOC rows are made with their owner labels and
+        modules; returns (rows given a module, the last allocation id drained) then."""
         self.dispatch.drain(self.buf)
         nat = self.native
+        got = (0, None)
         if nat is not None:
-            # rows nothing rewrites before the flush (owner labels and modules rewrite MALLOC rows)
-            plain = self.native_ops and self.labeler is None and self.modules is None and _PIECES
-            failed = nat.drain(self.buf, self.pieces if plain else None)
+            if labels is not None:
+                failed, *got = nat.drain_labelled(self.buf, self.pieces if _PIECES else None, labels)
+            else:
+                # rows nothing rewrites before the flush (owner labels and modules rewrite MALLOC rows)
+                plain = self.native_ops and self.labeler is None and self.modules is None and _PIECES
+                failed = nat.drain(self.buf, self.pieces if plain else None)
             if failed:
                 from .snapshot import oom_snapshots
                 oom_snapshots(self, self.buf, failed)
             self._native_counters(nat)
+        return got
 
     def _native_counters(self, nat):
         used, peak = nat.counters()
@@ -1019,24 +1030,27 @@ class Session:
         """The rows this flush writes, taken out of ``buf`` (all, or up to the row ``through``, or
         those before the row ``before``), with the owner labels and modules given; and their pieces
         for the hand-off (``_pieces_of``)."""
-        # drained before the labels are given, not after: a MALLOC another thread records between
-        # the labeller's pass and a later drain would be written without its owner label
-        if drain:
-            self.sync_sources()
-        if self.labeler is not None:
-            try:
-                self.labeler.before_flush()
-            except Exception as e:  # the rows are written with the labels they have
-                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
-        if self.device_source is not None:
-            self.device_source.drain_into(self.buf, flushing=True)
-        lab = self.labeler
-        owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
-        if self.modules is not None:
-            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
-            except Exception as e:
-                log.warning("module attribution failed: %r", e)
+        if drain and self._labels_at_drain():
+            self._drain_labelled()
+        else:
+            # drained before the labels are given, not after: a MALLOC another thread records between
+            # the labeller's pass and a later drain would be written without its owner label
+            if drain:
+                self.sync_sources()
+            if self.labeler is not None:
+                try:
+                    self.labeler.before_flush()
+                except Exception as e:  # the rows are written with the labels they have
+                    log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
+            if self.device_source is not None:
+                self.device_source.drain_into(self.buf, flushing=True)
+            lab = self.labeler
+            owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
+            if self.modules is not None:
+                try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
+                    self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
+                except Exception as e:
+                    log.warning("module attribution failed: %r", e)
         n = len(self.buf)
         if through is not None:
             n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
@@ -1045,6 +1059,66 @@ class Session:
         rows = self.buf[:n]
         del self.buf[:n]
         return rows, n, self._pieces_of(rows)
+
+    def _labels_at_drain(self) -> bool:
+        """Whether the owner labels and modules go to the native source's rows as it drains them
+        (``_drain_labelled``): it follows the ops, the native labeller (or none) and the C++ module
+        marks (or none) give them, and no device source drains beside it."""
+        lab, mods = self.labeler, self.modules
+        return (_LABELS_AT_DRAIN and self.native is not None and self.native_ops and self.device_source is None
+                and (lab is not None or mods is not None)
+                and (lab is None or hasattr(lab, "drain_labels")) and (mods is None or mods.labels_at_drain()))
+
+    def _drain_labelled(self):
+        """A flush's drain with the labels given in C++ as the rows are made (no row rewritten, and
+        the drain's marshal bytes go to the writer as they are): the labeller walks, then the module
+        tracker answers, the rows already waiting in the buffer are relabelled as tuples, and the
+        native source drains with both; the OWNER rows the labeller then writes (and the rows their
+        own drain brings) get their modules as tuples."""
+        lab, mods = self.labeler, self.modules
+        if self.buf:
+            self.pieces.clear()  # rows waiting may be rewritten: no piece stands for them
+        done = []
+
+        def drain(owners, in_buf, relabel_waiting=None):
+            spec = None
+            if mods is not None:
+                try:
+                    spec = mods.spec()
+                except Exception as e:
+                    log.warning("module attribution failed: %r", e)
+            if relabel_waiting is not None:
+                relabel_waiting()
+            if spec is not None and self.buf:
+                mods.attribute_rows(self.buf, spec)
+            # (a failure here leaves the records in the source: drained below without labels)
+            attributed, last = self.sync_sources((owners, spec, in_buf))
+            done.append((spec, len(self.buf), attributed))
+            self._labelled_flushes += owners is not None or spec is not None
+            return last
+
+        if lab is not None:
+            try:
+                lab.drain_labels(drain)
+            except Exception as e:  # the rows are written with the labels they have
+                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
+        if not done:  # no labeller, or it failed before its drain
+            try:
+                drain(None, set())
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
+                self.sync_sources()
+        owner_rows = lab.take_owner_rows() if lab is not None else ()
+        if mods is not None:
+            spec, end, attributed = done[-1] if done else (None, 0, 0)
+            try:
+                if spec is None:
+                    self.pieces.clear()  # the rows are rewritten
+                    mods.attribute(self.buf, None, owner_rows)
+                else:
+                    mods.finish(self.buf, spec, owner_rows, end, attributed)
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
 
     def _take_packed(self):
         """The native source's records as ``PackedRows`` where nothing else is to be flushed and
@@ -1074,7 +1148,7 @@ class Session:
         ``rows`` holds, at the noted positions, the very rows they were made with, and lists of the
         other rows between them; None (marshal every row) when any piece does not hold."""
         noted, self.pieces = self.pieces, []
-        if not noted or self.labeler is not None or self.modules is not None:
+        if not noted:
             return None
         out, pos, n = [], 0, len(rows)
         for start, k, head, tail, blob in noted:
@@ -1216,8 +1290,8 @@ class Session:
                 self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it
             except Exception as e:
                 self._tool_failed("cannot finish the dump", e)
-        log.info("trace stopped (%d flushes so far, %d of them of native records with no row tuple made)",
-                 self._flushes, self._packed_flushes)
+        log.info("trace stopped (%d flushes so far, %d of them of native records with no row tuple made, "
+                 "%d with the labels given at the drain)", self._flushes, self._packed_flushes, self._labelled_flushes)
 
     def close(self, exit_code=None):
         """Process exit: stop, write PROC_EXIT, final flush, let the analyses report.

@@ -39,9 +39,9 @@ class Checked:
     def __getattr__(self, k):
         return getattr(real, k)
 
-    def drain(self, out, names, want_bytes=False):
+    def drain(self, out, names, want_bytes=False, labels=None):
         start = len(out)
-        got = real.drain(out, names, want_bytes)
+        got = real.drain(out, names, want_bytes, labels)
         if want_bytes and got[2] is not None:
             made = out[start:]
             assert len(made) == got[0]
