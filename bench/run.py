@@ -52,9 +52,10 @@ CONFIGS = {
     "modules": "msmemscope, default events + module attribution (MSMEMSCOPE_MODULES=1; the native source)",
     "decompose-nomodules": "msmemscope --analysis=decompose without module attribution (MSMEMSCOPE_MODULES=0)",
     "decompose": "msmemscope --analysis=decompose: owners and module attribution, the per-module table",
+    "decompose-rows": "msmemscope --analysis=decompose, the labels given to row tuples after the drain (MSMEMSCOPE_LABELS=rows, as before the thirty-seventh session)",
 }
 TRACED = ("default", "default-rows", "access-rows", "default-eachstep", "events", "default-dispatch", "access", "stack", "modules", "decompose-nomodules", "decompose",
-          "access-dispatch", "stack-dispatch")
+          "decompose-rows", "access-dispatch", "stack-dispatch")
 
 CHILD = textwrap.dedent(r'''
 import json, os, sys, time, tempfile
@@ -71,6 +72,7 @@ if config in {traced!r}:
     if config == "default-eachstep": os.environ["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
     if config.endswith("-rows"): os.environ["MSMEMSCOPE_RECORDS"] = "rows"
     if config == "decompose-nomodules": os.environ["MSMEMSCOPE_MODULES"] = "0"
+    if config == "decompose-rows": os.environ["MSMEMSCOPE_LABELS"] = "rows"
     import msmemscope
     kw = dict(output=tmp, collect_mode="immediate")
     if config == "events": kw["analysis"] = "none"
@@ -131,7 +133,7 @@ def run_one(workload, config, steps, env=None):
         res = json.load(f)
     want = {"default": "native", "default-rows": "native", "default-eachstep": "native", "events": "native", "modules": "native", "default-dispatch": "dispatch", "access": "native", "access-rows": "native",
             "stack": "native", "access-dispatch": "dispatch", "stack-dispatch": "dispatch", "decompose": "native",
-            "decompose-nomodules": "native"}.get(config)
+            "decompose-nomodules": "native", "decompose-rows": "native"}.get(config)
     if want == "native" and res["source"] != "native":
         # the native source is not built for this checkout: the figure would be the other source's
         raise RuntimeError(f"{workload}/{config} ran on the {res['source']} source (make native)")
