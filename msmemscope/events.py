@@ -133,11 +133,15 @@ class PackedRows:
     ``StepLeakTracker.consume_columns``), with their row IDs, and ``steps``, {index in ``cols``: the
     STEP row's tuple}; ``chunk``, the rows as the inefficient analysis' chunk columns (what its
     ``Columns.of_parts`` reads). A consumer that needs the row tuples asks ``rows()`` (made once, from
-    the bytes: the same tuples ``drain`` makes); it iterates as they do."""
-    __slots__ = ("n", "blob", "cols", "steps", "chunk", "_rows")
+    the bytes: the same tuples ``drain`` makes); it iterates as they do. Taken with the owner labels
+    and modules (``Session._drain_labelled``): ``mods``, (module codes, phase codes) beside ``cols``
+    in its strings, ``attributed`` (rows given a module) and ``last_aid`` (the last allocation id
+    when the records were taken); else None, 0, None."""
+    __slots__ = ("n", "blob", "cols", "steps", "chunk", "mods", "attributed", "last_aid", "_rows")
 
-    def __init__(self, n, blob, cols, steps, chunk=None):
+    def __init__(self, n, blob, cols, steps, chunk=None, mods=None, attributed=0, last_aid=None):
         self.n, self.blob, self.cols, self.steps, self.chunk, self._rows = n, blob, cols, steps, chunk, None
+        self.mods, self.attributed, self.last_aid = mods, attributed, last_aid
 
     def __len__(self):
         return self.n

@@ -266,6 +266,55 @@ def test_a_failing_step_boundary_never_reaches_the_program(tmp_path, source):
     assert steps.height == 5 and df.filter(pl.col("event") == "MALLOC").height > 0
 
 
+STOP_FAILS = """
+import torch, msmemscope
+from msmemscope import capture
+torch.manual_seed(0)
+s = capture.current()
+fail = []
+if s is not None:  # traced: the flush of the program's stop() fails, before anything of it is done
+    orig = type(s)._flush
+
+    def flush(self, *a, **k):
+        if fail:
+            fail.pop()
+            raise RuntimeError("injected")
+        return orig(self, *a, **k)
+    type(s)._flush = flush
+m = torch.nn.Linear(8, 8)
+x = torch.randn(4, 8)
+for _ in range(3):
+    m(x).sum().backward()
+if s is not None:
+    s.flush()  # (rows in the dump before the failure)
+fail.append(1)
+msmemscope.stop()
+print("stopped", flush=True)
+print("after", m(x).sum().item().hex())
+"""
+
+
+@pytest.mark.parametrize("source", full(["native"], SOURCES))
+def test_a_failing_flush_in_the_programs_stop_never_reaches_it(tmp_path, source):
+    """A failure of ours in the flush of the program's ``msmemscope.stop()`` (an unexpected one: the
+    writer's and the analyses' are caught inside it) is the tool's: stop() returns, the program runs
+    on and computes what it computes without us, one line says it, and the dump keeps what was
+    written before, readable, with its invariants."""
+    prog = tmp_path / "stop_fails.py"
+    prog.write_text(STOP_FAILS)
+    out = tmp_path / "out"
+    r = run_cli(["--analysis=leaks", "--output", str(out), sys.executable, str(prog)], env=_env(source))
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain = subprocess.run([sys.executable, str(prog)], env=_env(source), capture_output=True, text=True, timeout=300)
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith(("stopped", "after"))] == plain.stdout.splitlines()
+    assert r.stderr.count("tracing stopped in process") == 1 and "cannot write the dump: injected" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(df["event"] == "MALLOC").height > 0
+
+
 def _torchrun():
     t = os.path.join(os.path.dirname(sys.executable), "torchrun")
     return t if os.path.exists(t) else shutil.which("torchrun")

@@ -1,6 +1,8 @@
 """With ``--analysis=decompose`` on the native source, the owner labels and modules are given to the
 records as they are drained (session.py ``_drain_labelled``, the native ``label_batch``): the row
-tuples and the marshal bytes the writer gets are made once, labelled, and no row is rewritten.
+tuples and the marshal bytes the writer gets are made once, labelled, and no row is rewritten; a
+steady flush makes no row tuple at all (``take_packed`` with the labels: the decomposition folds its
+columns, ``Fold.feed_columns``).
 What that writes and finds must be what the row passes gave (``MSMEMSCOPE_LABELS=rows``: drained,
 then rewritten as tuples), on a program that meets the labels' cases: user labels on a thread and
 after a tensor's row was written (OWNER rows), a module built in a stop/start gap (its weights
@@ -69,7 +71,7 @@ for step in range(6):
     loss.backward()
     opt.step()
     kept.append(torch.ones(64 * (step + 1)))
-    if step >= 1:
+    if step in (2, 4):  # (the other steps' flushes have nothing but the records: taken as columns)
         describe.describer(kept[step - 1], owner="late")  # its row written at an earlier flush: an OWNER row
 if sys.argv[1] == "thread":
     side.join()
@@ -77,10 +79,11 @@ if sys.argv[1] == "thread":
 
 
 def _labelled_flushes(folder):
+    """(flushes taken as columns with no row tuple, flushes whose drain gave the labels)."""
     [log] = glob.glob(os.path.join(folder, "msmemscope_logs", "*.log"))
     with open(log) as f:
-        got = re.findall(r"trace stopped \(\d+ flushes so far, \d+ of them .*?, (\d+) with the labels", f.read())
-    return int(got[-1])
+        got = re.findall(r"trace stopped \(\d+ flushes so far, (\d+) of them .*?, (\d+) with the labels", f.read())
+    return tuple(map(int, got[-1]))
 
 
 def _run(tmp_path, name, mode, labels):
@@ -116,8 +119,10 @@ def test_labels_given_at_the_drain_are_the_row_passes_labels(tmp_path, mode):
     got = {}
     for labels in ("drain", "rows") if mode == "main" else ("drain",):
         folder, df, res = _run(tmp_path, labels, mode, labels)
-        n = _labelled_flushes(folder)
-        assert (n > 5) if labels == "drain" else (n == 0), n
+        packed, n = _labelled_flushes(folder)
+        # the labels given at the drain: the steady flushes taken as columns (no row tuple), the
+        # others (OWNER rows to follow, rows waiting) drained into labelled tuples
+        assert (n > 5 and 0 < packed < n) if labels == "drain" else (n == 0 and packed == 0), (packed, n)
         # the writer's bytes (the dump) are the tuples the analysis folded: online = offline
         off = json.loads(json.dumps(summarize(df)))
         assert (off["devices"], off["steps"]) == (res["devices"], res["steps"])
@@ -143,3 +148,70 @@ def test_labels_given_at_the_drain_are_the_row_passes_labels(tmp_path, mode):
     # the gap's module: its weights counted at their first read, dict attrs labelled as tuples are
     before_op = m_d.filter(pl.col("attr").str.contains("before_op"))
     assert before_op.height >= 2 and set(before_op["owner"]) == {"PTA@weight"}, before_op.select("size", "owner")
+
+
+SHADOW = r'''
+import json, sys, torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+import msmemscope
+from msmemscope.analysis import decompose as D
+from msmemscope.analysis.folds import native_module
+from msmemscope.events import PackedRows
+MOD = native_module()
+STEPS = 5
+# per step k: the Python tables fed the row tuples (the reference), and the native folds fed what
+# the sink is fed (a packed flush's columns, or the tuples)
+ref = [(D.Decomposition(), D.ModuleTable(step=k)) for k in range(1, STEPS + 2)]
+col = [(D.FoldedDecomposition(MOD), D.FoldedModuleTable(MOD, step=k)) for k in range(1, STEPS + 2)]
+seen = {"packed": 0, "rows": 0}
+c0, p0 = D.DecomposeSink.consume, D.DecomposeSink.consume_packed
+def consume(self, rows, first_id):
+    seen["rows"] += 1
+    for dec, mods in ref + col:
+        D.feed_steps(rows, dec, mods)
+    return c0(self, rows, first_id)
+def consume_packed(self, packed, first_id):
+    seen["packed"] += packed.mods is not None
+    for dec, mods in ref:
+        D.feed_steps(PackedRows(packed.n, packed.blob, None, None).rows(), dec, mods)  # the tuples of its bytes
+    for dec, mods in col:
+        D.feed_packed(packed, dec, mods)
+    return p0(self, packed, first_id)
+D.DecomposeSink.consume, D.DecomposeSink.consume_packed = consume, consume_packed
+from examples.transformer import GPT
+msmemscope.config(output=sys.argv[1], analysis="decompose", collect_mode="immediate")
+model = GPT(vocab=128, d=64, heads=2, layers=2, ctx=32)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = torch.randint(0, 128, (4, 33)); x, y = data[:, :-1], data[:, 1:]
+for _ in range(STEPS):
+    opt.zero_grad(set_to_none=True)
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward(); opt.step()
+msmemscope.stop()
+out = []
+for (rd, rm), (cd, cm) in zip(ref, col):
+    for t in (rd, rm, cd, cm):
+        if t.rows_since_step if hasattr(t, "rows_since_step") else False:
+            t.end_step(None)
+    out.append([json.dumps(rd.result()) == json.dumps(cd.result()), json.dumps(rm.result()) == json.dumps(cm.result()),
+                bool(rm.result())])
+print(json.dumps({"seen": seen, "same": out}))
+'''
+
+
+def test_a_packed_flushs_columns_fold_as_its_rows(tmp_path):
+    """The flushes taken with their labels as columns fold (``Fold.feed_columns``) into the
+    decomposition and the module table of every step as the row tuples of their bytes fold into
+    the Python ones (GPT, AdamW, a flush per step, the module table of each step kept)."""
+    env = env_for_tests()
+    env["MSMEMSCOPE_STEP_FLUSH_S"] = "0"
+    r = subprocess.run([sys.executable, "-c", SHADOW, str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["seen"]["packed"] >= 3, got
+    assert all(d and m for d, m, _ in got["same"]), got
+    assert sum(nonempty for *_, nonempty in got["same"]) >= 5, got  # each step's table has modules
+    [folder] = run_folders(tmp_path / "out")
+    check_invariants(read(dump_of(folder)))

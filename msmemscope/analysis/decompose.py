@@ -24,7 +24,7 @@ import os
 import sys
 
 from ..events import (A_ALLOC_ID, A_MODULE, A_OWNER, A_PHASE, A_SIZE, A_USED, ATTR, DEVICE, EVENT, EVENT_TYPE,
-                      Event, System, category_of)
+                      PACKED_LEAK, Event, System, category_of)
 
 OWNER_ROW = "OWNER"
 UNLABELLED = "unlabelled"
@@ -292,6 +292,21 @@ def feed_steps(rows, dec, mods):
         mods.feed_raw(rows, i, to_step=True)  # stops at the same STEP row
         if j < n:
             step = step_of(rows[j])
+            dec.end_step(step)
+            mods.end_step(step)
+        i = j + 1
+
+
+def feed_packed(packed, dec, mods):
+    """``feed_steps`` of a flush's ``PackedRows`` taken with their labels (its leak columns and
+    modules' columns, no row tuple), into the native folds of both."""
+    cols, extra, n = packed.cols, packed.mods, packed.column_rows()
+    i = 0
+    while i < n:
+        j = dec._fold.feed_columns(cols, extra, i)
+        mods._fold.feed_columns(cols, extra, i)  # stops at the same STEP row
+        if j < n:
+            step = step_of(packed.steps[j])
             dec.end_step(step)
             mods.end_step(step)
         i = j + 1
@@ -790,6 +805,9 @@ class DecomposeSink:
         mod = native_module()  # no Python per row where the native folds are built
         self.dec = FoldedDecomposition(mod) if mod is not None else Decomposition()
         self.mods = FoldedModuleTable(mod) if mod is not None else ModuleTable()
+        # a flush taken with its labels as columns (Session._drain_labelled) is folded as they are
+        self.takes_packed = mod is not None and hasattr(mod.Fold, "feed_columns")
+        self.packed_columns = (PACKED_LEAK,)
         self.labeler = labeler_for(session)
         session.labeler = self.labeler
         self.labeler.install()
@@ -800,6 +818,12 @@ class DecomposeSink:
 
     def consume(self, rows, first_id):
         feed_steps(rows, self.dec, self.mods)
+
+    def consume_packed(self, packed, first_id):
+        if packed.mods is None:  # taken without the labels: no owner or module to fold
+            feed_steps(packed.rows(), self.dec, self.mods)
+        else:
+            feed_packed(packed, self.dec, self.mods)
 
     def step_end(self, session, step):
         pass  # ended at its STEP row, in consume

@@ -1641,8 +1641,14 @@ py::tuple chunk_of_records(const std::vector<Rec>& batch, int64_t first, const R
 // inefficient analysis' chunk columns of the rows, as chunk_columns() makes them from the tuples.
 enum PackWants : int { PACK_LEAK = 1, PACK_CHUNK = 2 };
 
-py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) {
+// `labels` (None, or the spec of label_batch): the MALLOC rows with their owner labels and modules,
+// in the bytes and the leak columns (owner), and the modules' columns beside them: the result then
+// has three more items, (module codes, phase codes) in the leak columns' strings, the number of
+// rows given a module, and the last allocation id when the records were taken (as drain()'s).
+py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants, py::object labels) {
   RowNames nm(names);
+  const bool labelled = !labels.is_none();
+  int64_t last_aid = 0;
   std::vector<Rec>& batch = drained;
   std::vector<int64_t> batch_shapes;
   int64_t batch_shape_base;
@@ -1665,9 +1671,12 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
     batch.swap(recs);
     epoch = recs_epoch;
     batch_shape_base = shape_base;
+    last_aid = next_aid;
     if (access) batch_shapes.assign(shapes.begin(), shapes.end());
   }
   DrainDone done{epoch};
+  BatchLabels lb;
+  if (labelled) label_batch(batch, labels.cast<py::tuple>(), nm, lb);  // (may call Python: before the pause)
   GcPause gc_pause;
   const size_t nrec = batch.size();
   py::str empty("");
@@ -1677,7 +1686,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
       if (dtype_str(r.extra & 0xff) == nullptr) throw py::error_already_set();
       shapes_used = (size_t)(r.used - batch_shape_base) + (size_t)(r.extra >> 8);
     }
-  py::object cols_out = py::none(), chunk_out = py::none();
+  py::object cols_out = py::none(), chunk_out = py::none(), mods_out = py::none();
   py::dict steps;
   if (wants & PACK_LEAK) {
     size_t k = 0;  // the rows of the columns
@@ -1704,6 +1713,29 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
     for (PyObject* o : {nm.ev_malloc, nm.ev_free, nm.ev_system, nm.pool, nm.sys_step, nm.device, nm.na, empty.ptr()})
       values.append(py::reinterpret_borrow<py::object>(o));
     TextCodes op_code(values), stack_code(values);  // (one list: the fixed strings, then these)
+    // the labels' strings by object (a flush has a few dozen): owners, modules, phases
+    std::unordered_map<PyObject*, uint32_t> label_code;
+    auto code_of = [&](PyObject* o) -> uint32_t {
+      if (o == nullptr || o == Py_None) return C_NULL;
+      auto it = label_code.find(o);
+      if (it != label_code.end()) return it->second;
+      uint32_t c = (uint32_t)PyList_GET_SIZE(values.ptr());
+      values.append(py::reinterpret_borrow<py::object>(o));
+      label_code.emplace(o, c);
+      return c;
+    };
+    py::object mod_bytes, phase_bytes;
+    uint32_t *mv = nullptr, *pv = nullptr;
+    if (labelled) {
+      PyObject* mb = PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(k * 4));
+      if (mb == nullptr) throw py::error_already_set();
+      mod_bytes = py::reinterpret_steal<py::object>(mb);
+      PyObject* pb = PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(k * 4));
+      if (pb == nullptr) throw py::error_already_set();
+      phase_bytes = py::reinterpret_steal<py::object>(pb);
+      mv = (uint32_t*)PyBytes_AS_STRING(mb);
+      pv = (uint32_t*)PyBytes_AS_STRING(pb);
+    }
     size_t j = 0;
     for (size_t i = 0; i < nrec; ++i) {
       const Rec& r = batch[i];
@@ -1717,6 +1749,7 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
         cv[EV][j] = C_SYSTEM;
         cv[ET][j] = C_STEP;
         cv[OWNER][j] = cv[STACK][j] = C_NULL;
+        if (labelled) mv[j] = pv[j] = C_NULL;
         iv[AID][j] = iv[ADDR][j] = iv[SIZE][j] = iv[USED][j] = 0;
         PyObject* name = PyList_GET_ITEM(values.ptr(), cv[NAME][j]);
         py::object attr = py::reinterpret_steal<py::object>(Py_BuildValue("{O:L}", nm.step_key, (long long)r.aid));
@@ -1730,7 +1763,12 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
         bool is_malloc = r.kind == MALLOC;
         cv[EV][j] = is_malloc ? C_MALLOC : C_FREE;
         cv[ET][j] = C_POOL;
-        cv[OWNER][j] = is_malloc ? C_EMPTY : C_NULL;
+        cv[OWNER][j] = !is_malloc ? C_NULL : labelled && lb.owner_of(i, nullptr) != nullptr ? code_of(lb.owner[i]) : C_EMPTY;
+        if (labelled) {
+          PyObject* mod = is_malloc ? lb.module_of(i) : nullptr;
+          mv[j] = code_of(mod);
+          pv[j] = mod != nullptr ? code_of(lb.phase[i]) : C_NULL;
+        }
         cv[STACK][j] = is_malloc && r.stack >= 0 ? stack_code.code(r.stack, [&] { return stack_str(r.stack); }) : C_NULL;
         iv[AID][j] = r.aid;
         iv[ADDR][j] = (int64_t)r.ptr;
@@ -1742,11 +1780,14 @@ py::object take_packed(int64_t first, py::tuple names, py::list buf, int wants) 
     py::list cols;
     for (int c = 0; c < NCOLS; ++c) cols.append(py::make_tuple(data[c], is_text[c] ? py::object(values) : py::none()));
     cols_out = py::tuple(cols);
+    if (labelled) mods_out = py::make_tuple(mod_bytes, phase_bytes);
   }
   if (wants & PACK_CHUNK) chunk_out = chunk_of_records(batch, first, nm);
-  py::object blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base);
+  py::object blob = marshal_rows(batch, nm, empty.ptr(), batch_shapes, batch_shape_base, labelled ? &lb : nullptr);
   if (blob.is_none()) return py::none();  // the records go back for drain()
   done.taken(shapes_used);
+  if (labelled)
+    return py::make_tuple((int64_t)nrec, blob, cols_out, steps, chunk_out, mods_out, (int64_t)lb.attributed, last_aid);
   return py::make_tuple((int64_t)nrec, blob, cols_out, steps, chunk_out);
 }
 
@@ -2988,6 +3029,62 @@ class Fold {
     return i;
   }
 
+  // ``feed`` of the MALLOC/FREE/STEP rows of a flush taken as columns (the native source's
+  // take_packed: the leak columns, and (module codes, phase codes) beside them in the same strings),
+  // from row ``start``: stops at a STEP row (its index; the analysis ends the step), else the count.
+  // With no row tuple: the records of a flush whose labels were given as they were taken.
+  Py_ssize_t feed_columns(py::tuple cols, py::tuple mods, Py_ssize_t start) {
+    enum { ID, EV, ET, NAME, TID, DEV, AID, ADDR, SIZE, USED, OWNER, STACK, NCOLS };
+    if (cols.size() != NCOLS || mods.size() != 2) throw py::value_error("feed_columns: 12 columns and 2");
+    auto bytes_of = [](py::handle col, size_t width, Py_ssize_t* n) -> const char* {
+      PyObject* b = PyTuple_Check(col.ptr()) ? PyTuple_GET_ITEM(col.ptr(), 0) : col.ptr();
+      if (!PyBytes_Check(b)) throw py::type_error("feed_columns: a column is bytes");
+      *n = PyBytes_GET_SIZE(b) / (Py_ssize_t)width;
+      return PyBytes_AS_STRING(b);
+    };
+    Py_ssize_t n = 0, m = 0;
+    bytes_of(cols[ID], 8, &n);
+    PyObject* values = PyTuple_GET_ITEM(cols[EV].ptr(), 1);
+    if (!PyList_Check(values)) throw py::type_error("feed_columns: the strings are a list");
+    const uint32_t* ev = (const uint32_t*)bytes_of(cols[EV], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const uint32_t* et = (const uint32_t*)bytes_of(cols[ET], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const uint32_t* dev = (const uint32_t*)bytes_of(cols[DEV], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const uint32_t* own = (const uint32_t*)bytes_of(cols[OWNER], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const int64_t* aid = (const int64_t*)bytes_of(cols[AID], 8, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const int64_t* size = (const int64_t*)bytes_of(cols[SIZE], 8, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const int64_t* used = (const int64_t*)bytes_of(cols[USED], 8, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const uint32_t* mod = (const uint32_t*)bytes_of(mods[0], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const uint32_t* ph = (const uint32_t*)bytes_of(mods[1], 4, &m);
+    if (m < n) throw py::value_error("feed_columns: short column");
+    const Py_ssize_t nv = PyList_GET_SIZE(values);
+    auto text = [&](uint32_t c) -> PyObject* {  // borrowed; None for no string
+      if (c == 0xffffffffu) return Py_None;
+      if ((Py_ssize_t)c >= nv) throw py::value_error("feed_columns: a code past the strings");
+      return PyList_GET_ITEM(values, (Py_ssize_t)c);
+    };
+    Py_ssize_t i = start;
+    for (; i < n; ++i) {
+      PyObject* e = text(ev[i]);
+      if (same_str(e, malloc_.ptr())) {
+        malloc_row(aid[i], size[i], true, used[i], text(et[i]), text(dev[i]), text(own[i]), text(mod[i]), text(ph[i]));
+      } else if (same_str(e, free_.ptr())) {
+        rows_ += 1;
+        free_row(aid[i], true, used[i]);
+      } else if (same_str(e, system_.ptr())) {
+        break;  // a STEP row (the one SYSTEM row these columns hold)
+      }
+    }
+    return i;
+  }
+
   // a key of the analysis' own (a relabelled block's): no row maps to it
   int32_t add_key(py::sequence ctr, int32_t gauge, py::sequence marks) {
     Key k;
@@ -3247,13 +3344,19 @@ class Fold {
     }
     int64_t aid, size, used;
     if (!as_i64(aid_o, &aid) || !as_i64(size_o, &size)) return;
+    bool has_used = as_i64(used_o, &used);
+    malloc_row(aid, size, has_used, used, PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 5), owner, module, phase);
+  }
+
+  void malloc_row(int64_t aid, int64_t size, bool has_used, int64_t used, PyObject* pool, PyObject* dev,
+                  PyObject* owner, PyObject* module, PyObject* phase) {
     rows_ += 1;
-    int32_t key = key_of(PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 5), owner, module, phase);
+    int32_t key = key_of(pool, dev, owner, module, phase);
     if (key < 0) return;
     const Key& k = keys_[(size_t)key];
     blocks_[aid] = Block{key, size, k.gauge >= 0 ? g_gen_[k.gauge] : 0};
     move(key, size);
-    if (!as_i64(used_o, &used)) return;
+    if (!has_used) return;
     if (k.gauge >= 0) {
       int32_t g = k.gauge;
       g_used_[g] = used;
@@ -3282,13 +3385,18 @@ class Fold {
     }
     int64_t aid, used;
     if (!as_i64(aid_o, &aid)) return;
+    bool has_used = as_i64(used_o, &used);
+    free_row(aid, has_used, used);
+  }
+
+  void free_row(int64_t aid, bool has_used, int64_t used) {
     auto it = blocks_.find(aid);
     if (it == blocks_.end()) return;
     Block b = it->second;
     blocks_.erase(it);
     move(b.key, -b.size);
     int32_t g = keys_[(size_t)b.key].gauge;
-    if (g >= 0 && as_i64(used_o, &used)) {
+    if (g >= 0 && has_used) {
       g_used_[g] = used;
       g_has_used_[g] = 1;
     }
@@ -3617,7 +3725,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_end", &step_end);
   m.def("drain", &drain, py::arg("out"), py::arg("names"), py::arg("want_bytes") = false,
         py::arg("labels") = py::none());
-  m.def("take_packed", &take_packed, py::arg("first"), py::arg("names"), py::arg("buf"), py::arg("wants") = (int)PACK_LEAK);
+  m.def("take_packed", &take_packed, py::arg("first"), py::arg("names"), py::arg("buf"), py::arg("wants") = (int)PACK_LEAK,
+        py::arg("labels") = py::none());
   m.def("waiting_free_ids", &waiting_free_ids);
   m.def("counters", &counters);
   m.def("reset_peak", &reset_peak);
@@ -3633,6 +3742,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fold::Fold>(m, "Fold")
       .def(py::init<py::object, py::tuple>(), py::arg("key_fn"), py::arg("stop_types"))
       .def("feed", &fold::Fold::feed, py::arg("rows"), py::arg("start") = 0)
+      .def("feed_columns", &fold::Fold::feed_columns, py::arg("cols"), py::arg("mods"), py::arg("start") = 0)
       .def("add_key", &fold::Fold::add_key)
       .def("block", &fold::Fold::block)
       .def("rekey", &fold::Fold::rekey, py::arg("aid"), py::arg("key"), py::arg("at_peak") = false)

@@ -368,17 +368,18 @@ class NativeSource(Source):
                 pass
         return failed, attributed, last
 
-    def take_packed(self, first: int, buf: list, columns=(PACKED_LEAK,)):
+    def take_packed(self, first: int, buf: list, columns=(PACKED_LEAK,), labels=None):
         """The records as a flush's ``PackedRows`` (no row tuple made; IDs from ``first``) with the
         ``columns`` asked for (PACKED_LEAK, PACKED_CHUNK), or None where they must be drained into
         tuples (``drain``): rows wait in ``buf`` (looked at in the same C++ call as the take:
         another thread's drain cannot come between), no records, one of a kind only ``drain`` makes
         (a failed allocation, an untraced free, a block counted before an op), or after the
-        handover."""
+        handover. With ``labels`` (``drain_labelled``'s), the MALLOC rows carry their owner labels and
+        modules: in the bytes, the leak columns' owners, and ``mods`` (the modules' columns)."""
         if self.handed_over:
             return None
         wants = (1 if PACKED_LEAK in columns else 0) | (2 if PACKED_CHUNK in columns else 0)
-        got = self.m.take_packed(first, _NAMES, buf, wants)
+        got = self.m.take_packed(first, _NAMES, buf, wants, labels)
         return None if got is None else PackedRows(*got)
 
     def step_end(self, step: int):

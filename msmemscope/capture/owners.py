@@ -1114,8 +1114,9 @@ class NativeLabeler(Labeler):
         if drain is None:
             self._relabel_waiting(owner, cats, plain, in_buf, prev_upto)
         else:
+            # settled: no OWNER row follows this drain (no label changed after its MALLOC row got one)
             last = drain((owner, self.info, cats, plain, prev_upto, lambda aid: owner_of(aid, pool, get_cat(aid))),
-                         in_buf, lambda: self._relabel_waiting(owner, cats, plain, in_buf, prev_upto))
+                         in_buf, lambda: self._relabel_waiting(owner, cats, plain, in_buf, prev_upto), not changed)
             if last is not None and last > upto:
                 # blocks made after the walk whose MALLOC rows this drain took: written now, so a
                 # later change of their label is an OWNER row

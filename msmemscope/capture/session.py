@@ -984,12 +984,17 @@ class Session:
             return
         # a steady loop's flush: the native source's records go to the writer as its bytes and to the
         # sinks as columns, with no row tuple made (PackedRows); any other flush drains them into tuples
-        packed = self._take_packed() if drain and through is None and before is None else None
+        packed, labelled = None, False
+        if drain and through is None and before is None:
+            if self._labels_at_drain():  # (the labels given as the records are taken, packed or drained)
+                packed, labelled = self._drain_labelled(packed_ok=True), True
+            else:
+                packed = self._take_packed()
         if packed is not None:
             rows, n, pieces = packed, len(packed), [packed.blob]
             self._packed_flushes += 1
         else:
-            rows, n, pieces = self._flushed_rows(drain, through, before)
+            rows, n, pieces = self._flushed_rows(drain, through, before, labelled)
         self._flushes += 1
         if steps and n:
             # the frame's rows a step (the last flush's most: a step's rows vary little in a loop)
@@ -1026,11 +1031,13 @@ class Session:
                 self._sink_failed(s, e)
         self._last_flush_ns = time_ns()
 
-    def _flushed_rows(self, drain, through, before):
+    def _flushed_rows(self, drain, through, before, labelled=False):
         """The rows this flush writes, taken out of ``buf`` (all, or up to the row ``through``, or
-        those before the row ``before``), with the owner labels and modules given; and their pieces
-        for the hand-off (``_pieces_of``)."""
-        if drain and self._labels_at_drain():
+        those before the row ``before``), with the owner labels and modules given (``labelled``:
+        given already, by ``_drain_labelled``); and their pieces for the hand-off (``_pieces_of``)."""
+        if labelled:
+            pass
+        elif drain and self._labels_at_drain():
             self._drain_labelled()
         else:
             # drained before the labels are given, not after: a MALLOC another thread records between
@@ -1069,18 +1076,21 @@ class Session:
                 and (lab is not None or mods is not None)
                 and (lab is None or hasattr(lab, "drain_labels")) and (mods is None or mods.labels_at_drain()))
 
-    def _drain_labelled(self):
+    def _drain_labelled(self, packed_ok=False):
         """A flush's drain with the labels given in C++ as the rows are made (no row rewritten, and
         the drain's marshal bytes go to the writer as they are): the labeller walks, then the module
         tracker answers, the rows already waiting in the buffer are relabelled as tuples, and the
         native source drains with both; the OWNER rows the labeller then writes (and the rows their
-        own drain brings) get their modules as tuples."""
+        own drain brings) get their modules as tuples. With ``packed_ok``, where no row waits and no
+        OWNER row is to follow (``settled``), the records are taken with their labels as a
+        ``PackedRows`` (no row tuple: ``_take_packed``), which is returned; else None (the rows are
+        in ``buf``)."""
         lab, mods = self.labeler, self.modules
         if self.buf:
             self.pieces.clear()  # rows waiting may be rewritten: no piece stands for them
-        done = []
+        done, took = [], []
 
-        def drain(owners, in_buf, relabel_waiting=None):
+        def drain(owners, in_buf, relabel_waiting=None, settled=False):
             spec = None
             if mods is not None:
                 try:
@@ -1091,10 +1101,17 @@ class Session:
                 relabel_waiting()
             if spec is not None and self.buf:
                 mods.attribute_rows(self.buf, spec)
-            # (a failure here leaves the records in the source: drained below without labels)
-            attributed, last = self.sync_sources((owners, spec, in_buf))
-            done.append((spec, len(self.buf), attributed))
+            labels = (owners, spec, in_buf)
             self._labelled_flushes += owners is not None or spec is not None
+            if packed_ok and settled and not self.buf and (mods is None or spec is not None):
+                packed = self._take_packed(labels)
+                if packed is not None:
+                    took.append(packed)
+                    done.append((spec, len(self.buf), packed.attributed))
+                    return packed.last_aid
+            # (a failure here leaves the records in the source: drained below without labels)
+            attributed, last = self.sync_sources(labels)
+            done.append((spec, len(self.buf), attributed))
             return last
 
         if lab is not None:
@@ -1104,7 +1121,7 @@ class Session:
                 log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
         if not done:  # no labeller, or it failed before its drain
             try:
-                drain(None, set())
+                drain(None, set(), settled=lab is None)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
                 self.sync_sources()
@@ -1119,17 +1136,20 @@ class Session:
                     mods.finish(self.buf, spec, owner_rows, end, attributed)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
+        return took[0] if took else None
 
-    def _take_packed(self):
+    def _take_packed(self, labels=None):
         """The native source's records as ``PackedRows`` where nothing else is to be flushed and
         nothing rewrites or needs the row tuples: no row waits in ``buf`` (a Python-side row, a drain
         before it), no owner labels or modules (they rewrite MALLOC rows), no device source, no held
         step, no C stacks, a writer process that takes the bytes and sinks that take columns
         (``takes_packed``), each with the columns it reads (``packed_columns``). None: the flush
-        drains as ever."""
+        drains as ever. With ``labels`` (``_drain_labelled``'s), owner labels and modules are on:
+        the records are taken with them."""
         nat = self.native
-        if (not _PACKED or nat is None or not self.native_ops or self.labeler is not None
-                or self.modules is not None or self.device_source is not None or self.c_depth
+        if (not _PACKED or nat is None or not self.native_ops
+                or (labels is None and (self.labeler is not None or self.modules is not None))
+                or self.device_source is not None or self.c_depth
                 or self._held_step is not None or not getattr(self.writer, "takes_bytes", bool)()
                 or not all(getattr(s, "takes_packed", False) for s in self.sinks)):
             return None
@@ -1137,7 +1157,7 @@ class Session:
         for s in self.sinks:
             columns.update(getattr(s, "packed_columns", ()))
         self.dispatch.drain(self.buf)
-        packed = nat.take_packed(self.next_id + 1, self.buf, columns)  # None where rows wait in buf
+        packed = nat.take_packed(self.next_id + 1, self.buf, columns, labels)  # None where rows wait in buf
         if packed is not None:
             self.pieces.clear()  # (none can stand for rows of an empty buffer)
             self._native_counters(nat)
@@ -1284,7 +1304,10 @@ class Session:
         if self.native is not None:
             self.native.stop(gap=not self._closing)  # ops in flight get their OP_END now
         self.system(System.STOP_TRACE)
-        self.flush()
+        try:
+            self.flush()
+        except Exception as e:  # (a failure of ours never reaches the program's stop())
+            self._tool_failed("cannot write the dump", e)
         if sync and not self.closed and self.failure is None:
             try:
                 self.writer.sync()  # the dump is complete on disk when stop() returns: the program may read it

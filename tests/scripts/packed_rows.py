@@ -83,8 +83,8 @@ def check_chunk(p: PackedRows, first):
 real_take, real_drain = nat.take_packed, nat.drain
 
 
-def take_packed(first, buf, columns):
-    p = real_take(first, buf, columns)
+def take_packed(first, buf, columns, labels=None):
+    p = real_take(first, buf, columns, labels)
     if p is not None:
         try:
             counts["packed"] += 1
