@@ -1052,7 +1052,7 @@ struct BatchLabels {
 // the labeller's: a block's label is owner[aid]; not there, and made after prev_upto: plain, unless
 // info or cats know it (then owner_of(aid), a Python call); made up to prev_upto: none (its row
 // keeps the empty label, as the row pass leaves a row it labelled at an earlier flush). Every id
-// labelled goes into in_buf. modules: None or (marks, base, owned, cats), the module tracker's:
+// labelled goes into in_buf (None: the labeller has no use for them, no label having changed). modules: None or (marks, base, owned, cats), the module tracker's:
 // the thread's state at the record's time (marks: tid -> (times, states), base: tid -> state before
 // them; a state is (module, phase)), the owning module (owned[aid]) winning; a MALLOC without owner
 // label whose owning module is known gets "<pool>@<category>" (cats[aid]).
@@ -1060,7 +1060,8 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
   if (spec.size() < 3) throw py::value_error("labels: (owners, modules, in_buf)");
   py::object owners = spec[0], mods = spec[1];
   PyObject* in_buf = spec[2].ptr();
-  if (!PySet_Check(in_buf)) throw py::type_error("labels: in_buf is a set");
+  if (in_buf == Py_None) in_buf = nullptr;
+  else if (!PySet_Check(in_buf)) throw py::type_error("labels: in_buf is a set or None");
   const bool do_own = !owners.is_none(), do_mod = !mods.is_none();
   PyObject *owner_d = nullptr, *info_d = nullptr, *cats_d = nullptr, *plain = nullptr, *owner_fn = nullptr;
   int64_t prev_upto = 0;
@@ -1147,7 +1148,7 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
         }
       }
       if (label != nullptr) {
-        if (PySet_Add(in_buf, aid.ptr()) != 0) throw py::error_already_set();
+        if (in_buf != nullptr && PySet_Add(in_buf, aid.ptr()) != 0) throw py::error_already_set();
         lb.owner[i] = label;
       }
     }

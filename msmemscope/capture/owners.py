@@ -1114,9 +1114,11 @@ class NativeLabeler(Labeler):
         if drain is None:
             self._relabel_waiting(owner, cats, plain, in_buf, prev_upto)
         else:
-            # settled: no OWNER row follows this drain (no label changed after its MALLOC row got one)
+            # settled: no OWNER row follows this drain (no label changed after its MALLOC row got one),
+            # so which ids it labels is not wanted (in_buf None)
             last = drain((owner, self.info, cats, plain, prev_upto, lambda aid: owner_of(aid, pool, get_cat(aid))),
-                         in_buf, lambda: self._relabel_waiting(owner, cats, plain, in_buf, prev_upto), not changed)
+                         in_buf if changed else None,
+                         lambda: self._relabel_waiting(owner, cats, plain, in_buf, prev_upto), not changed)
             if last is not None and last > upto:
                 # blocks made after the walk whose MALLOC rows this drain took: written now, so a
                 # later change of their label is an OWNER row

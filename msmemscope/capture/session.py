@@ -1121,7 +1121,7 @@ class Session:
                 log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
         if not done:  # no labeller, or it failed before its drain
             try:
-                drain(None, set(), settled=lab is None)
+                drain(None, None, settled=lab is None)
             except Exception as e:
                 log.warning("module attribution failed: %r", e)
                 self.sync_sources()
