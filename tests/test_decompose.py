@@ -447,3 +447,51 @@ def test_a_label_tags_the_blocks_first_seen_under_it(tmp_path, source):
     # what the backward and the optimizer allocate, outside the block, is not labelled
     assert m.filter(~pl.col("owner").str.contains("@fwd")).height > 0
 
+
+
+UNICODE = """
+import torch
+from torch import nn
+from msmemscope import describe
+torch.manual_seed(0)
+net = nn.Sequential()
+net.add_module("模块", nn.Linear(8, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+for step in range(3):
+    opt.zero_grad()
+    with describe.describer(owner="标签"):
+        y = net(x)
+    y.sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("fmt", full(["csv"], ["csv", "db"]))
+def test_labels_and_module_names_beyond_ascii_read_back_as_written(tmp_path, fmt):
+    """A user label and a module name beyond ASCII: Attr's JSON writes them as escapes; the offline
+    decomposition, module table and leaks read them back as the program wrote them, as the online
+    analyses saw them (they read '\\\\u6807\\\\u7b7e', a second owner beside the online one)."""
+    from msmemscope.analysis import leaks as L
+    from msmemscope.analysis.decompose import EVENTS, MODULE_COLUMNS_READ, module_table, summarize
+    from msmemscope.io.reader import read_dump
+    prog = tmp_path / "uni.py"
+    prog.write_text(UNICODE, encoding="utf-8")
+    out = tmp_path / "out"
+    r = run_cli([f"--data-format={fmt}", "--analysis=leaks,decompose", "-o", str(out), sys.executable, str(prog)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (folder,) = run_folders(out)
+    df = read(dump_of(folder))
+    check_invariants(df)
+    with open(os.path.join(folder, "analysis", "decompose.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    assert "PTA@ops@标签" in res["devices"]["cpu"]["owners"], res["devices"]
+    off = json.loads(json.dumps(summarize(df)))
+    assert (off["devices"], off["steps"]) == (res["devices"], res["steps"])
+    mods = json.loads(json.dumps(module_table(read_dump(dump_of(folder), columns=MODULE_COLUMNS_READ, events=EVENTS))))
+    assert mods == res["modules"] and any(m["module"] == "Sequential.模块" for m in mods["cpu"]["modules"]), mods
+    assert "PTA@ops@标签" in set(df["owner"].cast(str))
+    with open(os.path.join(folder, "analysis", "leaks.json"), encoding="utf-8") as f:
+        online = json.load(f)
+    (offline,) = L.analyze(folder)
+    assert offline["summary"] == online["summary"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import glob
 import io
+import json
 import os
 import sqlite3
 import warnings
@@ -586,8 +587,31 @@ def _attr_columns(df: pl.DataFrame, fields=_ATTR_COLUMNS, maybe_big: bool = Fals
             cols = cols.with_columns(pl.coalesce(pl.col(c), slow[c]) for c in have)
     if "addr" in fields and cols.schema["addr"] == pl.String:
         cols = cols.with_columns(addr=_addr_number(pl.col("addr")))
+    cols = _unescaped(cols, [c for c in ("owner", "module", "phase") if c in fields])
     out = df.with_columns(_aligned(cols[c], df) for c in fields)
     return out if maybe is None else out.with_columns(maybe)
+
+
+def _unescaped(cols: pl.DataFrame, texts) -> pl.DataFrame:
+    """The text fields as the program wrote them: Attr is JSON, which writes a label or module name
+    beyond ASCII (or with a quote) as escapes (``\\u6807``); the patterns cut the text as it is.
+    The few values with a backslash are decoded, one by one (online, the analyses saw the text)."""
+    for c in texts:
+        if cols.schema.get(c) != pl.String:
+            continue
+        idx = cols[c].str.contains("\\", literal=True).fill_null(False).arg_true()
+        if len(idx):
+            vals = [_json_text(v) for v in cols[c].gather(idx).to_list()]
+            cols = cols.with_columns(cols[c].scatter(idx, vals))
+    return cols
+
+
+def _json_text(v: str) -> str:
+    try:
+        out = json.loads('"' + v + '"')
+    except ValueError:  # not JSON's escapes (another writer's text): as it is
+        return v
+    return out if isinstance(out, str) else v
 
 
 def _addr_number(a: pl.Expr) -> pl.Expr:
