@@ -1035,29 +1035,11 @@ class Session:
         """The rows this flush writes, taken out of ``buf`` (all, or up to the row ``through``, or
         those before the row ``before``), with the owner labels and modules given (``labelled``:
         given already, by ``_drain_labelled``); and their pieces for the hand-off (``_pieces_of``)."""
-        if labelled:
-            pass
-        elif drain and self._labels_at_drain():
-            self._drain_labelled()
-        else:
-            # drained before the labels are given, not after: a MALLOC another thread records between
-            # the labeller's pass and a later drain would be written without its owner label
-            if drain:
-                self.sync_sources()
-            if self.labeler is not None:
-                try:
-                    self.labeler.before_flush()
-                except Exception as e:  # the rows are written with the labels they have
-                    log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
-            if self.device_source is not None:
-                self.device_source.drain_into(self.buf, flushing=True)
-            lab = self.labeler
-            owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
-            if self.modules is not None:
-                try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
-                    self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
-                except Exception as e:
-                    log.warning("module attribution failed: %r", e)
+        if not labelled:
+            if drain and self._labels_at_drain():
+                self._drain_labelled()
+            else:
+                self._label_drained(drain)
         n = len(self.buf)
         if through is not None:
             n = next((i + 1 for i, r in enumerate(self.buf) if r is through), n)
@@ -1066,6 +1048,28 @@ class Session:
         rows = self.buf[:n]
         del self.buf[:n]
         return rows, n, self._pieces_of(rows)
+
+    def _label_drained(self, drain):
+        """Labels given after the drain: the records drained into tuples (``drain``), then the owner
+        labeller's and module attribution's row passes rewrite the MALLOC rows of ``buf``. (Drained
+        before the labels are given, not after: a MALLOC another thread records between the
+        labeller's pass and a later drain would be written without its owner label.)"""
+        if drain:
+            self.sync_sources()
+        if self.labeler is not None:
+            try:
+                self.labeler.before_flush()
+            except Exception as e:  # the rows are written with the labels they have
+                log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
+        if self.device_source is not None:
+            self.device_source.drain_into(self.buf, flushing=True)
+        lab = self.labeler
+        owner_rows = lab.take_owner_rows() if lab is not None else ()  # taken with module attribution off too
+        if self.modules is not None:
+            try:  # the module each MALLOC row was made in, from the marks (nothing per allocation before)
+                self.modules.attribute(self.buf, lab.take_owned() if lab is not None else None, owner_rows)
+            except Exception as e:
+                log.warning("module attribution failed: %r", e)
 
     def _labels_at_drain(self) -> bool:
         """Whether the owner labels and modules go to the native source's rows as it drains them
