@@ -1034,6 +1034,35 @@ struct RowNames {
   }
 };
 
+// One thread's module marks as a flush's spec gives them (capture/modules.py ModuleTracker.spec):
+// marks[tid] = ([times], [states]), base[tid] = its state before the first (a state: (module,
+// phase), or None). `at(ts)`: the state at a time (borrowed; the base before the first mark, and
+// where the thread has no marks). Read by label_batch and fold::attribute.
+struct ThreadMarks {
+  std::vector<int64_t> ts;
+  PyObject* states = nullptr;  // borrowed: the list in the marks
+  PyObject* base = nullptr;    // borrowed or nullptr
+  ThreadMarks(PyObject* m, PyObject* base_) : base(base_) {
+    if (m == nullptr || !PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2) return;
+    PyObject* tl = PyTuple_GET_ITEM(m, 0);
+    states = PyTuple_GET_ITEM(m, 1);
+    if (!PyList_Check(tl) || !PyList_Check(states)) throw std::invalid_argument("marks: (list, list)");
+    Py_ssize_t k = PyList_GET_SIZE(tl);
+    ts.reserve((size_t)k);
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      ts.push_back(v);
+    }
+  }
+  PyObject* at(int64_t t) const {
+    if (states == nullptr) return base;
+    size_t j = (size_t)(std::upper_bound(ts.begin(), ts.end(), t) - ts.begin());
+    if (j == 0 || j > (size_t)PyList_GET_SIZE(states)) return base;
+    return PyList_GET_ITEM(states, (Py_ssize_t)j - 1);
+  }
+};
+
 // Owner labels and module attribution given to a batch's MALLOC records before any row is made of
 // them: the row passes of capture/owners.py NativeLabeler.before_flush (``relabel_mallocs``) and of
 // capture/modules.py ModuleTracker.attribute (fold ``attribute``), on the records instead of on row
@@ -1086,42 +1115,19 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
     lb.phase.assign(batch.size(), nullptr);
   }
   if (!do_own && !do_mod) return;
-  struct Marks {
-    std::vector<int64_t> ts;
-    PyObject* states = nullptr;  // borrowed: the list in `marks`
-    PyObject* base = nullptr;    // borrowed or nullptr
-  };
-  std::unordered_map<uint64_t, Marks> threads;
+  std::unordered_map<uint64_t, ThreadMarks> threads;
   auto state_at = [&](uint64_t tid, int64_t ts) -> PyObject* {  // borrowed; nullptr: none
     auto it = threads.find(tid);
     if (it == threads.end()) {
-      Marks t;
       py::object key = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(tid));
       if (!key) throw py::error_already_set();
       PyObject* m = PyDict_GetItemWithError(marks_d, key.ptr());
       if (m == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      t.base = PyDict_GetItemWithError(base_d, key.ptr());
-      if (t.base == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      if (m != nullptr && PyTuple_Check(m) && PyTuple_GET_SIZE(m) >= 2) {
-        PyObject* tl = PyTuple_GET_ITEM(m, 0);
-        t.states = PyTuple_GET_ITEM(m, 1);
-        if (!PyList_Check(tl) || !PyList_Check(t.states)) throw std::invalid_argument("marks: (list, list)");
-        Py_ssize_t k = PyList_GET_SIZE(tl);
-        t.ts.reserve((size_t)k);
-        for (Py_ssize_t j = 0; j < k; ++j) {
-          int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
-          if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-          t.ts.push_back(v);
-        }
-      }
-      it = threads.emplace(tid, std::move(t)).first;
+      PyObject* b = PyDict_GetItemWithError(base_d, key.ptr());
+      if (b == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      it = threads.emplace(tid, ThreadMarks(m, b)).first;
     }
-    const Marks& t = it->second;
-    PyObject* st = t.base;
-    if (t.states != nullptr) {
-      size_t j = (size_t)(std::upper_bound(t.ts.begin(), t.ts.end(), ts) - t.ts.begin());
-      if (j > 0 && j <= (size_t)PyList_GET_SIZE(t.states)) st = PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
-    }
+    PyObject* st = it->second.at(ts);
     return st == Py_None ? nullptr : st;
   };
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -3043,28 +3049,25 @@ class Fold {
       *n = PyBytes_GET_SIZE(b) / (Py_ssize_t)width;
       return PyBytes_AS_STRING(b);
     };
-    Py_ssize_t n = 0, m = 0;
+    Py_ssize_t n = 0;
     bytes_of(cols[ID], 8, &n);
     PyObject* values = PyTuple_GET_ITEM(cols[EV].ptr(), 1);
     if (!PyList_Check(values)) throw py::type_error("feed_columns: the strings are a list");
-    const uint32_t* ev = (const uint32_t*)bytes_of(cols[EV], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const uint32_t* et = (const uint32_t*)bytes_of(cols[ET], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const uint32_t* dev = (const uint32_t*)bytes_of(cols[DEV], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const uint32_t* own = (const uint32_t*)bytes_of(cols[OWNER], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const int64_t* aid = (const int64_t*)bytes_of(cols[AID], 8, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const int64_t* size = (const int64_t*)bytes_of(cols[SIZE], 8, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const int64_t* used = (const int64_t*)bytes_of(cols[USED], 8, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const uint32_t* mod = (const uint32_t*)bytes_of(mods[0], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
-    const uint32_t* ph = (const uint32_t*)bytes_of(mods[1], 4, &m);
-    if (m < n) throw py::value_error("feed_columns: short column");
+    auto u32 = [&](py::handle c) {  // a code column, at least as long as the rows
+      Py_ssize_t k = 0;
+      const uint32_t* p = (const uint32_t*)bytes_of(c, 4, &k);
+      if (k < n) throw py::value_error("feed_columns: short column");
+      return p;
+    };
+    auto i64 = [&](py::handle c) {  // a number column, likewise
+      Py_ssize_t k = 0;
+      const int64_t* p = (const int64_t*)bytes_of(c, 8, &k);
+      if (k < n) throw py::value_error("feed_columns: short column");
+      return p;
+    };
+    const uint32_t *ev = u32(cols[EV]), *et = u32(cols[ET]), *dev = u32(cols[DEV]), *own = u32(cols[OWNER]);
+    const uint32_t *mod = u32(mods[0]), *ph = u32(mods[1]);
+    const int64_t *aid = i64(cols[AID]), *size = i64(cols[SIZE]), *used = i64(cols[USED]);
     const Py_ssize_t nv = PyList_GET_SIZE(values);
     auto text = [&](uint32_t c) -> PyObject* {  // borrowed; None for no string
       if (c == 0xffffffffu) return Py_None;
@@ -3518,12 +3521,7 @@ py::tuple chunk_columns(py::sequence rows, int64_t first_id, py::tuple skip_pool
 // module; `cats[alloc_id]` gives an unlabelled owned block its owner (`<pool>@<category>`). The
 // row is replaced in `buf` by one whose Attr ends with (module, phase). Returns the rows changed.
 Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned, py::dict cats, Py_ssize_t start) {
-  struct Thread {
-    std::vector<int64_t> ts;
-    PyObject* states;  // borrowed: the list in `marks`
-    PyObject* base;    // borrowed or nullptr
-  };
-  std::unordered_map<PyObject*, Thread> by_tid;  // keyed by the tid object as found; ints compared below
+  std::unordered_map<PyObject*, ThreadMarks> by_tid;  // keyed by the marks found for the tid object
   py::object malloc_s = interned("MALLOC");
   Py_ssize_t changed = 0;
   PyObject* module_key = nullptr;
@@ -3539,25 +3537,11 @@ Py_ssize_t attribute(py::list buf, py::dict marks, py::dict base, py::dict owned
     }
     auto it = by_tid.find(m);
     if (it == by_tid.end()) {
-      Thread t;
-      PyObject* tl = PyTuple_GET_ITEM(m, 0);
-      t.states = PyTuple_GET_ITEM(m, 1);
-      if (!PyList_Check(tl) || !PyList_Check(t.states)) throw std::invalid_argument("marks: (list, list)");
-      Py_ssize_t k = PyList_GET_SIZE(tl);
-      t.ts.reserve((size_t)k);
-      for (Py_ssize_t j = 0; j < k; ++j) {
-        int64_t v = PyLong_AsLongLong(PyList_GET_ITEM(tl, j));
-        if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-        t.ts.push_back(v);
-      }
-      t.base = PyDict_GetItemWithError(base.ptr(), tid);
-      if (t.base == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      it = by_tid.emplace(m, std::move(t)).first;
+      PyObject* b = PyDict_GetItemWithError(base.ptr(), tid);
+      if (b == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      it = by_tid.emplace(m, ThreadMarks(m, b)).first;
     }
-    const Thread& t = it->second;
-    size_t j = (size_t)(std::upper_bound(t.ts.begin(), t.ts.end(), ts) - t.ts.begin());
-    if (j == 0 || j > (size_t)PyList_GET_SIZE(t.states)) return t.base;
-    return PyList_GET_ITEM(t.states, (Py_ssize_t)j - 1);
+    return it->second.at(ts);
   };
   Py_ssize_t n = PyList_GET_SIZE(buf.ptr());
   for (Py_ssize_t i = std::max<Py_ssize_t>(start, 0); i < n; ++i) {
