@@ -97,17 +97,21 @@ def test_stop_start_gaps_threads_and_watch(tmp_path, source, analysis):
 
 
 # make test: decompose on both sources (where each defect showed); the full run adds the leaks alone
-@pytest.mark.parametrize("source,analysis", full([("python", "leaks,decompose")],  # (make test's time)
-                                                  [(s, a) for s in SOURCES for a in ["leaks,decompose", "leaks"]]))
-def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path, source, analysis):
+@pytest.mark.parametrize("source,analysis,mode", full([("python", "leaks,decompose", "steps"),
+                                                       ("native", "leaks,decompose", "steps2")],  # (make test's time)
+                                                      [(s, a, m) for s in SOURCES for a in ["leaks,decompose", "leaks"]
+                                                       for m in ("steps", "steps2")]))
+def test_two_threads_each_stepping_an_optimizer_number_every_step_once(tmp_path, source, analysis, mode):
     """Each optimizer step of either thread ends a step: 2 x N STEP rows, numbered 1..2N once each
-    (check_invariants), and each thread's losses are the plain run's. Two boundaries that met
+    (check_invariants), and each thread's losses are the plain run's. With ``steps2`` each thread
+    also steps a second optimizer after the first at every iteration: each thread's lead (the first)
+    ends its steps, still 2 x N (Session._leads is per thread; 4 x N before it). Two boundaries that met
     (the held first step's release in one thread, the next boundary in the other) wrote STEP 2
     twice and no STEP 3 (native source, decompose: every run); Session.step is one at a time now.
     The dispatch-mode source's owner labeller iterated its live blocks and per-block facts while the
     other thread's ops changed them, and raised (in the program's thread, or logged at a flush)."""
     n = full(200, 400)  # the owner labeller's dicts changed by the other thread at a flush: ~1 run in 2 at 200
-    folder, df = threads_run(tmp_path, ["steps", str(n)], _env(source), [f"--analysis={analysis}"])
+    folder, df = threads_run(tmp_path, [mode, str(n)], _env(source), [f"--analysis={analysis}"])
     import polars as pl
     steps = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP"))
     assert [json.loads(a)["step"] for a in steps["attr"].to_list()] == list(range(1, 2 * n + 1))
