@@ -401,10 +401,14 @@ def test_blocks_first_seen_in_the_window_are_not_leaks_of_its_first_step(tmp_pat
 
 
 RANGES_LOOP = """
-import torch, msmemscope
+import sys, torch, msmemscope
 keep = []
 for s in range(6):
     rid = msmemscope.range_start(f"iter{s}")   # opened in step s + 1 ...
+    if s == 2 and sys.argv[1:] == ["gap"]:      # a stop/start gap in unrecorded step 3, iter2 open across it
+        msmemscope.stop()
+        torch.ones(5, 5)
+        msmemscope.start()
     msmemscope.step()                           # ... which ends here
     keep.append(torch.ones(10, 10))             # allocated in step s + 2, inside iter{s}
     msmemscope.range_end(rid)
@@ -412,15 +416,18 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("source", full(["native"], ["native", "python"]))  # (make test's time)
-def test_ranges_of_unrecorded_steps_still_label_the_recorded_ones(tmp_path, source):
+@pytest.mark.parametrize("source,gap", full([("native", ""), ("python", "gap")],  # (make test's time)
+                                           [(s, g) for s in ("native", "python") for g in ("", "gap")]))
+def test_ranges_of_unrecorded_steps_still_label_the_recorded_ones(tmp_path, source, gap):
     """With --steps, a range opened or closed in a step that is not recorded still counts: its MSTX
     row is written there, so a leak in a recorded step carries the range open when it was
-    allocated (before, iter1 stayed open through the unrecorded step 3 and labelled step 4's block)."""
+    allocated (before, iter1 stayed open through the unrecorded step 3 and labelled step 4's block).
+    With ``gap``, the program stops and starts tracing in unrecorded step 3 while iter2 is open:
+    step 4's block still carries iter2."""
     script = _write(tmp_path, "ranges_loop.py", RANGES_LOOP)
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
-    r = run_cli(["-o", str(tmp_path / "out"), "--steps=2,4", script], env=env)
+    r = run_cli(["-o", str(tmp_path / "out"), "--steps=2,4", script] + ([gap] if gap else []), env=env)
     assert r.returncode == 0, r.stderr
     folder, = run_folders(tmp_path / "out")
     df = read(dump_of(folder))
