@@ -479,7 +479,7 @@ def test_two_optimizers_stepped_each_iteration_end_one_step(tmp_path, source):
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
     got = {}
-    for mode in ("one", "two", "phases"):
+    for mode in full(("two", "phases"), ("one", "two", "phases")):  # (make test's time: "one" is the baseline)
         r = run_cli(["-o", str(tmp_path / mode), script, mode], env=env)
         assert r.returncode == 0, r.stderr
         folder, = run_folders(tmp_path / mode)
@@ -488,9 +488,9 @@ def test_two_optimizers_stepped_each_iteration_end_one_step(tmp_path, source):
         with open(os.path.join(folder, "analysis", "leaks.json")) as f:
             res = json.load(f)
         got[mode] = (df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height, res)
-    assert got["one"][0] == got["two"][0] == 10
+    assert got["two"][0] == 10 and got.get("one", got["two"])[0] == 10
     assert got["phases"][0] == 9  # the second optimizer's first step ends none: its second does
-    for mode in ("one", "two"):
+    for mode in [m for m in ("one", "two") if m in got]:
         sites = got[mode][1]["sites"]
         assert [(s["op"], s["bytes_per_step"]) for s in sites] == [("torch._ops.aten.ones.default", 4096)], (mode, sites)
     # (the iteration where the second took over is one step of two iterations: 8 KB)

@@ -429,6 +429,8 @@ print("sum", w.sum().item())
 '''
 
 
+@pytest.mark.skipif(not LONG, reason="long form only (make test-full): inductor's compile is ~30 CPU s; make test "
+                    "watches a compiled model across a stop/start gap in test_modules.py")
 def test_a_write_by_compiled_code_is_said_to_be_likely_its_own(tmp_path, out_dir):
     """watch() hands over to the dispatch-mode source, under which torch.compile'd code stays
     compiled: an inductor kernel that writes a watched block in place runs no operator call, so the
