@@ -136,6 +136,31 @@ def test_a_free_inside_the_making_of_a_row_waits_for_it(session_factory):
     del keep
 
 
+def test_a_block_made_while_another_thread_changes_the_flags_is_counted_only_with_its_malloc_row(session_factory):
+    """Session._update_flags (a step boundary's pause, not under the session's lock) sets ``emit``
+    and then ``emit_alloc``: a block the dispatch-mode source registered between the two (another
+    thread's op, two threads stepping) was counted, with no MALLOC row, and got a FREE row (a CI
+    run's dump: 'FREE row ... frees allocation_id 2267, which no MALLOC row made'). It decides both
+    from one snapshot of the flags (``Session.flags``): here the pause half set, then its end half
+    set."""
+    s = session_factory("python")
+    src = s.dispatch
+    base = torch.ones(77)
+    for paused in (True, False):
+        s._update_flags(pause=paused)
+        s.emit, s.emit_alloc = True, False  # the other half of _update_flags not yet run
+        at = len(s.buf)
+        x = base + 1  # one new block, of an op made in that moment
+        s._update_flags()
+        followed = [b for b in src.live.values() if b.size == 308 and b.key == id(x.untyped_storage())]
+        rows = [a for e, a in _memory_rows(s.buf[at:]) if e == "MALLOC" and a["size"] == 308]
+        # counted (followed) only with its MALLOC row: both (the flags say record) or neither (paused)
+        assert len(followed) == len(rows) == (0 if paused else 1), (paused, followed, rows)
+        del x
+    s.close()
+    check_invariants(read(s.dump_path))
+
+
 def test_account_is_the_one_count_per_device_and_pool(session_factory):
     s = session_factory("python")
     with s.lock:

@@ -321,7 +321,11 @@ class DispatchSource(Source):
                 if s.labeler is not None:
                     s.labeler.on_new(b)
                 return b
-        if not s.emit:
+        # one snapshot of the flags decides both whether the block is counted and whether its MALLOC
+        # row is written: another thread's step boundary changes s.emit and s.emit_alloc one after
+        # the other, and a block counted between the two got no MALLOC row but a FREE one
+        f = s.flags
+        if not f.count:
             # outside the traced window (stopped, a step outside --steps): the block is not in
             # the dump, so it is neither counted nor followed; first seen while tracing, it
             # gets its MALLOC (origin before_op) then
@@ -335,7 +339,7 @@ class DispatchSource(Source):
         self.live[key] = b
         if s.labeler is not None:
             s.labeler.on_new(b)
-        if s.emit_alloc:
+        if f.alloc:
             attr = (aid, addr, size, used, total, b.owner or "")
             if seen_as_input:
                 # allocated outside any traced op (or before tracing): first seen here
