@@ -908,19 +908,18 @@ class ModuleTracker:
         ``owned``: alloc_id -> path of the module owning the block (parameters, gradients,
         optimizer state: capture/owners.py), which wins over the running module. ``owner_rows``:
         the attrs of the OWNER rows made since the last flush, given the module owning their block."""
-        malloc = Event.MALLOC
-        spec = self.spec(owned, bool(owner_rows) or any(r[EVENT] == malloc for r in buf))
-        return self.finish(buf, spec, owner_rows)
+        return self.finish(buf, self.spec(owned, None if owner_rows else buf), owner_rows)
 
     def labels_at_drain(self) -> bool:
         """Whether the native source can give the modules as it drains (``spec`` there): the marks
         are C++, and so is the row pass over what waits in the buffer."""
         return self.nat is not None and _native_module() is not None
 
-    def spec(self, owned=None, any_rows=True):
+    def spec(self, owned=None, rows=None):
         """(marks, base, owned, cats) of this flush: each thread's states at their times and before
         them, and the owning module (and category) of the blocks it answers. ``owned`` given (the
-        Python owner labeller's): those, no category; else this tracker's walk, where ``any_rows``."""
+        Python owner labeller's): those, no category; else this tracker's walk, unless ``rows`` (the
+        rows to attribute, where they are known before) hold no MALLOC row."""
         if self.nat is not None:
             marks, base = self.nat.mt_marks()
         else:
@@ -934,7 +933,7 @@ class ModuleTracker:
             try:
                 if at_step is not None:  # step ends came since the last flush: this thread's new blocks
                     found = self._answer_new(at_step)
-                elif any_rows:
+                elif rows is None or any(r[EVENT] == Event.MALLOC for r in rows):
                     found = self.owned_blocks()
                 else:
                     found = {}

@@ -803,6 +803,8 @@ class NativeLabeler(Labeler):
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
     # owners as they are at that step's end for the rows the later flush writes
     batch_steps = True
+    # its before_flush can give the labels to the native source's drain (Session._drain_labelled)
+    labels_at_drain = True
 
     def __init__(self, session):
         super().__init__(session)
@@ -1074,10 +1076,6 @@ class NativeLabeler(Labeler):
         cats, live, changed = self._label_live(self.flushed_upto, at_step_end=True)
         self._owner_rows(changed)
         self._walked = (threading.get_ident(), mark, cats, live)
-
-    def drain_labels(self, drain):
-        """A flush whose drain gives the labels (``Session._drain_labelled``): ``before_flush(drain)``."""
-        self.before_flush(drain)
 
     def before_flush(self, drain=None):
         """Label the MALLOC rows of this flush. ``drain`` (the session's labelled drain, where it can):

@@ -1078,7 +1078,7 @@ class Session:
         lab, mods = self.labeler, self.modules
         return (_LABELS_AT_DRAIN and self.native is not None and self.native_ops and self.device_source is None
                 and (lab is not None or mods is not None)
-                and (lab is None or hasattr(lab, "drain_labels")) and (mods is None or mods.labels_at_drain()))
+                and (lab is None or getattr(lab, "labels_at_drain", False)) and (mods is None or mods.labels_at_drain()))
 
     def _drain_labelled(self, packed_ok=False):
         """A flush's drain with the labels given in C++ as the rows are made (no row rewritten, and
@@ -1120,7 +1120,7 @@ class Session:
 
         if lab is not None:
             try:
-                lab.drain_labels(drain)
+                lab.before_flush(drain)
             except Exception as e:  # the rows are written with the labels they have
                 log.warning("owner labels at a flush failed: %s", _why(e), exc_info=True)
         if not done:  # no labeller, or it failed before its drain
