@@ -365,7 +365,9 @@ def test_fsdp_under_the_launcher_keeps_the_running_sum(out_dir, shared_run, prog
         assert all(n >= 0 for n in nums), ln
 
 
-@pytest.mark.parametrize("source", full(["native"], SOURCES))
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test's time; DataLoader workers are "
+                    "traced in make test by test_capture.py and test_reliability.py (only the parent traced)")
+@pytest.mark.parametrize("source", SOURCES)
 def test_dataloader_workers_threads_and_steps(out_dir, source):
     """Fork and spawn DataLoader workers, a thread allocating all along, ``--steps=2,3``: the losses
     are those of the plain run, only the parent is traced, and its dump keeps the invariants (the
