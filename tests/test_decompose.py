@@ -495,3 +495,69 @@ def test_labels_and_module_names_beyond_ascii_read_back_as_written(tmp_path, fmt
         online = json.load(f)
     (offline,) = L.analyze(folder)
     assert offline["summary"] == online["summary"]
+
+
+FUNC_TRANSFORMS = r"""
+import sys, torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+import msmemscope
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(8, 16), torch.randn(8, 1)
+if len(sys.argv) > 1:
+    msmemscope.config(analysis="decompose", output=sys.argv[1])
+    msmemscope.start()
+
+
+def loss_of(params, xi, yi):
+    return ((functional_call(model, params, (xi,)) - yi) ** 2).mean()
+
+
+for s in range(3):
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()   # a plain training step: its saved tensors are activations
+    opt.step()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, y)   # refuses saved-tensor hooks
+    print(s, [round(float(g.norm()), 6) for g in per_sample.values()])
+    if len(sys.argv) > 1:
+        msmemscope.step()
+try:   # the program's own hooks still make torch.func refuse, as without the tool
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        grad(loss_of)(params, x[0], y[0])
+except RuntimeError as e:
+    print("refused:", "saved tensor hooks" in str(e))
+if len(sys.argv) > 1:
+    msmemscope.stop()
+"""
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_torch_func_transforms_run_under_decompose_and_activations_are_still_labelled(tmp_path, source):
+    """torch.func's grad/vjp/jacrev/hessian disable saved-tensor hooks for their region, which raises
+    while any is pushed: with ours pushed, the program's ``vmap(grad(f))`` raised under
+    --analysis=decompose. Ours step aside there (owners.push_saved_hooks): the program prints what
+    it prints untraced, its plain steps' saved tensors are still activations, and its own hooks
+    still make torch.func refuse."""
+    import subprocess
+    prog = tmp_path / "prog.py"
+    prog.write_text(FUNC_TRANSFORMS)
+    env = dict(run_cli.__globals__["env_for_tests"](), MSMEMSCOPE_SOURCE=source)
+    plain = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "refused: True" in plain.stdout
+    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == plain.stdout
+    (folder,) = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    mal = df.filter((df["event"] == "MALLOC") & df["owner"].str.contains("@activation", literal=True))
+    act = dict(mal.group_by("step").agg(mal["size"].sum()).iter_rows())
+    # the first Linear's and Tanh's outputs (8 x 32 floats each) are saved by each plain step, in the
+    # steps before the torch.func regions and after them
+    assert sorted(act) == [1, 2, 3], act
+    assert all(n >= 2 * 8 * 32 * 4 for n in act.values()), act

@@ -251,7 +251,7 @@ class Labeler:
         self._fsdp2_wait = after_import(FSDP2_PARAM_GROUP, self._patch_fsdp2, "no FSDP2 labels in process {pid}")
 
     def _push_pack_hooks(self):
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+        push_saved_hooks(self._pack, _unpack)
 
     def _module_hooks(self):
         from .modules import add_global_module_hooks
@@ -779,6 +779,61 @@ def _unpack(t):
     return t
 
 
+# ---------------------------------------------------------------- our saved-tensor hooks step aside
+# torch.func's transforms (grad, vjp, jacrev, hessian) refuse saved-tensor hooks: they disable them
+# for their region (torch._C._autograd._saved_tensors_hooks_disable, which raises while any hook is
+# on the thread's stack), so with ours pushed the program's torch.func.grad raised under
+# --analysis=decompose. Ours step aside for such a region: popped at its disable, pushed again at
+# the enable that ends it. What the region saves is not labelled ``activation``.
+_our_unpacks: list = []        # the unpack hook of each pair of ours (pack hooks may be bound methods)
+_aside = threading.local()     # .hooks: ours, popped by the disable of the region this thread is in
+_torch_disable = _torch_enable = None
+
+
+def push_saved_hooks(pack, unpack) -> None:
+    """Push our saved-tensor hooks on this thread (raises where the program disabled them)."""
+    global _torch_disable, _torch_enable
+    ag = torch._C._autograd
+    ag._push_saved_tensors_default_hooks(pack, unpack)
+    if not any(u is unpack for u in _our_unpacks):
+        _our_unpacks.append(unpack)
+    if _torch_disable is None and hasattr(ag, "_saved_tensors_hooks_disable"):
+        _torch_disable, _torch_enable = ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable
+        ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable = _disable_aside, _enable_back
+
+
+def _ours_on_top():
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except Exception:
+        return None
+    if top is not None and any(top[1] is u for u in _our_unpacks):
+        return top
+    return None
+
+
+def _disable_aside(message, *args, **kwargs):
+    fail = args[0] if args else kwargs.get("fail_if_non_empty", True)
+    if fail and getattr(_aside, "hooks", None) is None:
+        top = _ours_on_top()
+        if top is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _aside.hooks = top
+    return _torch_disable(message, *args, **kwargs)
+
+
+def _enable_back(*args, **kwargs):
+    out = _torch_enable(*args, **kwargs)
+    hooks = getattr(_aside, "hooks", None)
+    if hooks is not None:
+        _aside.hooks = None
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
+        except Exception:
+            pass
+    return out
+
+
 def labeler_for(session):
     """The labeler of the source that follows the ops: the dispatch-mode source's blocks, or the
     native source's (by data pointer)."""
@@ -847,7 +902,7 @@ class NativeLabeler(Labeler):
         if self._cpp is None:
             super()._push_pack_hooks()
         else:
-            torch._C._autograd._push_saved_tensors_default_hooks(self._cpp.mt_pack, self._cpp.mt_unpack)
+            push_saved_hooks(self._cpp.mt_pack, self._cpp.mt_unpack)
 
     def _forward(self):
         """(depth of the forwards running, first allocation id of the outermost one)."""
