@@ -153,6 +153,39 @@ def test_folded_decomposition_and_module_table_are_the_python_folds(rows, cut):
     assert got == want
 
 
+def test_folds_with_thousands_of_blocks_live_are_the_python_folds():
+    """The C++ folds keep their live blocks in a table of their own (open addressing, deletion by
+    backward shift): thousands live at once make it grow several times and collide, frees in a
+    random order shift entries back, and unknown or reused ids come too; the result is the Python
+    folds' to the byte."""
+    import random
+    rnd = random.Random(25)
+    owners = ["PTA@ops", "PTA@weight", "PTA@activation", "PTA@gradient"]
+    rows, live, nxt, used = [], [], 1, 0
+    for i in range(40000):
+        r = rnd.random()
+        if r < 0.55 or not live:
+            aid = nxt if rnd.random() < 0.98 else rnd.randrange(1, nxt)  # a few reused ids
+            nxt += rnd.choice((1, 1, 1, 7, 4096))                         # ids with gaps, far apart
+            size = rnd.randrange(1, 5000)
+            used += size
+            rows.append(("MALLOC", "PTA", "", 0, 1, "cpu", 0,
+                         (aid, 0, size, used, used, rnd.choice(owners), rnd.choice(MODULES), "forward"), None, None))
+            live.append((aid, size))
+        elif r < 0.97:
+            aid, size = live.pop(rnd.randrange(len(live)))
+            used -= size
+            rows.append(_f(aid, used))
+        else:
+            rows.append(_f(nxt + 10 ** 6))  # a FREE of a block no MALLOC made
+        if i % 9000 == 8999:
+            rows.append(STEP)
+    cut = [len(rows) // 3, len(rows) // 2]
+    want = run_stream(rows, cut, D.Decomposition(), D.ModuleTable())
+    got = run_stream(rows, cut, D.FoldedDecomposition(MOD), D.FoldedModuleTable(MOD))
+    assert got == want
+
+
 @settings(**SETTINGS)
 @given(stream, cuts, st.integers(0, 1 << 40))
 def test_chunk_columns_are_chunk_from_rows(rows, cut, first):

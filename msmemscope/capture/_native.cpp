@@ -1116,7 +1116,13 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
   }
   if (!do_own && !do_mod) return;
   std::unordered_map<uint64_t, ThreadMarks> threads;
+  uint64_t last_tid = 0;
+  const ThreadMarks* last = nullptr;  // the marks of the thread of the record before (most are one thread's)
   auto state_at = [&](uint64_t tid, int64_t ts) -> PyObject* {  // borrowed; nullptr: none
+    if (last != nullptr && tid == last_tid) {
+      PyObject* st = last->at(ts);
+      return st == Py_None ? nullptr : st;
+    }
     auto it = threads.find(tid);
     if (it == threads.end()) {
       py::object key = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(tid));
@@ -1127,6 +1133,8 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
       if (b == nullptr && PyErr_Occurred()) throw py::error_already_set();
       it = threads.emplace(tid, ThreadMarks(m, b)).first;
     }
+    last_tid = tid;
+    last = &it->second;  // (an unordered_map's elements stay where they are as it grows)
     PyObject* st = it->second.at(ts);
     return st == Py_None ? nullptr : st;
   };
@@ -1141,8 +1149,8 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
       if (label == nullptr) {
         if (PyErr_Occurred()) throw py::error_already_set();
         if (r.aid > prev_upto) {
-          int known = PyDict_Contains(info_d, aid.ptr());
-          if (known == 0) known = PyDict_Contains(cats_d, aid.ptr());
+          int known = PyDict_GET_SIZE(info_d) ? PyDict_Contains(info_d, aid.ptr()) : 0;
+          if (known == 0 && PyDict_GET_SIZE(cats_d)) known = PyDict_Contains(cats_d, aid.ptr());
           if (known < 0) throw py::error_already_set();
           if (known) {
             py::object o = py::reinterpret_borrow<py::object>(owner_fn)(aid);
@@ -1160,7 +1168,7 @@ void label_batch(const std::vector<Rec>& batch, const py::tuple& spec, const Row
     }
     if (do_mod) {
       PyObject* state = state_at(r.tid, r.ts);
-      PyObject* own = PyDict_GetItemWithError(owned_d, aid.ptr());
+      PyObject* own = PyDict_GET_SIZE(owned_d) ? PyDict_GetItemWithError(owned_d, aid.ptr()) : nullptr;
       if (own == nullptr && PyErr_Occurred()) throw py::error_already_set();
       if (own == Py_None) own = nullptr;
       if (state == nullptr && own == nullptr) continue;
@@ -2966,6 +2974,77 @@ struct Block {
   uint64_t gen;  // its gauge's generation at its MALLOC (0: no gauge)
 };
 
+// live blocks by allocation id: open addressing (linear probing, deletion by backward shift) in
+// one array. A node-based map allocated and freed a node per MALLOC and FREE row of every flush,
+// in each of the folds a flush feeds
+class AidTable {
+ public:
+  Block* find(int64_t aid) {
+    if (n_ == 0) return nullptr;
+    for (size_t i = slot(aid);; i = (i + 1) & mask_) {
+      if (!used_[i]) return nullptr;
+      if (keys_[i] == aid) return &vals_[i];
+    }
+  }
+  void put(int64_t aid, const Block& b) {
+    if ((n_ + 1) * 2 > keys_.size()) grow();
+    size_t i = slot(aid);
+    for (; used_[i]; i = (i + 1) & mask_)
+      if (keys_[i] == aid) {
+        vals_[i] = b;
+        return;
+      }
+    used_[i] = 1;
+    keys_[i] = aid;
+    vals_[i] = b;
+    ++n_;
+  }
+  bool take(int64_t aid, Block* out) {
+    if (n_ == 0) return false;
+    size_t i = slot(aid);
+    for (;; i = (i + 1) & mask_) {
+      if (!used_[i]) return false;
+      if (keys_[i] == aid) break;
+    }
+    *out = vals_[i];
+    // backward shift: each entry after the hole that may move into it does
+    for (size_t j = (i + 1) & mask_; used_[j]; j = (j + 1) & mask_) {
+      size_t home = slot(keys_[j]);
+      // j's entry stays where its home lies cyclically in (i, j]
+      if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+      keys_[i] = keys_[j];
+      vals_[i] = vals_[j];
+      i = j;
+    }
+    used_[i] = 0;
+    --n_;
+    return true;
+  }
+  size_t size() const { return n_; }
+
+ private:
+  std::vector<int64_t> keys_;
+  std::vector<Block> vals_;
+  std::vector<uint8_t> used_;
+  size_t n_ = 0, mask_ = 0;
+  int shift_ = 64;
+  size_t slot(int64_t aid) const { return (size_t)(((uint64_t)aid * 0x9E3779B97F4A7C15ULL) >> shift_) & mask_; }
+  void grow() {
+    size_t cap = keys_.empty() ? 1024 : keys_.size() * 2;
+    std::vector<int64_t> ok = std::move(keys_);
+    std::vector<Block> ov = std::move(vals_);
+    std::vector<uint8_t> ou = std::move(used_);
+    keys_.assign(cap, 0);
+    vals_.assign(cap, Block{});
+    used_.assign(cap, 0);
+    mask_ = cap - 1;
+    shift_ = 64 - __builtin_ctzll((unsigned long long)cap);
+    n_ = 0;
+    for (size_t i = 0; i < ok.size(); ++i)
+      if (ou[i]) put(ok[i], ov[i]);
+  }
+};
+
 static bool same_str(PyObject* a, PyObject* b) {
   if (a == b) return true;
   if (!PyUnicode_Check(a) || !PyUnicode_Check(b)) return false;
@@ -3100,22 +3179,22 @@ class Fold {
 
   // (key, size) of a live block, or None
   py::object block(int64_t aid) {
-    auto it = blocks_.find(aid);
-    if (it == blocks_.end()) return py::none();
-    return py::make_tuple(it->second.key, it->second.size);
+    Block* b = blocks_.find(aid);
+    if (b == nullptr) return py::none();
+    return py::make_tuple(b->key, b->size);
   }
 
   // move a live block's bytes to another key (an owner update). `at_peak`: where the block was
   // live at its gauge's peak (made before it rose there, or before the window began), the move
   // counts there too (its `since` is left alone): the block was what the update says it is
   bool rekey(int64_t aid, int32_t key, bool at_peak) {
-    auto it = blocks_.find(aid);
-    if (it == blocks_.end() || key < 0 || key >= (int32_t)keys_.size()) return false;
-    int32_t g = keys_[(size_t)it->second.key].gauge;
-    bool back = at_peak && g >= 0 && it->second.gen != g_gen_[g];
-    move(it->second.key, -it->second.size, back);
-    it->second.key = key;
-    move(key, it->second.size, back);
+    Block* b = blocks_.find(aid);
+    if (b == nullptr || key < 0 || key >= (int32_t)keys_.size()) return false;
+    int32_t g = keys_[(size_t)b->key].gauge;
+    bool back = at_peak && g >= 0 && b->gen != g_gen_[g];
+    move(b->key, -b->size, back);
+    b->key = key;
+    move(key, b->size, back);
     return true;
   }
 
@@ -3180,7 +3259,7 @@ class Fold {
   py::object malloc_, free_, system_;
   py::dict cache_;  // (pool, device, owner, module, phase) -> key id (-1: not followed)
   std::vector<Key> keys_;
-  std::unordered_map<int64_t, Block> blocks_;
+  AidTable blocks_;
   std::vector<int64_t> cur_, peak_, held_, since_;
   std::vector<uint64_t> since_gen_;
   std::vector<uint8_t> has_peak_, has_held_, made_;
@@ -3358,7 +3437,7 @@ class Fold {
     int32_t key = key_of(pool, dev, owner, module, phase);
     if (key < 0) return;
     const Key& k = keys_[(size_t)key];
-    blocks_[aid] = Block{key, size, k.gauge >= 0 ? g_gen_[k.gauge] : 0};
+    blocks_.put(aid, Block{key, size, k.gauge >= 0 ? g_gen_[k.gauge] : 0});
     move(key, size);
     if (!has_used) return;
     if (k.gauge >= 0) {
@@ -3394,10 +3473,8 @@ class Fold {
   }
 
   void free_row(int64_t aid, bool has_used, int64_t used) {
-    auto it = blocks_.find(aid);
-    if (it == blocks_.end()) return;
-    Block b = it->second;
-    blocks_.erase(it);
+    Block b;
+    if (!blocks_.take(aid, &b)) return;
     move(b.key, -b.size);
     int32_t g = keys_[(size_t)b.key].gauge;
     if (g >= 0 && has_used) {
