@@ -340,16 +340,52 @@ def _nodes_of(tensors):
 # its hooks across iterations: the multi-grad hook of one module call is removed once it has run
 # (after the backward pass, not from inside it), else every later backward would run all of them.
 _fired_leaf_hooks = []
+_grad_node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", None)
 
 
 def _leaf_hook(tensors, fn, mode):
-    box = []
+    """``fn()`` once: at the first gradient of any of ``tensors`` (mode "any"), or once the
+    gradients of all of them that the pass computes are (mode "all"), in the first backward pass
+    that reaches them; tensor hooks, removed after that pass (``_fired_leaf_hooks``).
+    Not torch's multi-grad hook in mode "all": it asks ``_will_engine_execute_node`` of a leaf's
+    gradient accumulator, which raises inside ``torch.autograd.grad`` (a gradient penalty, an input
+    Jacobian, torch.func over a module called on a leaf), and that error reached the program's
+    backward. Where that is not known, the module's backward ends with the pass (as where no
+    input needs a gradient)."""
+    handles, left = [], {}
+    done = []
+    lock = threading.Lock()  # (nodes of one pass may run on several device threads)
 
-    def once(*_):
-        if box:
-            _fired_leaf_hooks.append(box.pop())
-            fn()
-    box.append(torch.autograd.graph.register_multi_grad_hook(tensors, once, mode=mode))
+    def finish():
+        done.append(True)
+        _fired_leaf_hooks.extend(handles)
+        try:  # removed after this pass even where no moment of ours queued a callback
+            torch.autograd.Variable._execution_engine.queue_callback(_remove_fired_leaf_hooks)
+        except Exception:
+            pass
+
+    def hook(_grad):
+        with lock:
+            if done:
+                return
+            try:
+                if mode == "all":
+                    gid = _graph_task_id()
+                    n = left.get(gid)
+                    if n is None:
+                        n = sum(map(_will_run, [_grad_node_of(t) for t in tensors]))
+                    if n > 1:
+                        left[gid] = n - 1
+                        return
+                finish()
+            except Exception:  # which of them this pass computes is not known: the pass's end says
+                finish()
+                return
+        fn()
+    if mode == "all" and _grad_node_of is None:
+        return  # (no way to name their nodes: they end with the pass)
+    for t in tensors:
+        handles.append(t.register_hook(hook))
 
 
 def _remove_fired_leaf_hooks():

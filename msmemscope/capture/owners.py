@@ -210,7 +210,6 @@ class Labeler:
         self.updates = 0
         self.flushed_upto = 0                # MALLOC rows of allocation ids up to this one are written
         self._handles = []
-        self._hooks_pushed = False
         self._packing = threading.local()    # .on: our saved-tensor hooks are on this thread
         self._patched = []
         self._fsdp2_wait = None              # the finder waiting for the program's import of FSDP2
@@ -240,18 +239,16 @@ class Labeler:
         self._handles.append(optim.register_optimizer_step_pre_hook(eager_or_skipped(self._opt_pre)))
         self._handles.append(optim.register_optimizer_step_post_hook(eager_or_skipped(self._opt_post)))
         self._watch_tree()
-        try:
-            self._push_pack_hooks()
-            self._hooks_pushed = True
-            self._packing.on = True  # this thread's (other threads': _pack_on_this_thread)
-        except Exception:  # hooks disabled by the program (torch.func): no activation labels
-            pass
+        self._pack_on_this_thread()  # this thread's (other threads': at their first outermost forward)
         # FSDP2's wrappers wait for the program's own import of it: importing it here would cost
         # every run ~1.3 s (it pulls in torch._dynamo and sympy)
         self._fsdp2_wait = after_import(FSDP2_PARAM_GROUP, self._patch_fsdp2, "no FSDP2 labels in process {pid}")
 
     def _push_pack_hooks(self):
         push_saved_hooks(self._pack, _unpack)
+
+    def _our_unpack(self):
+        return _unpack
 
     def _module_hooks(self):
         from .modules import add_global_module_hooks
@@ -299,6 +296,7 @@ class Labeler:
 
     def remove(self):
         self.pause()
+        pop_saved_hooks(self._our_unpack())  # this thread's (other threads' stay, idle: pack checks the session)
         if self._tree_handle is not None:
             self._tree_handle.remove()
             self._tree_handle = None
@@ -343,16 +341,16 @@ class Labeler:
 
     def _pack_on_this_thread(self):
         """The saved-tensor hooks are per thread (autograd's thread-local state): pushed at install
-        on the thread that started tracing, here on any other at its first outermost forward, so
+        on the thread that started tracing, and on any other at its first outermost forward, so
         that a worker thread's saved tensors are activations too (before: all of them ``ops``).
-        Not where the program has its own hooks on the thread now: pushed above them, ours would
-        be what their context's exit pops, and theirs would stay on."""
-        self._packing.on = True
-        if not self._hooks_pushed:  # hooks disabled by the program at install (torch.func)
-            return
+        Not where the program has its own hooks on the thread now (pushed above them, ours would
+        be what their context's exit pops, and theirs would stay on: a start() inside the
+        program's ``saved_tensors_hooks`` did that), nor inside a region that disables them
+        (torch.func): then tried again at the thread's next outermost forward."""
         try:
-            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None or _ours_on_top() is not None:
                 self._push_pack_hooks()
+                self._packing.on = True
         except Exception:
             pass
 
@@ -791,15 +789,35 @@ _torch_disable = _torch_enable = None
 
 
 def push_saved_hooks(pack, unpack) -> None:
-    """Push our saved-tensor hooks on this thread (raises where the program disabled them)."""
+    """Push our saved-tensor hooks on this thread (raises where the program disabled them), in
+    place of ours where they are on top: a labeller that follows another (the hand-over to the
+    dispatch-mode source, a second framework-hooks install) stacked a second pair, and a
+    torch.func region then raised, ours stepping aside only once."""
     global _torch_disable, _torch_enable
     ag = torch._C._autograd
+    if _ours_on_top() is not None:
+        ag._pop_saved_tensors_default_hooks()
     ag._push_saved_tensors_default_hooks(pack, unpack)
     if not any(u is unpack for u in _our_unpacks):
         _our_unpacks.append(unpack)
     if _torch_disable is None and hasattr(ag, "_saved_tensors_hooks_disable"):
         _torch_disable, _torch_enable = ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable
         ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable = _disable_aside, _enable_back
+
+
+def pop_saved_hooks(unpack) -> None:
+    """Pop the hooks of ours with this unpack hook where they are on top of this thread's stack
+    (or stepped aside: then they are not pushed back)."""
+    aside = getattr(_aside, "hooks", None)
+    if aside is not None and aside[1] is unpack:
+        _aside.hooks = None
+        return
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None and top[1] is unpack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    except Exception:
+        pass
 
 
 def _ours_on_top():
@@ -812,14 +830,15 @@ def _ours_on_top():
     return None
 
 
-def _disable_aside(message, *args, **kwargs):
-    fail = args[0] if args else kwargs.get("fail_if_non_empty", True)
+def _disable_aside(*args, **kwargs):
+    # torch's signature: (error_message, fail_if_non_empty=True), by position or by name
+    fail = args[1] if len(args) > 1 else kwargs.get("fail_if_non_empty", True)
     if fail and getattr(_aside, "hooks", None) is None:
         top = _ours_on_top()
         if top is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             _aside.hooks = top
-    return _torch_disable(message, *args, **kwargs)
+    return _torch_disable(*args, **kwargs)
 
 
 def _enable_back(*args, **kwargs):
@@ -903,6 +922,9 @@ class NativeLabeler(Labeler):
             super()._push_pack_hooks()
         else:
             push_saved_hooks(self._cpp.mt_pack, self._cpp.mt_unpack)
+
+    def _our_unpack(self):
+        return _unpack if self._cpp is None else self._cpp.mt_unpack
 
     def _forward(self):
         """(depth of the forwards running, first allocation id of the outermost one)."""
