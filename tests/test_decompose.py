@@ -497,6 +497,30 @@ def test_labels_and_module_names_beyond_ascii_read_back_as_written(tmp_path, fmt
     assert offline["summary"] == online["summary"]
 
 
+def traced_as_untraced(tmp_path, program, source, cli=False):
+    """Run ``program`` untraced, then traced (``cli``: under ``msmemscope --analysis=decompose``;
+    else it traces itself into its argv[1]) on ``source``: both exit 0 and print the same. Returns
+    (the untraced stdout, the dump's frame, its invariants checked)."""
+    import subprocess
+    prog = tmp_path / "prog.py"
+    prog.write_text(program)
+    env = dict(run_cli.__globals__["env_for_tests"](), MSMEMSCOPE_SOURCE=source)
+    plain = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    if cli:
+        r = run_cli(["--analysis=decompose", "-q", "-o", str(tmp_path / "o"), str(prog)],
+                    env={"MSMEMSCOPE_SOURCE": source})
+    else:
+        r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == plain.stdout
+    (folder,) = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    return plain.stdout, df
+
+
 FUNC_TRANSFORMS = r"""
 import sys, torch
 from torch import nn
@@ -541,20 +565,8 @@ def test_torch_func_transforms_run_under_decompose_and_activations_are_still_lab
     --analysis=decompose. Ours step aside there (owners.push_saved_hooks): the program prints what
     it prints untraced, its plain steps' saved tensors are still activations, and its own hooks
     still make torch.func refuse."""
-    import subprocess
-    prog = tmp_path / "prog.py"
-    prog.write_text(FUNC_TRANSFORMS)
-    env = dict(run_cli.__globals__["env_for_tests"](), MSMEMSCOPE_SOURCE=source)
-    plain = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert "refused: True" in plain.stdout
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == plain.stdout
-    (folder,) = run_folders(tmp_path / "o")
-    df = read(dump_of(folder))
-    check_invariants(df)
+    out, df = traced_as_untraced(tmp_path, FUNC_TRANSFORMS, source)
+    assert "refused: True" in out
     mal = df.filter((df["event"] == "MALLOC") & df["owner"].str.contains("@activation", literal=True))
     act = dict(mal.group_by("step").agg(mal["size"].sum()).iter_rows())
     # the first Linear's and Tanh's outputs (8 x 32 floats each) are saved by each plain step, in the
@@ -610,19 +622,7 @@ def test_gradients_of_leaves_and_torch_func_after_a_handover_run_as_without_the_
     - after watch() hands the native session over to the dispatch-mode source, a second pair of
       our saved-tensor hooks was stacked on the first and torch.func raised again.
     The program prints what it prints untraced; the dump keeps its invariants."""
-    import subprocess
-    prog = tmp_path / "prog.py"
-    prog.write_text(LEAF_GRADS)
-    env = dict(run_cli.__globals__["env_for_tests"](), MSMEMSCOPE_SOURCE=source)
-    plain = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    r = run_cli(["--analysis=decompose", "-q", "-o", str(tmp_path / "o"), str(prog)],
-                env={"MSMEMSCOPE_SOURCE": source})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == plain.stdout
-    (folder,) = run_folders(tmp_path / "o")
-    df = read(dump_of(folder))
-    check_invariants(df)
+    _, df = traced_as_untraced(tmp_path, LEAF_GRADS, source, cli=True)
     # the backward of the modules called on leaves is still attributed where the pass reaches them
     mal = df.filter(df["event"] == "MALLOC")
     assert mal.filter(mal["attr"].str.contains('"phase":"backward"', literal=True)).height > 0
@@ -676,19 +676,7 @@ def test_a_start_inside_the_programs_saved_tensor_hooks_leaves_them_the_programs
     on for good (torch.func then raised); repeated framework-hooks installs stacked our hooks; the
     step-aside wrapper took torch's ``error_message`` keyword under another name. Ours now wait for
     the thread's next outermost forward outside the program's hooks."""
-    import subprocess
-    prog = tmp_path / "prog.py"
-    prog.write_text(OWN_HOOKS_AT_START)
-    env = dict(run_cli.__globals__["env_for_tests"](), MSMEMSCOPE_SOURCE=source)
-    plain = subprocess.run([sys.executable, str(prog)], env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert "inside True" in plain.stdout and "after True" in plain.stdout
-    r = subprocess.run([sys.executable, str(prog), str(tmp_path / "o")], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == plain.stdout
-    (folder,) = run_folders(tmp_path / "o")
-    df = read(dump_of(folder))
-    check_invariants(df)
+    out, df = traced_as_untraced(tmp_path, OWN_HOOKS_AT_START, source)
+    assert "inside True" in out and "after True" in out
     mal = df.filter(df["event"] == "MALLOC")
     assert mal.filter(mal["owner"].str.contains("@activation", literal=True)).height > 0
