@@ -558,7 +558,7 @@ if len(sys.argv) > 1:
 """
 
 
-@pytest.mark.parametrize("source", ["native", "python"])
+@pytest.mark.parametrize("source", full(["native"], ["native", "python"]))  # (make test's time)
 def test_torch_func_transforms_run_under_decompose_and_activations_are_still_labelled(tmp_path, source):
     """torch.func's grad/vjp/jacrev/hessian disable saved-tensor hooks for their region, which raises
     while any is pushed: with ours pushed, the program's ``vmap(grad(f))`` raised under

@@ -479,7 +479,8 @@ def test_two_optimizers_stepped_each_iteration_end_one_step(tmp_path, source):
     env = env_for_tests()
     env["MSMEMSCOPE_SOURCE"] = source
     got = {}
-    for mode in full(("two", "phases"), ("one", "two", "phases")):  # (make test's time: "one" is the baseline)
+    # (make test's time: "one" is the baseline; "phases", an optimizer taking over, ~7 CPU s)
+    for mode in full(("two",), ("one", "two", "phases")):
         r = run_cli(["-o", str(tmp_path / mode), script, mode], env=env)
         assert r.returncode == 0, r.stderr
         folder, = run_folders(tmp_path / mode)
@@ -489,10 +490,11 @@ def test_two_optimizers_stepped_each_iteration_end_one_step(tmp_path, source):
             res = json.load(f)
         got[mode] = (df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height, res)
     assert got["two"][0] == 10 and got.get("one", got["two"])[0] == 10
-    assert got["phases"][0] == 9  # the second optimizer's first step ends none: its second does
     for mode in [m for m in ("one", "two") if m in got]:
         sites = got[mode][1]["sites"]
         assert [(s["op"], s["bytes_per_step"]) for s in sites] == [("torch._ops.aten.ones.default", 4096)], (mode, sites)
-    # (the iteration where the second took over is one step of two iterations: 8 KB)
-    sites = got["phases"][1]["sites"]
-    assert [s["op"] for s in sites] == ["torch._ops.aten.ones.default"] and 4096 < sites[0]["bytes_per_step"] < 8192
+    if "phases" in got:
+        assert got["phases"][0] == 9  # the second optimizer's first step ends none: its second does
+        # (the iteration where the second took over is one step of two iterations: 8 KB)
+        sites = got["phases"][1]["sites"]
+        assert [s["op"] for s in sites] == ["torch._ops.aten.ones.default"] and 4096 < sites[0]["bytes_per_step"] < 8192
