@@ -28,7 +28,7 @@ _api = []                    # the API's, armed at a session's start (arm_api)
 
 
 def _arm_all(dynamo):
-    _set_is_compiling(dynamo)
+    _set_is_compiling()
     for box in list(_to_arm):
         box.skipped = dynamo.disable(box.fn)
     _to_arm.clear()
@@ -40,7 +40,7 @@ def _arm(box):
         return
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None and hasattr(dynamo, "disable"):
-        _set_is_compiling(dynamo)
+        _set_is_compiling()
         box.skipped = dynamo.disable(box.fn)
         return
     _to_arm.add(box)
@@ -71,7 +71,7 @@ _get_callback = None
 _is_compiling = None  # torch.compiler.is_compiling, set where a disabled form is made (torch is loaded)
 
 
-def _set_is_compiling(dynamo):
+def _set_is_compiling():
     # (not imported at the top: the writer process imports this package without torch)
     global _is_compiling
     if _is_compiling is None:

@@ -335,9 +335,9 @@ def _nodes_of(tensors):
 # (the same moments: a tensor's hook runs when its node is about to run, with its gradient), but
 # put on the tensors' nodes directly (Node.register_prehook, one C++ call): the multi-grad hook's
 # Tensor.register_hook costs a hook dict and a RemovableHandle per tensor, on every module call.
-# A leaf among the tensors (no node) keeps the multi-grad hook.
+# A leaf among the tensors (no node) gets tensor hooks (``_leaf_hook``).
 # A leaf (a tensor the program keeps: an input that requires grad, a parameter passed in) keeps
-# its hooks across iterations: the multi-grad hook of one module call is removed once it has run
+# its hooks across iterations: the hooks of one module call are removed once they have run
 # (after the backward pass, not from inside it), else every later backward would run all of them.
 _fired_leaf_hooks = []
 _grad_node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", None)
