@@ -313,6 +313,46 @@ def test_leaf_input_hooks_do_not_pile_up():
     assert max(hooks) <= 1, hooks
 
 
+
+@pytest.mark.parametrize("native", [True, False])
+def test_leaf_hooks_no_pass_reaches_go_at_the_flushes(native):
+    """A module called on a parameter, under ``torch.autograd.grad`` over other inputs: no pass
+    computes that leaf's gradient, so its hooks never run. They went only at the session's end: one
+    more on the parameter at each call (50 after 50 iterations). Now those no pass reached within
+    two flushes go; a backward that reaches them ends the module's backward as before."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from msmemscope.capture import modules as M
+
+    class Latents(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.latents = nn.Parameter(torch.randn(3, 4))
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.proj(self.latents) * x).sum()
+
+    torch.manual_seed(0)
+    m = Latents()
+    tr = M.ModuleTracker(types.SimpleNamespace(active=True), native=None if native else False).install()
+    hooks = []
+    try:
+        for _ in range(12):
+            torch.autograd.grad(m(torch.randn(3, 4)), list(m.proj.parameters()))
+            tr.spec()  # a flush
+            hooks.append(len(m.latents._backward_hooks or {}))
+        m(torch.randn(3, 4)).backward()   # a pass that reaches the leaf: its module call's backward ends
+        marks = [st for v in tr.marks_now().values() for st in v[1]]
+    finally:
+        tr.remove()
+    assert max(hooks) <= 2, hooks
+    assert any(st is not None and st[1] == M.BACKWARD and st[0] == "Latents.proj" for st in marks), marks
+
+
 def run_prog(tmp_path, name, text, out, impl="c++"):
     """Run a traced program (``sys.argv[1]``: the output folder) quietly, the module hooks in C++ or
     (``impl="python"``) the Python reference; returns its stdout."""

@@ -340,6 +340,10 @@ def _nodes_of(tensors):
 # its hooks across iterations: the hooks of one module call are removed once they have run
 # (after the backward pass, not from inside it), else every later backward would run all of them.
 _fired_leaf_hooks = []
+# the leaf hooks of module calls that no pass has reached yet, by age in flushes: a call whose
+# leaf's gradient no pass computes (torch.autograd.grad over other inputs) kept its hooks on the
+# leaf for good, one more at each call (50 on a parameter after 50 iterations)
+_unfired, _unfired_older = [], []
 _grad_node_of = getattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc", None)
 
 
@@ -386,6 +390,25 @@ def _leaf_hook(tensors, fn, mode):
         return  # (no way to name their nodes: they end with the pass)
     for t in tensors:
         handles.append(t.register_hook(hook))
+    _unfired.append((done, handles))
+
+
+def forget_unfired_leaf_hooks(everything=False):
+    """At each flush: the leaf hooks that no backward pass reached since the flush before the last
+    one are removed (that module call's backward, if one comes, ends with its pass)."""
+    global _unfired, _unfired_older
+    cur, _unfired = _unfired, []  # (a hook registered meanwhile on another thread goes to one or the other)
+    old, _unfired_older = _unfired_older, [e for e in cur if not e[0]]
+    if everything:
+        old, _unfired_older = old + _unfired_older, []
+    for done, handles in old:
+        if not done:
+            done.append(True)
+            for h in handles:
+                try:
+                    h.remove()
+                except Exception:
+                    pass
 
 
 def _remove_fired_leaf_hooks():
@@ -956,6 +979,7 @@ class ModuleTracker:
         them, and the owning module (and category) of the blocks it answers. ``owned`` given (the
         Python owner labeller's): those, no category; else this tracker's walk, unless ``rows`` (the
         rows to attribute, where they are known before) hold no MALLOC row."""
+        forget_unfired_leaf_hooks()
         if self.nat is not None:
             marks, base = self.nat.mt_marks()
         else:
