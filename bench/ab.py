@@ -13,6 +13,11 @@ alternates blocks of steps in three states, in turn:
 - ``traced``: tracing started (``msmemscope.start()``), with ``--analysis``;
 - with ``--rows``, also ``traced-rows``: tracing started with every flush's native records made into
   row tuples (``MSMEMSCOPE_RECORDS=rows``: the flush path before the thirty-fourth session);
+- with ``--hooks``, also ``pack hook`` and ``module hooks``: tracing stopped, with only our C++
+  saved-tensor pack hook pushed, or only our global module forward hooks (the C functions through
+  ``eager_only``) on; they do nothing while no session traces: PyTorch's own cost of having them
+  (a saved tensor wrapped into a Python object and the GIL taken twice per saved tensor in
+  backward; ``Module._call_impl``'s slow path), what decompose pays for them (thirty-eighth session);
 - with ``--profiler``, also ``profiler``: ``torch.profiler.profile(activities=[CPU],
   profile_memory=True)`` entered before the block and left after it (its collection only: the
   stop, which turns the records into events, is outside the timed block).
@@ -69,6 +74,7 @@ def main(argv=None):
                    help="the floor's callback asks for the ops' inputs and outputs (as the access events' does)")
     p.add_argument("--profiler", action="store_true", help="a fourth state: torch.profiler collecting")
     p.add_argument("--rows", action="store_true", help="a state traced with every flush drained into row tuples")
+    p.add_argument("--hooks", action="store_true", help="two states: our saved-tensor pack hook alone, our module hooks alone")
     p.add_argument("--steps", type=int, default=0, help="steps a block (default: ~0.4 s of plain steps)")
     a = p.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -98,6 +104,12 @@ def main(argv=None):
         from torch.profiler import ProfilerActivity, profile
     if a.rows:
         times["traced-rows"] = []
+    if a.hooks:
+        times["pack hook"], times["module hooks"] = [], []
+        from torch.nn.modules import module as nn_module
+        from msmemscope.capture import native
+        from msmemscope.capture.modules import eager_only
+        nat = native.built_with("mt_pre")
     from msmemscope.capture import session as S
     packed = S._PACKED
     import random
@@ -114,6 +126,11 @@ def main(argv=None):
             elif state == "profiler":
                 prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 prof.__enter__()
+            elif state == "pack hook":
+                torch._C._autograd._push_saved_tensors_default_hooks(nat.mt_pack, nat.mt_unpack)
+            elif state == "module hooks":
+                hooks = [nn_module.register_module_forward_pre_hook(eager_only(nat.mt_pre)),
+                         nn_module.register_module_forward_hook(eager_only(nat.mt_post), always_call=True)]
             step()  # not timed: the first step after a change of state
             t = time.perf_counter()
             for _ in range(n):
@@ -125,6 +142,11 @@ def main(argv=None):
                 prof.__exit__(None, None, None)
             if h is not None:
                 floor.remove_floor(h)
+            if state == "pack hook":
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            elif state == "module hooks":
+                for hk in hooks:
+                    hk.remove()
     base = statistics.median(times["plain"])
     print(f"{a.workload}, --analysis={a.analysis}{' --floor-io' if a.floor_io else ''}: {a.blocks} blocks of {n} steps per state, interleaved")
     print("| state | µs a step (median) | × plain |")

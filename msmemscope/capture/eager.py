@@ -28,7 +28,7 @@ _api = []                    # the API's, armed at a session's start (arm_api)
 
 
 def _arm_all(dynamo):
-    _set_is_compiling()
+    _bind()
     for box in list(_to_arm):
         box.skipped = dynamo.disable(box.fn)
     _to_arm.clear()
@@ -40,7 +40,7 @@ def _arm(box):
         return
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None and hasattr(dynamo, "disable"):
-        _set_is_compiling()
+        _bind()
         box.skipped = dynamo.disable(box.fn)
         return
     _to_arm.add(box)
@@ -67,25 +67,17 @@ def _eager(box):
     return eager
 
 
-_get_callback = None
-_is_compiling = None  # torch.compiler.is_compiling, set where a disabled form is made (torch is loaded)
+_is_compiling = _frame_callback = None  # bound where a disabled form is made (torch._dynamo is loaded)
 
 
-def _set_is_compiling():
+def _bind():
     # (not imported at the top: the writer process imports this package without torch)
-    global _is_compiling
+    global _is_compiling, _frame_callback
     if _is_compiling is None:
-        _is_compiling = sys.modules["torch"].compiler.is_compiling
-
-
-def _frame_callback():
-    global _get_callback
-    if _get_callback is None:
-        ev = getattr(getattr(sys.modules.get("torch._C._dynamo"), "eval_frame", None), "get_eval_frame_callback", None)
-        if ev is None:
-            return True  # (not known: the disabled form, as before)
-        _get_callback = ev
-    return _get_callback()
+        torch = sys.modules["torch"]
+        _is_compiling = torch.compiler.is_compiling
+        # where torch has no such query: the disabled form always, as before
+        _frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 
 
 def eager_or_skipped(hook):

@@ -28,6 +28,7 @@ class name.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import sys
 import threading
@@ -363,7 +364,7 @@ def _leaf_hook(tensors, fn, mode):
     def finish():
         done.append(True)
         _fired_leaf_hooks.extend(handles)
-        try:  # removed after this pass even where no moment of ours queued a callback
+        try:  # removed after this pass (not from inside it)
             torch.autograd.Variable._execution_engine.queue_callback(_remove_fired_leaf_hooks)
         except Exception:
             pass
@@ -477,7 +478,6 @@ class ModuleTracker:
         if self.nat is not None:
             self.nat.mt_reset()
             self.nat.mt_setup(self._namer, self._leaf)
-        self._leaf_callback_queued = False
         self.paths = weakref.WeakKeyDictionary()   # module -> path
         self._path_get = self.paths.get
         self.roots = {}                            # root name -> weakref to the root
@@ -632,20 +632,9 @@ class ModuleTracker:
         return p if p is not None else self._name(module, parent)
 
     def _leaf(self, tensors, path, mode):
-        """A leaf among a module call's tensors (no node to hook): the multi-grad hook, as the Python
-        hooks do, its moments sent to the C++ marks."""
-        nat = self.nat
-
-        def moment():
-            if not self._leaf_callback_queued:  # fired leaf hooks go after the pass (not from inside it)
-                self._leaf_callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._leaf_pass_done)
-            (nat.mt_enter if mode == "any" else nat.mt_exit)(path)
-        _leaf_hook(tensors, moment, mode)
-
-    def _leaf_pass_done(self):
-        self._leaf_callback_queued = False
-        _remove_fired_leaf_hooks()
+        """A leaf among a module call's tensors (no node to hook): ``_leaf_hook``, as the Python
+        hooks do, its moment sent to the C++ marks."""
+        _leaf_hook(tensors, functools.partial(self.nat.mt_enter if mode == "any" else self.nat.mt_exit, path), mode)
 
     def marks_now(self):
         """{tid: ([ts, ...], [state, ...])}: the marks kept (since the previous flush), a copy."""

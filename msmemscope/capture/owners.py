@@ -244,11 +244,9 @@ class Labeler:
         # every run ~1.3 s (it pulls in torch._dynamo and sympy)
         self._fsdp2_wait = after_import(FSDP2_PARAM_GROUP, self._patch_fsdp2, "no FSDP2 labels in process {pid}")
 
-    def _push_pack_hooks(self):
-        push_saved_hooks(self._pack, _unpack)
-
-    def _our_unpack(self):
-        return _unpack
+    def _saved_hooks(self):
+        """(pack, unpack): our saved-tensor hooks."""
+        return self._pack, _unpack
 
     def _module_hooks(self):
         from .modules import add_global_module_hooks
@@ -296,7 +294,7 @@ class Labeler:
 
     def remove(self):
         self.pause()
-        pop_saved_hooks(self._our_unpack())  # this thread's (other threads' stay, idle: pack checks the session)
+        pop_saved_hooks(self._saved_hooks()[1])  # this thread's (other threads' stay, idle: pack checks the session)
         if self._tree_handle is not None:
             self._tree_handle.remove()
             self._tree_handle = None
@@ -347,12 +345,8 @@ class Labeler:
         be what their context's exit pops, and theirs would stay on: a start() inside the
         program's ``saved_tensors_hooks`` did that), nor inside a region that disables them
         (torch.func): then tried again at the thread's next outermost forward."""
-        try:
-            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None or _ours_on_top() is not None:
-                self._push_pack_hooks()
-                self._packing.on = True
-        except Exception:
-            pass
+        if push_saved_hooks(*self._saved_hooks()):
+            self._packing.on = True
 
     def _mine(self, objs):
         from .modules import ran_here
@@ -788,21 +782,28 @@ _aside = threading.local()     # .hooks: ours, popped by the disable of the regi
 _torch_disable = _torch_enable = None
 
 
-def push_saved_hooks(pack, unpack) -> None:
-    """Push our saved-tensor hooks on this thread (raises where the program disabled them), in
-    place of ours where they are on top: a labeller that follows another (the hand-over to the
-    dispatch-mode source, a second framework-hooks install) stacked a second pair, and a
-    torch.func region then raised, ours stepping aside only once."""
+def push_saved_hooks(pack, unpack) -> bool:
+    """Push our saved-tensor hooks on this thread where no hook is on it, or in place of ours (a
+    labeller that follows another, the hand-over to the dispatch-mode source or a second
+    framework-hooks install, stacked a second pair, and a torch.func region then raised, ours
+    stepping aside only once). Never above the program's own hooks (ours would be what their
+    context pops, and theirs would stay on), nor where the program disabled them. Whether pushed."""
     global _torch_disable, _torch_enable
     ag = torch._C._autograd
-    if _ours_on_top() is not None:
-        ag._pop_saved_tensors_default_hooks()
-    ag._push_saved_tensors_default_hooks(pack, unpack)
+    try:
+        if _ours_on_top() is not None:
+            ag._pop_saved_tensors_default_hooks()
+        elif ag._top_saved_tensors_default_hooks(False) is not None:
+            return False
+        ag._push_saved_tensors_default_hooks(pack, unpack)
+    except Exception:  # disabled here now (a torch.func region)
+        return False
     if not any(u is unpack for u in _our_unpacks):
         _our_unpacks.append(unpack)
     if _torch_disable is None and hasattr(ag, "_saved_tensors_hooks_disable"):
         _torch_disable, _torch_enable = ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable
         ag._saved_tensors_hooks_disable, ag._saved_tensors_hooks_enable = _disable_aside, _enable_back
+    return True
 
 
 def pop_saved_hooks(unpack) -> None:
@@ -917,14 +918,8 @@ class NativeLabeler(Labeler):
         else:
             self._mod_handles = []
 
-    def _push_pack_hooks(self):
-        if self._cpp is None:
-            super()._push_pack_hooks()
-        else:
-            push_saved_hooks(self._cpp.mt_pack, self._cpp.mt_unpack)
-
-    def _our_unpack(self):
-        return _unpack if self._cpp is None else self._cpp.mt_unpack
+    def _saved_hooks(self):
+        return super()._saved_hooks() if self._cpp is None else (self._cpp.mt_pack, self._cpp.mt_unpack)
 
     def _forward(self):
         """(depth of the forwards running, first allocation id of the outermost one)."""
