@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
+from conftest import FULL, check_invariants, dump_of, env_for_tests, full, read, run_cli, run_folders
 
 
 
@@ -88,6 +88,60 @@ def test_torch_func_transforms_run_under_decompose_and_activations_are_still_lab
     # steps before the torch.func regions and after them
     assert sorted(act) == [1, 2, 3], act
     assert all(n >= 2 * 8 * 32 * 4 for n in act.values()), act
+
+
+FUNC_IN_A_THREAD_ACROSS_A_GAP = r"""
+import sys, threading, torch, msmemscope
+from torch import nn
+from torch.func import grad
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.randn(8, 16)
+TRACE = len(sys.argv) > 1
+if TRACE:
+    msmemscope.config(analysis="decompose", output=sys.argv[1])
+    msmemscope.start()
+out = []
+
+
+w = nn.Linear(5, 5)
+
+
+def worker():   # torch.func on another thread while the main one trains and stops/starts tracing
+    for _ in range(20):
+        w(torch.ones(5)).sum().backward()   # a forward of its own first: our hooks go on this thread
+        out.append(round(float(grad(lambda a: a.sin().sum())(torch.ones(5)).sum()), 6))
+
+
+t = threading.Thread(target=worker)
+t.start()
+for s in range(6):
+    opt.zero_grad()
+    m(x).square().mean().backward()
+    opt.step()
+    if TRACE:
+        msmemscope.step()
+        if s == 2:
+            msmemscope.stop()
+        if s == 3:
+            msmemscope.start()
+t.join()
+print(sorted(set(out)), len(out), round(float(m(x).sum()), 5))
+if TRACE:
+    msmemscope.stop()
+"""
+
+
+@pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test runs torch.func on the main thread")
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_torch_func_on_a_worker_thread_across_a_stop_start_gap(tmp_path, source):
+    """The step-aside is per thread: a worker thread's torch.func regions while the main thread
+    trains, steps, stops and starts tracing run as untraced, and the main thread's saved tensors are
+    activations in the traced steps."""
+    _, df = traced_as_untraced(tmp_path, FUNC_IN_A_THREAD_ACROSS_A_GAP, source)
+    mal = df.filter(df["event"] == "MALLOC")
+    assert mal.filter(mal["owner"].str.contains("@activation", literal=True)).height > 0
 
 
 LEAF_GRADS = r"""
