@@ -41,6 +41,7 @@ from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, EVENT_TYPE, TID, TS, Even
 from .eager import eager_or_skipped
 
 FORWARD, BACKWARD = "forward", "backward"
+OWNED_CATEGORIES = ("weight", "gradient", "optimizer_state")  # owned_blocks' categories
 ENV = "MSMEMSCOPE_MODULES"   # 1: attribute in any run; 0: never (default: with --analysis=decompose)
 _BAD = str.maketrans({c: "_" for c in ',"{}\\\n\r\t '})
 
@@ -52,6 +53,21 @@ def wanted(opts) -> bool:
     if v in ("0", "off", "no", "false"):
         return False
     return "decompose" in opts.analysis
+
+
+def note_ran_here(objs, thread_of, obj, me) -> bool:
+    """``obj`` (a root module or an optimizer) ran on thread ``me``: into the weak set ``objs`` and
+    ``thread_of`` (weak keys) where it is not there yet; whether either changed. At every forward
+    and optimizer step: a weak set's ``add`` and a weak dict's assignment make a weak reference
+    with a callback each time, so they are asked only where something changed."""
+    changed = False
+    if obj not in objs:
+        objs.add(obj)
+        changed = True
+    if thread_of.get(obj) != me:
+        thread_of[obj] = me
+        changed = True
+    return changed
 
 
 def ran_here(thread_of, objs) -> list:
@@ -505,6 +521,12 @@ class ModuleTracker:
         self._roots_found_for = weakref.WeakSet()     # optimizers whose models were looked for
         self._scanned = False                         # the live modules looked at for in-place compiles
         self._root_looks = 0                          # how many (a program making an optimizer a step)
+        # the owner labeller's step-end walk does this thread's walk too where every root and
+        # optimizer runs on one thread (``walk_plan``, ``took_walk``): bumped where a root's or an
+        # optimizer's thread changes
+        self._version = 0
+        self._plan = None      # (thread, _version), the tree it was made from, its pairs, weak optimizers
+        self._pre_walk = None  # (thread, last allocation id before it, owned_blocks' answer)
 
     # a step boundary's flush may wait for a later one (Session._may_wait): at_step_end keeps the
     # owning modules as they are at that step's end for the rows the later flush attributes
@@ -699,8 +721,8 @@ class ModuleTracker:
 
     # ------------------------------------------------------------ hooks
     def _opt(self, opt, args, kwargs):
-        self.optimizers.add(opt)
-        self.thread_of[opt] = _get_ident()
+        if note_ran_here(self.optimizers, self.thread_of, opt, _get_ident()):
+            self._version += 1
         if opt not in self._roots_found_for and self._root_looks < 8:  # a few walks of gc at most
             self._roots_found_for.add(opt)
             self._root_looks += 1
@@ -856,8 +878,47 @@ class ModuleTracker:
         self._walk_mine()
         return dict(all_threads(self._owned_by_thread))  # the callers add to it
 
-    def _walk_mine(self) -> dict:
-        """owned_blocks of this thread's roots and optimizers, walked now (kept for the others)."""
+    def root_ran_here(self, module, me):
+        """The owner labeller met ``module`` as a root on thread ``me`` (its outermost forward)."""
+        if self.thread_of.get(module) != me:
+            self.thread_of[module] = me
+            self._version += 1
+
+    def walk_plan(self, me):
+        """(tree [(path, weak module)], [weak optimizer]) of this thread's walk where it walks every
+        root and optimizer (none run last by another thread, none gone) and the C++ walk can take
+        it: what the owner labeller's step-end walk hands to
+        ``live_walks`` (capture/_native.cpp) for this tracker. None otherwise (this tracker walks)."""
+        tree = self._module_tree()
+        plan = self._plan
+        if plan is not None and plan[0] == (me, self._version) and plan[1] is tree:
+            return plan[2], plan[3]
+        self._plan = None
+        if self._native_blocks() is None or _native_walk() is None:
+            return None
+        get = self.thread_of.get
+        roots = [ref() for ref in self._tree_root_refs]
+        opts = list(self.optimizers)
+        if any(r is None or get(r, me) != me for r in roots) or any(get(o, me) != me for o in opts):
+            return None
+        self._plan = plan = ((me, self._version), tree, [(path, ref) for path, ref, _ in tree],
+                             [weakref.ref(o) for o in opts])
+        return plan[2], plan[3]
+
+    def took_walk(self, me, mark, owned):
+        """The labeller walked for this tracker (``walk_plan``) when ``mark`` was the last
+        allocation id: ``owned`` is this thread's owned_blocks while no block is made since."""
+        self._pre_walk = (me, mark, owned)
+
+    def _walk_mine(self, now=None) -> dict:
+        """owned_blocks of this thread's roots and optimizers, walked now (kept for the others);
+        ``now``: the last allocation id, where the caller has it."""
+        pre, self._pre_walk = self._pre_walk, None
+        if pre is not None and pre[0] == _get_ident():
+            nat = self._native_blocks()
+            if nat is not None and pre[1] == (now if now is not None else nat.m.last_alloc_id()):
+                self._owned_by_thread[pre[0]] = pre[2]
+                return pre[2]
         tree = self._module_tree()
         # one lookup per root, not per module
         roots = [r for r in (ref() for ref in self._tree_root_refs) if r is not None]
@@ -896,7 +957,7 @@ class ModuleTracker:
                 # that answered): the walk could find no block above it (GPT-2: ~130 us a flush)
                 return dict(earlier or {})
             self._answered_upto[me] = now  # before the walk: one made during it is the next's
-        got = {k: v for k, v in self._walk_mine().items() if k > prev}
+        got = {k: v for k, v in self._walk_mine(now if nat is not None else None).items() if k > prev}
         if earlier:
             got.update(earlier)
         return got
@@ -904,7 +965,7 @@ class ModuleTracker:
     def _walk_owned(self, tree, opts):
         walk = _native_walk()
         if walk is not None and self._native_blocks() is not None:
-            got = walk.owning_modules(tree, opts, ("weight", "gradient", "optimizer_state"))
+            got = walk.owning_modules(tree, opts, OWNED_CATEGORIES)
             if got is not None:
                 return got
         tensors, meta, by_param = [], [], {}

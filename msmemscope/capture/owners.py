@@ -38,7 +38,7 @@ import torch
 from ..after_import import after_import
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event, category_of
 from . import native
-from .modules import _is_compiled_graph
+from .modules import OWNED_CATEGORIES, _is_compiled_graph, all_threads, note_ran_here
 
 #: the module whose all-gather and reduce-scatter the labeller wraps (FSDP2, torch >= 2.4)
 FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
@@ -230,6 +230,9 @@ class Labeler:
         # path string per module: ~1 us a module, each step, on a model of thousands)
         self._subs: dict = {}                # id(root) -> (weak root, [weak module])
         self._tree_handle = None
+        # bumped where the roots, the optimizers, a thread they run on, or a module tree change (the
+        # native labeller's walk plan, ``_walk_plan``)
+        self._version = 0
 
     # ------------------------------------------------------------ install / remove
     def install(self):
@@ -270,11 +273,13 @@ class Labeler:
     def _watch_tree(self):
         from torch.nn.modules import module as nn_module
         self._subs = {}  # modules registered while stopped were not seen by the hook
+        self._version += 1
         if self._tree_handle is None:
             self._tree_handle = nn_module.register_module_module_registration_hook(self._tree_changed)
 
     def _tree_changed(self, *_):
         self._subs = {}  # (returns None: a registration hook's value would replace the module)
+        self._version += 1
 
     def _trees(self, roots) -> list:
         """``[list(root.modules()) for root in roots]``, from what the last walk saw where nothing
@@ -329,11 +334,12 @@ class Labeler:
 
     def _add_root(self, module):
         """A module whose forward runs at depth 0, on this thread."""
-        self.roots.add(module)
-        self.thread_of[module] = me = threading.get_ident()
+        me = threading.get_ident()
+        if note_ran_here(self.roots, self.thread_of, module, me):
+            self._version += 1
         tracker = getattr(self.s, "modules", None)
         if tracker is not None:
-            tracker.thread_of[module] = me
+            tracker.root_ran_here(module, me)
         if not getattr(self._packing, "on", False):
             self._pack_on_this_thread()
 
@@ -383,8 +389,8 @@ class Labeler:
             del td[me]
 
     def _opt_pre(self, opt, args, kwargs):
-        self.optimizers.add(opt)
-        self.thread_of[opt] = threading.get_ident()
+        if note_ran_here(self.optimizers, self.thread_of, opt, threading.get_ident()):
+            self._version += 1
 
     def _opt_post(self, opt, args, kwargs):
         # state made by this step (Adam's moments, step counters) is registered and labelled
@@ -903,6 +909,7 @@ class NativeLabeler(Labeler):
         self._cpp = modules.native_hooks() if modules.wanted(session.opts) else None
         self._cats_by_thread = {}  # each thread's last walk (``_mine``)
         self._walked = None  # the last step end's (thread, last allocation id before it, categories, live ids)
+        self._plan = None    # ((thread, _version), [[weak module] per root], [weak optimizer]): _walk_plan
 
     def install(self):
         global _on_labels_changed
@@ -1052,7 +1059,7 @@ class NativeLabeler(Labeler):
         """alloc_id -> (category, components) from the live objects (``Labeler._collect``'s walk); the
         tensors' blocks are looked up in one C++ call, and where it can the walk itself is C++
         (``live_categories``: plain tensors, no FSDP2; this walk is its reference)."""
-        from .modules import all_threads, by_thread, weights_of
+        from .modules import by_thread, weights_of
         (roots, others), opts = by_thread(self.thread_of, list(self.roots)), self._mine(list(self.optimizers))
         if roots or opts:
             self._cats_by_thread[threading.get_ident()] = self._walk_live(roots, opts)
@@ -1063,6 +1070,55 @@ class NativeLabeler(Labeler):
             theirs = {aid: (WEIGHT, ()) for aid in self.nat.block_ids(tensors) if aid >= 0}
             got = {**theirs, **got}
         return got
+
+    def _walk_plan(self):
+        """This thread's walk, kept while nothing it depends on changes (``_version``): each root's
+        modules and the optimizers, as weak references, where this thread runs every one of them
+        (then ``_collect_native``'s preparation, by thread, is this); None otherwise."""
+        me = threading.get_ident()
+        plan = self._plan
+        if plan is not None and plan[0] == (me, self._version):
+            return plan
+        self._plan = None
+        if self._walk is None:
+            return None
+        roots, opts = list(self.roots), list(self.optimizers)
+        get = self.thread_of.get
+        if not (roots or opts) or any(get(o, me) != me for o in roots) or any(get(o, me) != me for o in opts):
+            return None
+        self._trees(roots)  # each root's modules, as weak references, in _subs
+        self._plan = plan = ((me, self._version), [self._subs[id(r)][1] for r in roots],
+                             [weakref.ref(o) for o in opts])
+        return plan
+
+    def _walk_all(self):
+        """(categories, live ids) now: ``_collect_native``'s answer and the live blocks. Where the
+        walk plan holds, one C++ call (``live_walks``) that also does module attribution's walk for
+        this step end or flush (``ModuleTracker.walk_plan``: handed to it by ``took_walk``)."""
+        plan = self._walk_plan()
+        if plan is not None:
+            me = plan[0][0]
+            tracker = getattr(self.s, "modules", None)
+            tplan = tracker.walk_plan(me) if tracker is not None else None
+            mark = self.nat.m.last_alloc_id()
+            try:
+                got = self._walk.live_walks(plan[1], plan[2], _CATEGORY_VALUES,
+                                            tplan[0] if tplan is not None else None,
+                                            tplan[1] if tplan is not None else [], OWNED_CATEGORIES)
+            except Exception:
+                got = None
+            if got is not None and got[0] is not None:
+                cats, owned, live = got
+                self._cats_by_thread[me] = cats
+                if tplan is not None and owned is not None:
+                    tracker.took_walk(me, mark, owned)
+                return all_threads(self._cats_by_thread), live
+            self._plan = None  # a module or optimizer gone, or a walk C++ cannot take: prepared again
+        try:
+            cats = self._collect_native()
+        except Exception:
+            cats = {}
+        return cats, self.nat.live_alloc_ids()
 
     def _walk_live(self, roots, opts):
         if self._walk is not None:
@@ -1111,12 +1167,8 @@ class NativeLabeler(Labeler):
         """The owner of every live block now, from the live objects. Returns (categories, live ids,
         the blocks whose label changed after their MALLOC row got one: written at an earlier flush,
         ids up to ``prev_upto``, or given at a step end since, ``at_step``)."""
-        try:
-            cats = self._collect_native()
-        except Exception:
-            cats = {}
+        cats, live = self._walk_all()
         pool = self.nat.pool
-        live = self.nat.live_alloc_ids()
         owner, at_step = self.owner, self.at_step
         owner_of = self._owner_of
         get_cat = cats.get
