@@ -1074,7 +1074,8 @@ class NativeLabeler(Labeler):
     def _walk_plan(self):
         """This thread's walk, kept while nothing it depends on changes (``_version``): each root's
         modules and the optimizers, as weak references, where this thread runs every one of them
-        (then ``_collect_native``'s preparation, by thread, is this); None otherwise."""
+        (then ``_collect_native``'s preparation, by thread, is this); None otherwise, and
+        ``(key, None, None)`` where the C++ walk could not take it."""
         me = threading.get_ident()
         plan = self._plan
         if plan is not None and plan[0] == (me, self._version):
@@ -1096,7 +1097,7 @@ class NativeLabeler(Labeler):
         walk plan holds, one C++ call (``live_walks``) that also does module attribution's walk for
         this step end or flush (``ModuleTracker.walk_plan``: handed to it by ``took_walk``)."""
         plan = self._walk_plan()
-        if plan is not None:
+        if plan is not None and plan[1] is not None:
             me = plan[0][0]
             tracker = getattr(self.s, "modules", None)
             tplan = tracker.walk_plan(me) if tracker is not None else None
@@ -1113,7 +1114,9 @@ class NativeLabeler(Labeler):
                 if tplan is not None and owned is not None:
                     tracker.took_walk(me, mark, owned)
                 return all_threads(self._cats_by_thread), live
-            self._plan = None  # a module or optimizer gone, or a walk C++ cannot take: prepared again
+            # a module or optimizer gone: prepared again at the next walk; a walk C++ cannot take
+            # (FSDP2, tensor subclasses): this thread's walks are Python's until the plan changes
+            self._plan = None if got is None else (plan[0], None, None)
         try:
             cats = self._collect_native()
         except Exception:
