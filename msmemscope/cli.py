@@ -148,6 +148,7 @@ def main(argv=None) -> int:
                 return error_exit(f"'{argv[0]}' is not available in this build")
             raise
     parser = build_parser()
+    argv = _module_program_after_dashes(parser, argv)
     try:
         ns = parser.parse_args(argv)
         late = []
@@ -224,6 +225,21 @@ def device_unavailable(device):
         if idx and int(idx) >= n:
             return f"--device={device}: this machine has {n} CUDA device(s) (0-{n - 1})"
     return None
+
+
+def _module_program_after_dashes(parser, argv: list[str]) -> list[str]:
+    """``msmemscope [options] -m pkg.mod args``: argparse takes ``-m`` for an option of ours (we have
+    none) and refuses it; the program starts there, as after ``--``. Not where ``-m`` is the value
+    of an option before it (``-o -m``)."""
+    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            break
+        if tok == "-m" and (i == 0 or argv[i - 1] not in takes_value):
+            return argv[:i] + ["--"] + argv[i:]
+        if not tok.startswith("-") and (i == 0 or argv[i - 1] not in takes_value):
+            break  # the program began: its own -m is its own
+    return argv
 
 
 def resolve_command(program: list[str]) -> list[str]:

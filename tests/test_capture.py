@@ -163,6 +163,19 @@ def test_module_and_shell_programs(out_dir, tmp_path):
     r = run_cli(["-o", str(out_dir), "--", "-m", "examples.mlp", "--steps", "1"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert len(run_folders(out_dir)) == 1
+    # as the README shows, without "--" (argparse took -m for an option of ours); the module's own
+    # -m stays its own
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import sys, torch\nx = torch.ones(1000)\nprint(sys.argv[1:], float(x.sum()))\n")
+    plain = subprocess.run([sys.executable, "-m", "pkg", "a", "-m", "b"], cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=300)
+    before = set(run_folders(out_dir))
+    r = run_cli(["-q", "-o", str(out_dir), "-m", "pkg", "a", "-m", "b"], cwd=str(tmp_path))
+    assert r.returncode == plain.returncode == 0 and r.stdout == plain.stdout == "['a', '-m', 'b'] 1000.0\n", r.stderr
+    [new] = set(run_folders(out_dir)) - before
+    check_invariants(read(dump_of(new)))
     sh = tmp_path / "job.sh"
     sh.write_text(f"#!/bin/sh\n{sys.executable} {os.path.join(EXAMPLES, 'mlp.py')} --steps 1\n"
                   f"echo no-torch-here\nexit 7\n")
@@ -170,7 +183,7 @@ def test_module_and_shell_programs(out_dir, tmp_path):
     r = run_cli(["-o", str(out_dir), str(sh)])
     assert r.returncode == 7  # the program's own status
     assert "no-torch-here" in r.stdout
-    assert len(run_folders(out_dir)) == 2  # the python child traced, the shell itself not
+    assert len(run_folders(out_dir)) == 3  # the python child traced, the shell itself not
 
 
 @pytest.mark.skipif(not FULL, reason="long form only (make test-full): make test traces compiled code in test_our_api_inside_a_compiled_training_step_is_called_never_traced, test_modules, test_signals_during_flushes and test_transformers_kv")
