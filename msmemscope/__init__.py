@@ -64,6 +64,9 @@ def _launched() -> bool:
     return bool(os.environ.get("MSMEMSCOPE_OPTIONS"))
 
 
+_OUTPUT_KEYS = ("output", "data_format", "compress", "keep_steps")  # moved together, or not at all
+
+
 def _merge_with_launcher(s, kwargs):
     """Under the ``msmemscope`` launcher, as in the original: the script's config() sets every
     option the command line did not; the command line's own stay. Said in one stderr line."""
@@ -73,7 +76,13 @@ def _merge_with_launcher(s, kwargs):
     cli = {k for k in os.environ.get("MSMEMSCOPE_CLI_SET", "").split(",") if k}
     mine = {k: v for k, v in kwargs.items() if _options.canonical(k) not in cli}
     kept = [k for k in kwargs if k not in mine]
-    opts = _options.build(s.opts, **mine)
+    try:
+        opts = _options.build(s.opts, **mine)
+    except _options.OptionError as e:
+        # valid alone (config() checked them) but not with the command line's: those stay, as the
+        # program untraced would have run on (never an error raised into it by the launcher's options)
+        say(f"[msmemscope] msmemscope.config() in the script: not applied: {e}; the command line's options stay")
+        return s.opts
     before, written = s.opts, s.next_id
     late = s.reconfigure(opts) if mine else []
     if s.started_once and (s.opts.analysis, s.opts.oom_k) != (before.analysis, before.oom_k):
@@ -83,9 +92,13 @@ def _merge_with_launcher(s, kwargs):
         else:
             late.append("analysis (rows were already analysed)")
     _config = s.opts
+    # what reconfigure kept as it was (the output where the dump had begun, or cannot be written)
+    applied = {k: v for k, v in mine.items()
+               if not (late and _options.canonical(k) in _OUTPUT_KEYS
+                       and getattr(s.opts, _options.canonical(k)) == getattr(before, _options.canonical(k)))}
     parts = []
-    if mine:
-        parts.append("applied " + ", ".join(f"{k}={v!r}" for k, v in mine.items()))
+    if applied:
+        parts.append("applied " + ", ".join(f"{k}={v!r}" for k, v in applied.items()))
     if kept:
         parts.append("kept the command line's " + ", ".join(kept))
     if late:

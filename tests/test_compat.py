@@ -557,3 +557,32 @@ def test_a_programs_own_double_dash_reaches_it(tmp_path):
         assert plain.stdout == r.stdout
         for folder in run_folders(tmp_path / f"out{i}"):
             check_invariants(read(dump_of(folder)))
+
+
+@pytest.mark.parametrize("case", ["compress-vs-db", "db-vs-compress", "unwritable-output"])
+def test_a_scripts_config_the_launchers_options_refuse_is_said_not_raised(tmp_path, case):
+    """The script's config() valid alone but not with the command line's options (compress with a
+    db dump), or naming an output that cannot be written (the launcher's dump had begun to be set
+    up there): the program runs as untraced (it raised OptionError, or FileExistsError after the
+    launcher's dump was given up), one stderr line says what was not applied, the dump is where
+    the command line put it."""
+    kw, cli = {"compress-vs-db": ("compress='zstd'", ["--data-format=db"]),
+               "db-vs-compress": ("data_format='db'", ["--compress=zstd"]),
+               "unwritable-output": ("output='/dev/null/x'", [])}[case]
+    prog = tmp_path / "prog.py"
+    prog.write_text("import torch, msmemscope\n"
+                    f"msmemscope.config({kw})\n"
+                    "x = [torch.ones(1000) for _ in range(3)]\n"
+                    "msmemscope.step()\n"
+                    "print('sum', float(sum(t.sum() for t in x)))\n")
+    plain = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    out = ["-o", str(tmp_path / "out")] if cli else []
+    r = run_cli([*out, *cli, str(prog)], cwd=str(tmp_path))
+    assert r.returncode == plain.returncode == 0 and r.stdout == plain.stdout, (r.stderr, plain.stderr)
+    assert "Traceback" not in r.stderr
+    [said] = [ln for ln in r.stderr.splitlines() if "config() in the script" in ln]
+    assert "not applied" in said and "applied " + kw.split("=")[0] not in said.replace("not applied", ""), said
+    [folder] = run_folders(tmp_path / ("out" if cli else "memscopeDumpResults"))
+    df = read(dump_of(folder))
+    check_invariants(df)
+    assert df.filter(pl.col("event") == "MALLOC").height >= 3

@@ -47,6 +47,19 @@ from .source import Flags
 log = logging.getLogger("msmemscope")
 
 
+
+def _cannot_write_under(root: str) -> str:
+    """Why no run folder can be made under ``root`` ("" where one can): its folders made, and a
+    file created and removed there."""
+    try:
+        make_dirs(root)
+        probe = unique_path(os.path.join(root, f".msmemscope_probe_{os.getpid()}"))
+        create_new(probe).close()
+        os.unlink(probe)
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+
 class _LogFile(logging.StreamHandler):
     """The run's log: a new file with our permissions (0o640), never opened through a planted
     symlink (``logging.FileHandler`` appends to whatever is at the path)."""
@@ -258,8 +271,15 @@ class Session:
         old, late = self.opts, []
         moved = ((opts.output, opts.data_format, opts.compress, opts.keep_steps)
                  != (old.output, old.data_format, old.compress, old.keep_steps))
+        keep_output = None
         if moved and (self.next_id > 0 or self.closed):
-            late.append(f"output_path/format/compress/keep_steps (the dump had already begun in {self.folder})")
+            keep_output = f"output_path/format/compress/keep_steps (the dump had already begun in {self.folder})"
+        elif moved and opts.output != old.output:
+            why = _cannot_write_under(opts.output)
+            if why:  # tried before the dump begun here is given up: the run keeps it
+                keep_output = f"output_path {opts.output!r} (cannot write there: {why}; the dump stays in {self.folder})"
+        if keep_output:
+            late.append(keep_output)
             opts = dataclasses.replace(opts, output=old.output, data_format=old.data_format,
                                        compress=old.compress, keep_steps=old.keep_steps)
             moved = False
