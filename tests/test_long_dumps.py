@@ -360,3 +360,46 @@ def test_fluctuation_of_a_bounded_dump_starts_each_step_from_the_true_level(tmp_
     t1, t2 = leaks.replay(leaks._read(src)), leaks.replay(leaks._read(small))
     assert leaks.fluct_json(t1.fluctuation()) == leaks.fluct_json(t2.fluctuation())
     assert leaks.fluctuation(whole) == leaks.fluctuation(cut)
+
+
+def test_a_damaged_frame_loses_only_its_rows_after_the_damage(tmp_path):
+    """A .csv.zst dump damaged inside its second frame (not cut: the frames after it are whole): the
+    readers give every frame but that one, with one warning that says so (before: everything after
+    the damage was dropped and the dump said cut short; check-inefficient raised ZstdError and
+    left a partial annotated copy)."""
+    import warnings
+    from msmemscope.io.reader import DamagedDumpWarning, read_dump
+    from msmemscope.io.writers import ZstdCsvWriter, zstd_frames
+    row = lambda n: ("MALLOC", "PTA", "aten::empty", 1000 + n, 7, "cpu", 0x1000 + n,
+                     (n, 0x1000 + n, 64, 64 * n, 64 * n, ""), None, None)
+    w = ZstdCsvWriter(str(tmp_path / "memscope_dump_1.csv.zst"), 1)
+    n = 0
+    for _ in range(3):  # three frames of 3,000 rows
+        w.write([row(n + i) for i in range(1, 3001)], n + 1, 5)
+        n += 3000
+    w.close()
+    path = w.path
+    with open(path, "rb") as f:
+        frames = zstd_frames(f)
+    assert len(frames) == 4  # the header's, then one per write
+    start, end = frames[2]
+    blob = bytearray(open(path, "rb").read())
+    mid = (start + end) // 2
+    blob[mid:mid + 8] = b"\xff" * 8
+    open(path, "wb").write(bytes(blob))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = read_dump(path)
+    assert [str(c.message) for c in caught if issubclass(c.category, DamagedDumpWarning)], caught
+    ids = df["id"].to_list()
+    assert ids == list(range(1, 3001)) + list(range(6001, 9001))
+    for cmd in (["check-inefficient"], ["check-leaks"], ["export", "--format=perfetto", "-o", str(tmp_path / "t.json")]):
+        r = run_cli([*cmd, path])
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (cmd, r.stderr[-2000:])
+        assert "damaged zstd frame" in r.stderr, (cmd, r.stderr)
+    from msmemscope.analysis.inefficient import write_annotated_copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copy = read_dump(write_annotated_copy(path, {5: "early_allocation", 7000: "late_deallocation"}))
+    assert copy["id"].to_list() == ids  # the annotated copy: every readable row, annotated
+    assert copy.filter(pl.col("attr").str.contains("inefficient_type"))["id"].to_list() == [5, 7000]

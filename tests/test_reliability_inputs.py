@@ -392,3 +392,34 @@ def test_leak_tracker_fluctuation_is_bounded_and_exact():
         assert len(t.gaps.get(("cpu", "PTA"), {})) <= 2
     kept = {**t.gaps[("cpu", "PTA")], **{s: tuple(v) for s, v in t.fluct[("cpu", "PTA")].items()}}
     assert leaks.gap_report({("cpu", "PTA"): kept}) == leaks.gap_report({("cpu", "PTA"): full_minmax})
+
+
+def test_an_output_that_cannot_be_written_leaves_no_part_of_it(tmp_path):
+    """An offline command whose output cannot be written whole (here the file size limit, as a full
+    disk): one line, a non-zero exit, and no part of the file left (before: a truncated trace.json,
+    a 0-byte report, summary or decompose JSON; and the next run, which never overwrites, wrote
+    ``_1``)."""
+    import resource
+    from conftest import EXAMPLES, check_invariants, read
+    r = run_cli(["-q", "-o", str(tmp_path / "run"), os.path.join(EXAMPLES, "mlp.py"), "--steps", "3"])
+    assert r.returncode == 0, r.stderr
+    [folder] = run_folders(tmp_path / "run")
+    check_invariants(read(dump_of(folder)))
+    run_cli(["summary", folder])  # (any companion file a reader keeps beside the dump: made before the limit)
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    for cmd, name in ((["export", "--format=perfetto", "-o"], "trace.json"),
+                      (["export", "--format=memory-snapshot", "-o"], "snap.pickle"),
+                      (["report", "-o"], "report.html"),
+                      (["summary", "--json"], "summary.json"),
+                      (["decompose", "-o"], "decompose.json")):
+        target = str(outs / name)
+        p = subprocess.run([sys.executable, "-m", "msmemscope", *cmd, target, folder], env=env_for_tests(),
+                           capture_output=True, text=True, timeout=300, preexec_fn=limited)
+        assert p.returncode != 0 and "Traceback" not in p.stderr, (cmd, p.stderr[-2000:])
+        assert any("cannot write" in ln for ln in p.stderr.splitlines()), (cmd, p.stderr)
+        assert os.listdir(outs) == [], (cmd, os.listdir(outs))

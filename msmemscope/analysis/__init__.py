@@ -60,7 +60,7 @@ def save_result(folder: str, name: str, result, indent=2) -> str:
 
 
 def _write_text(folder: str, name: str, text: str) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
+    from ..io.files import make_dirs, unique_path, write_new
     key = (os.path.abspath(folder), name)
     path = _OWNED.get(key)
     if path is None:
@@ -69,7 +69,7 @@ def _write_text(folder: str, name: str, text: str) -> str:
     tmp = f"{path}.{os.getpid()}.tmp"
     if os.path.lexists(tmp):
         os.unlink(tmp)  # a stale or planted name: removed, never written through
-    with create_new(tmp) as f:
+    with write_new(tmp) as f:
         f.write(text)
     os.replace(tmp, path)
     _OWNED[key] = path

@@ -605,7 +605,7 @@ def _assemble(da: pl.DataFrame, db: pl.DataFrame, ai: np.ndarray, bi: np.ndarray
 
 
 def write_csv(res: CompareResult, output: str) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
+    from ..io.files import create_new, make_dirs, remove_quietly, unique_path
     from ..io.writers import csv_safe
     make_dirs(os.path.abspath(output))  # a symlink planted at the output root is refused
     folder = make_dirs(os.path.join(os.path.abspath(output), "compare"))
@@ -619,11 +619,15 @@ def write_csv(res: CompareResult, output: str) -> str:
             continue
     else:
         raise OSError(f"cannot create a new file in {folder}")
-    with f:
-        f.write(HEADER.replace("\r\n", "\n").encode())
-        res.table.select(csv_safe("event"), csv_safe("name"), csv_safe("device"),
-                         "base_bytes", "compare_bytes", "diff").write_csv(
-            f, include_header=False, null_value="N/A")
+    try:
+        with f:
+            f.write(HEADER.replace("\r\n", "\n").encode())
+            res.table.select(csv_safe("event"), csv_safe("name"), csv_safe("device"),
+                             "base_bytes", "compare_bytes", "diff").write_csv(
+                f, include_header=False, null_value="N/A")
+    except BaseException:
+        remove_quietly(path)  # no part of a table that could not be written (write_new's rule)
+        raise
     return path
 
 

@@ -790,10 +790,10 @@ def format_table(res: dict) -> str:
 
 
 def write_result(folder: str, res: dict) -> str:
-    from ..io.files import create_new, make_dirs, unique_path
+    from ..io.files import make_dirs, unique_path, write_new
     out_dir = make_dirs(os.path.join(folder, "analysis"))
     path = unique_path(os.path.join(out_dir, "decompose.json"))
-    with create_new(path) as f:
+    with write_new(path) as f:
         json.dump(res, f, indent=1)
     return path
 
@@ -854,7 +854,7 @@ def main(argv) -> int:
     """``msmemscope decompose [--by=owner|module] [--depth=N] [--step=N] [--json] <dump or folder>``:
     print the decomposition of a dump (by owner, or the per-module table), write JSON with -o."""
     from ..cli import UsageError, _Parser, error_exit
-    from ..io.files import create_new, unique_path
+    from ..io.files import unique_path, write_new
     from ..io.reader import DumpError
     from ..io.ranks import find_rank_dumps, heading
     p = _Parser(prog="msmemscope decompose", allow_abbrev=False)
@@ -927,7 +927,7 @@ def main(argv) -> int:
     if a.output:
         path = unique_path(a.output)
         try:
-            with create_new(path) as f:
+            with write_new(path) as f:
                 json.dump(res, f, indent=1)
         except OSError as e:
             return error_exit(f"-o {a.output}: cannot write {path}: {e.strerror or e}")

@@ -721,17 +721,21 @@ def _plain_name(base: str) -> str:
 
 def write_annotated_copy(src: str, marks: dict[int, str]) -> str:
     """A new file beside ``src`` (``inefficient_<name>``; never overwrites): the dump with the annotation."""
-    from ..io.files import create_new, unique_path
+    from ..io.files import remove_quietly, unique_path, write_new
     d, base = os.path.split(src)
     dst = unique_path(os.path.join(d, "inefficient_" + _plain_name(base)))
-    with create_new(dst, binary=True) as out:
+    with write_new(dst, binary=True) as out:
         if _is_db(src):
             with open(src, "rb") as f:
                 shutil.copyfileobj(f, out)
         else:
             annotate_csv(src, out, marks)
     if _is_db(dst):
-        annotate_db(dst, marks)
+        try:
+            annotate_db(dst, marks)
+        except BaseException:
+            remove_quietly(dst)  # no copy without its annotation
+            raise
     return dst
 
 
@@ -752,7 +756,7 @@ def annotate_in_place(path: str, marks: dict[int, str]) -> None:
         with create_new(tmp, binary=True) as out:
             if path.endswith(".csv.zst"):  # --compress=zstd: the annotated dump stays compressed
                 import zstandard
-                with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as z:
+                with zstandard.ZstdCompressor(level=3, write_checksum=True).stream_writer(out, closefd=False) as z:
                     annotate_csv(path, z, marks)
             else:
                 annotate_csv(path, out, marks)

@@ -2,6 +2,7 @@
 planted symlink, private permissions."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 FILE_MODE = 0o640
@@ -94,6 +95,28 @@ def create_new(path: str, binary: bool = False):
         return os.fdopen(fd, "wb")
     # a path that is not UTF-8 (a stack line, a report's title) is written as \\udcff: the file stays UTF-8
     return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="")
+
+
+@contextlib.contextmanager
+def write_new(path: str, binary: bool = False):
+    """``create_new`` for a file written whole at once (a report, an export, a result): where the
+    write fails (a full disk, an error making its content) no part of it stays behind. A
+    truncated file stayed in its place, and the next run, which never overwrites, wrote ``_1``."""
+    f = create_new(path, binary)
+    try:
+        with f:
+            yield f
+    except BaseException:
+        remove_quietly(path)
+        raise
+
+
+def remove_quietly(path: str) -> None:
+    """Remove a file we made, if it is there (no error where it cannot be)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class polars_path:

@@ -38,6 +38,10 @@ CHUNK = 16 << 20              # block size of the streaming line scan
 from .errors import DumpError  # noqa: E402,F401  (re-exported: callers import it from here)
 
 
+class DamagedDumpWarning(UserWarning):
+    """A part of the dump could not be read (a damaged zstd frame) and was skipped."""
+
+
 class TruncatedDumpWarning(UserWarning):
     pass
 
@@ -208,9 +212,83 @@ def open_text(path: str, end: int | None = None):
         f.close()
         raise DumpError(f"{path}: a zstd-compressed dump; reading it needs the zstandard package "
                         "(pip install zstandard)") from None
-    import io as _io
-    return _io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True,
-                                                                         closefd=True), 1 << 20)
+    return io.BufferedReader(ZstdFrames(f, path, zstandard), 1 << 20)
+
+
+class ZstdFrames(io.RawIOBase):
+    """The text of a ``.csv.zst`` dump, frame after frame (a frame per flush, each whole rows). A
+    frame that cannot be decompressed (damaged in the middle of the file) is skipped whole, and the
+    dump is read on from the next frame's magic number, with one warning: only that frame's rows
+    are lost (docs/long-runs.md). Before, the stream stopped there, every later frame was dropped,
+    and the readers said the dump was cut short. A frame cut short by the end of the file (a killed
+    run) gives its text up to the cut."""
+
+    def __init__(self, f, path: str, zstandard):
+        self._f, self._path, self._z = f, path, zstandard
+        self._rest = b""   # compressed bytes read and not yet decompressed
+        self._out = b""    # text ready to be read
+        self._done = False
+        self.damaged = 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while not self._out and not self._done:
+            self._out = self._frame()
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _more(self) -> bytes:
+        return self._f.read(1 << 20)
+
+    def _frame(self) -> bytes:
+        """The next frame's text (b"" and ``_done`` at the end)."""
+        d = self._z.ZstdDecompressor().decompressobj()
+        seen, parts = [], []  # the frame's compressed bytes (to look past it if damaged), its text
+        data = self._rest or self._more()
+        self._rest = b""
+        while data:
+            seen.append(data)
+            try:
+                parts.append(d.decompress(data))
+            except self._z.ZstdError:
+                # none of its text: zstd finds a damage late (the frame's checksum, at its end), and
+                # what it gave before may already be wrong (rows repeated, ids that cannot be true)
+                self._skip(b"".join(seen))
+                return b""
+            if d.eof:
+                self._rest = d.unused_data
+                return b"".join(parts)
+            data = self._more()
+        self._done = True  # the file ended (inside this frame: cut short, its text up to the cut)
+        return b"".join(parts)
+
+    def _skip(self, frame: bytes):
+        """Past a damaged frame: on from the next frame's magic number after its start."""
+        if not self.damaged:
+            warnings.warn(f"{self._path}: a damaged zstd frame: its rows are skipped, the dump is read on "
+                          f"from the next frame", DamagedDumpWarning, stacklevel=2)
+        self.damaged += 1
+        buf, start = frame, 1  # (not the damaged frame's own magic number)
+        while True:
+            i = buf.find(ZSTD_MAGIC, start)
+            if i >= 0:
+                self._rest = buf[i:]
+                return
+            more = self._more()
+            if not more:
+                self._done = True
+                return
+            buf, start = buf[-3:] + more, 0  # (a magic number across two reads)
+
+    def close(self):
+        try:
+            self._f.close()
+        finally:
+            super().close()
 
 
 def _unzstd(path: str, end: int | None = None) -> bytes:

@@ -230,7 +230,7 @@ class ZstdCsvWriter(CsvWriter):
         import zstandard
         self.path = path
         self.level = level
-        self._z = zstandard.ZstdCompressor(level=level)
+        self._z = zstandard.ZstdCompressor(level=level, write_checksum=True)  # a damaged frame is found, not read as rows
         self._f = create_new(path, binary=True)
         self._esc = {}
         self.columns = None
@@ -245,7 +245,7 @@ class ZstdCsvWriter(CsvWriter):
         w._esc = {}
         w.columns = None
         w.level = level
-        w._z = zstandard.ZstdCompressor(level=level)
+        w._z = zstandard.ZstdCompressor(level=level, write_checksum=True)
         return w
 
     def reopen(self) -> "ZstdCsvWriter":

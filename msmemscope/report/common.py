@@ -7,7 +7,7 @@ import warnings
 
 import polars as pl
 
-from ..io.reader import DEFAULT_COLUMNS, DumpError, TruncatedDumpWarning, find_dumps, read_dump, read_dump_batched
+from ..io.reader import DEFAULT_COLUMNS, DamagedDumpWarning, DumpError, TruncatedDumpWarning, find_dumps, read_dump, read_dump_batched
 
 
 class ReportError(Exception):
@@ -57,6 +57,7 @@ def read_all(dumps: list[str], batched: bool = False) -> pl.DataFrame:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         warnings.simplefilter("default", TruncatedDumpWarning)  # a dump cut short is said, once
+        warnings.simplefilter("default", DamagedDumpWarning)    # and one with a frame skipped
         for d in dumps:
             try:
                 frames.append(read_dump_batched(d, columns=REPORT_COLUMNS) if batched

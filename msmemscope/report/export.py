@@ -282,16 +282,16 @@ def export(path: str, fmt: str, output: str | None = None, step: int | None = No
                    else f"msmemscope_trace{suffix}.json")
         target = check_output(output or os.path.join(base, default))
         p.stage("converting")
-        from ..io.files import create_new
+        from ..io.files import write_new
         try:
             if fmt == "memory-snapshot":
                 snap = memory_snapshot(df)
                 p.stage("writing")
-                with create_new(target, binary=True) as f:
+                with write_new(target, binary=True) as f:
                     pickle.dump(snap, f, protocol=4)
             else:
                 p.stage("writing")
-                with create_new(target) as f:
+                with write_new(target) as f:
                     write_perfetto(df, f, ", ".join(os.path.abspath(d) for d in dumps))
         except OSError as e:
             raise ReportError(f"cannot write {target}: {e.strerror or e}") from None

@@ -361,9 +361,9 @@ def default_output(path: str, folder: str | None) -> str:
 
 
 def _write(target: str, text: str) -> str:
-    from ..io.files import create_new
+    from ..io.files import write_new
     try:
-        with create_new(target) as f:
+        with write_new(target) as f:
             f.write(text)
     except OSError as e:
         raise ReportError(f"cannot write {target}: {e.strerror or e}") from None

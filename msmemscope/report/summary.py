@@ -692,10 +692,10 @@ def main(argv) -> int:
         return error_exit(str(s["ranks"][0]["error"]))
     print_summary(s)
     if ns.json_out:
-        from ..io.files import create_new, unique_path
+        from ..io.files import unique_path, write_new
         path = unique_path(ns.json_out)
         try:
-            with create_new(path) as f:
+            with write_new(path) as f:
                 json.dump(s, f, indent=1, default=str)
         except OSError as e:
             return error_exit(f"--json: cannot write {path}: {e.strerror}")
