@@ -58,6 +58,11 @@ def test_version_and_help():
     assert r.returncode == 0 and r.stdout.startswith("msmemscope ")
     r = run_cli(["--help"])
     assert r.returncode == 0 and "--analysis" in r.stdout and "--watch" in r.stdout
+    from msmemscope.cli import SUBCOMMANDS
+    for sub in SUBCOMMANDS:  # every subcommand has its help (show took --help for a path)
+        for flag in ("-h", "--help"):
+            r = run_cli([sub, flag])
+            assert r.returncode == 0 and r.stdout.startswith("usage: msmemscope") and not r.stderr, (sub, flag, r)
 
 
 def test_config_rejects_bad_values():

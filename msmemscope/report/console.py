@@ -143,6 +143,10 @@ def _width():
 def main(argv) -> int:
     """``msmemscope show <folder-or-dump>``: print the summary of a dump. A dump that cannot be
     read is an error (one line, exit 2); a dump cut short is read with a warning."""
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: msmemscope show <output-folder-or-dump>\n\n" + main.__doc__.split("\n\n")[0].split(": ", 1)[1]
+              .replace("\n    ", " "))
+        return 0
     if len(argv) != 1:
         print("msmemscope: error: show takes one path: msmemscope show <output-folder-or-dump>", file=sys.stderr)
         return 2
