@@ -418,10 +418,16 @@ class ModuleTable:
     per module path and each of its ancestors (the module with its submodules), per column, the
     bytes live at the moment of the step's peak (``at_peak``) and the most held at once during the
     step (``held``); ``forward_peak`` / ``backward_peak``: the most bytes in use (the device's
-    ``used``) at an allocation made in its forward / backward. Rows of the device's ``PTA`` pool."""
+    ``used``) at an allocation made in its forward / backward. Rows of the device's ``PTA`` pool.
 
-    def __init__(self, step=None):
+    ``summarised``: a bounded dump's summarised steps, (device, step) -> (the step's peak over every
+    row, dropped ones included; the bytes in use at its end), from their STEP_SUMMARY rows: the step
+    is chosen by that peak, as the full dump's would be, and its table says ``summarised`` (its
+    bytes by module are those of its kept rows)."""
+
+    def __init__(self, step=None, summarised=None):
         self.want = step
+        self.summarised = summarised or {}
         self.last_step = 0    # the last step ended (the rows after it are the next)
         self.blocks = {}      # alloc_id -> (dev, prefixes, column, size, the device's peak count at its MALLOC)
         self.peaks = {}       # dev -> how many times its peak moved (a new peak, a new step)
@@ -518,10 +524,18 @@ class ModuleTable:
 
     def end_step(self, step):
         step = self._numbered(step)
-        for dev in sorted({d for d, _, _ in self.cur} | set(self.peak)):
+        summ = {d: v for (d, s), v in self.summarised.items() if s == step} if self.summarised else {}
+        for dev in sorted({d for d, _, _ in self.cur} | set(self.peak) | set(summ)):
             peak = self.peak.get(dev)
+            sm = summ.get(dev)
+            if sm is not None and sm[0] is not None:
+                peak = sm[0] if peak is None else max(peak, sm[0])
             if self._keeps(dev, step, peak):
                 self.best[dev] = self._table(dev, step, peak)
+                if sm is not None:
+                    self.best[dev]["summarised"] = True
+            if sm is not None and sm[1] is not None:
+                self.used[dev] = sm[1]  # the level the next step starts from (its last row may be dropped)
         for dev in self.peak:
             self.peak[dev] = self.used.get(dev, 0)
             self.peaks[dev] = self.peaks.get(dev, 0) + 1  # the live blocks were live at the new step's start
@@ -690,7 +704,7 @@ def module_table(df, step=None) -> dict:
                      | ((pl.col("event") == Event.SYSTEM) & pl.col("event_type").is_in([System.STEP, OWNER_ROW])))
     rows = rows.with_columns(stepno=pl.when(pl.col("event_type") == System.STEP).then(pl.col("attr"))
                              .str.extract(r'"?step"?\s*:\s*(\d+)', 1).cast(pl.Int64, strict=False))
-    t = ModuleTable(step)
+    t = ModuleTable(step, _summarised_steps(df))
     pending = False
     for ev, et, dev, aid, size, owner, module, phase, used, stepno in rows.select(
             "event", "event_type", "device", "alloc_id", "size", "owner", "module", "phase", "used",
@@ -711,6 +725,27 @@ def module_table(df, step=None) -> dict:
     return t.result()
 
 
+def _summarised_steps(df) -> dict:
+    """(device, step) -> (peak, bytes in use at the end) of the PTA pool in each summarised step of
+    a bounded dump (``io.bounded.step_peaks``, the STEP_SUMMARY rows' ``used_end``); {} for others."""
+    import polars as pl
+    if "attr" not in df.columns or not (df["event_type"] == System.STEP_SUMMARY).any():
+        return {}
+    from ..io.bounded import step_peaks, summaries
+    if "step" not in df.columns:  # the reader's step: 1 + STEP rows before
+        is_step = ((pl.col("event") == Event.SYSTEM) & (pl.col("event_type") == System.STEP)).cast(pl.Int64)
+        df = df.sort("id").with_columns(step=is_step.cum_sum() - is_step + 1)
+    mem = df.filter(pl.col("event").is_in([Event.MALLOC, Event.FREE]) & (pl.col("event_type") == "PTA"))
+    per = step_peaks(df, mem).filter(pl.col("summarised") & (pl.col("event_type") == "PTA"))
+    out = {(dev, step): [peak, None] for step, dev, _, peak, _, _ in per.iter_rows()}
+    for step, a in summaries(df):
+        for k, v in (a.get("used_end") or {}).items() if isinstance(a.get("used_end"), dict) else ():
+            dev, _, pool = str(k).rpartition("/")
+            if pool == "PTA" and type(v) is int:
+                out.setdefault((dev, step), [None, None])[1] = v
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def fold_depth(table: dict, depth: int) -> list:
     """The modules of a device's table down to ``depth`` (root = 1), sorted by what they hold at the peak."""
     return [r for r in table["modules"] if r["depth"] <= depth]
@@ -723,6 +758,9 @@ def format_modules(res: dict, depth: int = 2, top: int | None = None) -> str:
     for dev, t in res.items():
         lines.append(f"[msmemscope] memory by module, device {dev}, at the peak of step {t['step']} "
                      f"({t['peak'] / 1048576:.3f} MB; MB, a module with its submodules)")
+        if t.get("summarised"):
+            lines.append(f"  step {t['step']} is summarised in this bounded dump (--keep-steps): its peak is its "
+                         f"STEP_SUMMARY row's; the bytes by module are those of its kept rows only")
         lines.append(f"  {'module':<40} {'params':>9} {'grads':>9} {'opt':>9} {'activ':>9} {'temp':>9} "
                      f"{'other':>9} {'at peak':>9} {'fwd peak':>9} {'bwd peak':>9}")
         rows = fold_depth(t, depth)

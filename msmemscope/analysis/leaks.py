@@ -48,6 +48,11 @@ class MarkError(ValueError):
     """The marks needed by the A/B/C rule are missing (message says which, and how many were found)."""
 
 
+class SummarisedMarksError(MarkError):
+    """The marks A to C fall in summarised steps of a bounded dump (``--keep-steps``): the blocks
+    born and freed inside those steps were dropped, so the A/B/C rule cannot be judged there."""
+
+
 def pool_title(pool) -> str:
     return POOL_TITLES.get(pool, f"{pool} memory pool")
 
@@ -900,6 +905,23 @@ def leaks_between(df, a_id: int, b_id: int, c_id: int) -> list[dict]:
     return _records(df, leaked)
 
 
+def _summarised_between(df, a_id: int, c_id: int) -> str | None:
+    """Where the rows from ID ``a_id`` to ``c_id`` lie in summarised steps of a bounded dump: the
+    words for them ("summarised step 2 of this bounded dump (--keep-steps)"), else None."""
+    from ..io.bounded import summarised_steps
+    summ = summarised_steps(df)
+    if not summ:
+        return None
+    pl = _pl()
+    lo, hi = (df.filter(pl.col("id").is_in([a_id, c_id]))
+              .select(lo=pl.col("step").min(), hi=pl.col("step").max()).row(0))
+    hit = [s for s in summ if lo is not None and lo <= s <= hi]
+    if not hit:
+        return None
+    steps = f"step {hit[0]}" if len(hit) == 1 else f"steps {', '.join(map(str, hit))}"
+    return f"summarised {steps} of this bounded dump (--keep-steps)"
+
+
 def check_leaks(input_path, mstx_info, start_index=0, out=None):
     """SPEC §4.2: take the Mark rows whose message equals ``mstx_info``, in ID order; A = marks[start_index],
     B and C the next two. Blocks allocated between A and B and not freed before C are leaks.
@@ -907,7 +929,10 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
     ``input_path``: a CSV or db dump (ours or the original's) or an output folder. Prints the report
     (to ``out``, default stdout) and returns the leaked blocks as dicts: device, pool, addr, address,
     size, id, alloc_id, op, python (and dump when a folder held several dumps).
-    Raises ``DumpError`` (unreadable input) or ``MarkError`` (fewer than three matching marks)."""
+    Raises ``DumpError`` (unreadable input) or ``MarkError`` (fewer than three matching marks; its
+    ``SummarisedMarksError`` where the marks fall in summarised steps of a bounded dump, whose rows
+    were dropped: the check cannot tell, docs/long-runs.md). A folder of several dumps skips such a
+    dump with a line saying so."""
     from ..io.reader import find_dumps
     out = sys.stdout if out is None else out
     if isinstance(start_index, bool) or not isinstance(start_index, int) or start_index < 0:
@@ -919,7 +944,7 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
             raise MarkError(f"start_index must be >= 0, not {start_index}")
     input_path = os.fspath(input_path)
     dumps = find_dumps(input_path)
-    results, errors, reports = [], [], []
+    results, errors, reports, cut_off = [], [], [], 0
     for d in dumps:
         df = _read(d)
         marks = find_marks(df, str(mstx_info))
@@ -928,6 +953,15 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
                           f"{start_index} needs at least {start_index + 3} (marks A, B, C)")
             continue
         a, b, c = marks[start_index:start_index + 3]
+        from ..io.bounded import kept_whole
+        cut = _summarised_between(df, a, c)
+        if cut:
+            errors.append(f"{d}: marks '{mstx_info}' A (ID {a}) to C (ID {c}) fall in {cut}; the blocks born and "
+                          f"freed inside a summarised step were dropped, so the check cannot tell whether "
+                          f"anything leaked (steps kept whole: {kept_whole(df)}; choose marks there, or trace "
+                          f"without --keep-steps)")
+            cut_off += 1
+            continue
         leaks = leaks_between(df, a, b, c)
         if len(dumps) > 1:
             for lk in leaks:
@@ -937,7 +971,8 @@ def check_leaks(input_path, mstx_info, start_index=0, out=None):
         reports.append(head)
         reports.extend(leak_report(leaks) or ["====== No memory leaks detected ======"])
     if errors and not reports:
-        raise MarkError(errors[0] if len(errors) == 1 else "; ".join(errors))
+        kind = SummarisedMarksError if cut_off == len(errors) else MarkError
+        raise kind(errors[0] if len(errors) == 1 else "; ".join(errors))
     for e in errors:
         reports.append(f"msmemscope: skipped {e}")
     print("\n".join(reports), file=out)

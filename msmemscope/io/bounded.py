@@ -330,3 +330,116 @@ def rewrite(src: str, dst: str, keep_steps: int, compress: str = "none", data_fo
             out.write(batch, ids[0], int(pid), c_syms, ids)
     out.close()
     return out.path
+
+
+# ------------------------------------------------------------------ reading a bounded dump's summaries
+def summaries(df) -> list[tuple[int, dict]]:
+    """A bounded dump's ``STEP_SUMMARY`` rows as (step, Attr object), in dump order, from a reader
+    frame whose ``attr`` column holds their text (none without that column or without such rows).
+    The step is the row's ``step`` (the reader's, 1 + STEP rows before it), else its Attr's."""
+    import polars as pl
+    from .validate import attr_object
+    if "attr" not in df.columns or "event_type" not in df.columns:
+        return []
+    cols = ["attr"] + (["step"] if "step" in df.columns else [])
+    rows = df.filter(pl.col("event_type") == System.STEP_SUMMARY).select(cols)
+    out = []
+    for r in rows.iter_rows():
+        a = attr_object(r[0])
+        step = r[1] if len(r) > 1 and type(r[1]) is int else a.get("step")
+        if type(step) is int:
+            out.append((step, a))
+    return out
+
+
+def summarised_steps(df) -> list[int]:
+    """The steps of a bounded dump kept in summary (its STEP_SUMMARY rows' steps), in order."""
+    return sorted({s for s, _ in summaries(df)})
+
+
+def _pool_values(obj, pick):
+    """(device, pool, value) of a summary's per-pool map ``{"<device>/<pool>": v}``, ``pick(v)`` an
+    int or None."""
+    for k, v in (obj.items() if isinstance(obj, dict) else ()):
+        dev, _, pool = str(k).rpartition("/")
+        n = pick(v)
+        if type(n) is int:
+            yield dev, pool, n
+
+
+def step_peaks(df, mem=None):
+    """Per (step, device, pool) the peak of bytes in use (``peak``) and of bytes reserved
+    (``reserved``), null where no row says, over every row of the step: the most ``used`` / ``total``
+    of its MALLOC and FREE rows and, for a summarised step of a bounded dump, its STEP_SUMMARY
+    row's ``used_range`` maximum and ``total_max`` (the step's rows the writer dropped included);
+    ``summarised``: the step is one. THE peak per step of every reader (the run's exit summary,
+    ``show``, ``summary``, the HTML report, ``decompose --by=module``'s choice of step).
+
+    ``df``: a reader frame (its STEP_SUMMARY rows with their ``attr`` text, where the dump has them);
+    ``mem``: its MALLOC/FREE rows with ``used`` filled in where the caller fills it (default: those of
+    ``df``, a missing ``used`` as the running sum of sizes per device and pool). Columns: step, device,
+    event_type, peak, reserved, summarised; sorted by step, device, event_type."""
+    import polars as pl
+    if mem is None:
+        mem = df.filter(pl.col("event").is_in(["MALLOC", "FREE"]))
+        if mem.height and mem["used"].null_count():
+            delta = pl.when(pl.col("event") == "MALLOC").then(pl.col("size")).otherwise(-pl.col("size"))
+            mem = (mem.sort("id").with_columns(_run=delta.fill_null(0).cum_sum().over("device", "event_type"))
+                   .with_columns(used=pl.coalesce("used", "_run")).drop("_run"))
+    schema = {"step": pl.Int64, "device": pl.String, "event_type": pl.String, "peak": pl.Int64,
+              "reserved": pl.Int64}
+    total = pl.col("total") if "total" in mem.columns else pl.lit(None)
+    rows = (mem
+            .select(pl.col("step").cast(pl.Int64), pl.col("device").cast(pl.String),
+                    pl.col("event_type").cast(pl.String), peak=pl.col("used").cast(pl.Int64),
+                    reserved=total.cast(pl.Int64)))
+    sums = summaries(df)
+    extra = []
+    for step, a in sums:
+        rsv = {(d, p): n for d, p, n in _pool_values(a.get("total_max"), lambda v: v)}
+        used = {(d, p): n for d, p, n in _pool_values(
+            a.get("used_range"), lambda v: v[1] if isinstance(v, list) and len(v) == 2 else None)}
+        for k in used.keys() | rsv.keys():
+            extra.append((step, k[0], k[1], used.get(k), rsv.get(k)))
+    if extra:
+        rows = pl.concat([rows, pl.DataFrame(extra, schema=schema, orient="row")])
+    summ = sorted({s for s, _ in sums})
+    return (rows.group_by("step", "device", "event_type")
+            .agg(pl.col("peak").max(), pl.col("reserved").max())
+            .with_columns(summarised=pl.col("step").is_in(summ))
+            .sort("step", "device", "event_type"))
+
+
+def peaks(df, mem=None) -> list[dict]:
+    """Per (device, pool), from ``step_peaks``: the run's peak of bytes in use (``peak``), the first
+    step that reached it (``step``) and whether that step is summarised (``summarised``: the rows
+    at the peak were dropped), and the peak of bytes reserved (``reserved``, None where no row says)."""
+    per = step_peaks(df, mem)
+    out = {}
+    for step, dev, pool, peak, rsv, summ in per.iter_rows():
+        p = out.get((dev, pool))
+        if p is None:
+            p = out[(dev, pool)] = {"device": dev, "pool": pool, "peak": peak, "step": step,
+                                    "summarised": summ, "reserved": rsv}
+            continue
+        if peak is not None and (p["peak"] is None or peak > p["peak"]):
+            p.update(peak=peak, step=step, summarised=summ)
+        if rsv is not None and (p["reserved"] is None or rsv > p["reserved"]):
+            p["reserved"] = rsv
+    return [out[k] for k in sorted(out)]
+
+
+def kept_whole(df) -> str:
+    """The steps of a bounded dump kept whole (every row), as ranges: ``"1-3, 7, 12-13"``."""
+    import polars as pl
+    summ = set(summarised_steps(df))
+    last = int(df.select(pl.col("step").max()).item() or 1) if "step" in df.columns else 1
+    whole = [s for s in range(1, last + 1) if s not in summ]
+    parts, i = [], 0
+    while i < len(whole):
+        j = i
+        while j + 1 < len(whole) and whole[j + 1] == whole[j] + 1:
+            j += 1
+        parts.append(str(whole[i]) if i == j else f"{whole[i]}-{whole[j]}")
+        i = j + 1
+    return ", ".join(parts) or "none"

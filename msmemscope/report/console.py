@@ -16,9 +16,11 @@ def mb(n) -> str:
 
 def dump_summary(df: pl.DataFrame) -> dict:
     """Numbers a person wants first: steps, events, peak allocated per device, biggest allocators."""
+    from ..io.bounded import peaks as run_peaks
     mem = with_used(df.filter(pl.col("event").is_in(["MALLOC", "FREE"])))
-    peaks = (mem.group_by("device", "event_type").agg(peak=pl.col("used").max())
-             .sort("device", "event_type").to_dicts()) if mem.height else []
+    # a bounded dump's summarised step: its peak may be in a row it dropped (its STEP_SUMMARY says)
+    peaks = [{"device": p["device"], "event_type": p["pool"], "peak": p["peak"], "step": p["step"],
+              "summarised": p["summarised"]} for p in run_peaks(df, mem)]
     mallocs = df.filter(pl.col("event") == "MALLOC")
     frees = set(df.filter(pl.col("event") == "FREE")["alloc_id"].to_list())
     live = mallocs.filter(~pl.col("alloc_id").is_in(list(frees)))
@@ -115,16 +117,24 @@ def summary_tables(df: pl.DataFrame, s: dict | None = None):
         top.add_column(c, justify="left" if c == "op" else "right")
     for t in s["top_ops"]:
         top.add_row(str(t["name"] or "N/A").replace("torch._ops.", ""), mb(t["bytes"]), str(t["count"]))
+    from ..io.bounded import step_peaks
     mem = with_used(df.filter(pl.col("event").is_in(["MALLOC", "FREE"])))
-    steps = Table(title="Per step", title_justify="left")
+    per = step_peaks(df, mem)
+    summarised = per["summarised"].any() if per.height else False
+    steps = Table(title="Per step" + (" (* summarised: peak from its STEP_SUMMARY row, "
+                                      "allocs and frees of its kept rows)" if summarised else ""),
+                  title_justify="left")
     for c in ("step", "device", "pool", "peak", "allocs", "frees"):
         steps.add_column(c, justify="right" if c in ("peak", "allocs", "frees", "step") else "left")
-    if mem.height:
-        per = (mem.group_by("step", "device", "event_type")
-               .agg(peak=pl.col("used").max(), allocs=(pl.col("event") == "MALLOC").sum(),
-                    frees=(pl.col("event") == "FREE").sum()).sort("step", "device", "event_type"))
-        for st, dev, pool, peak, na, nf in per.iter_rows():
-            steps.add_row(str(st), str(dev), str(pool), mb(peak), str(na), str(nf))
+    if per.height:
+        counts = (mem.group_by(pl.col("step").cast(pl.Int64), pl.col("device").cast(pl.String),
+                               pl.col("event_type").cast(pl.String))
+                  .agg(allocs=(pl.col("event") == "MALLOC").sum(), frees=(pl.col("event") == "FREE").sum()))
+        per = (per.join(counts, on=["step", "device", "event_type"], how="left")
+               .with_columns(pl.col("allocs", "frees").fill_null(0)).sort("step", "device", "event_type"))
+        for st, dev, pool, peak, summ, na, nf in per.select("step", "device", "event_type", "peak", "summarised",
+                                                            "allocs", "frees").iter_rows():
+            steps.add_row(f"{st}{'*' if summ else ''}", str(dev), str(pool), mb(peak), str(na), str(nf))
     return [peaks, top, steps]
 
 

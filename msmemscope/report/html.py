@@ -129,6 +129,10 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         has = pl.col("attr").str.contains('"module":', literal=True)
         if df.select(has.any()).item():
             df = df.with_columns(module=pl.when(has).then(pl.col("attr").str.extract(r'"module":"([^"]*)"', 1)))
+    # a bounded dump's STEP_SUMMARY rows (with their Attr): a summarised step's peak may be in a
+    # row the writer dropped (io.bounded.step_peaks)
+    summ = (df.filter(pl.col("event_type") == "STEP_SUMMARY").select("event_type", "step", "attr")
+            if "attr" in df.columns else None)
     # the text columns no view reads: dropped before the frame is copied by the steps below
     df = with_op(df.drop([c for c in ("attr", "c_stack", "ptr") if c in df.columns]))
     # the text columns the views group, join and filter on, as categoricals: each row holds a
@@ -174,6 +178,10 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         parts = sorted(mem.partition_by(["device", "event_type"], as_dict=True).items(),
                        key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
     total_events = max(1, mem.height)
+    step_peaks = None
+    if summ is not None and summ.height:
+        from ..io.bounded import step_peaks as _step_peaks
+        step_peaks = _step_peaks(summ, mem.select("event", "step", "device", "event_type", "used", "total"))
     series = []
     for (dev, pool), part in parts:
         m, names, by = views.layer_frame(part, owners)
@@ -188,13 +196,17 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                   "peak_op": pk["op"], "peak_reserved": int(tot.max()) if tot.len() else None,
                   "events": part.height, "first_t": us(m["ts"].min()), "last_t": us(m["ts"].max())})
         s["peak_layers"] = [v[0] for v in index.at([peak_i])]
+        s["peak_summarised"] = False
+        if step_peaks is not None:
+            _summarised_peak(s, step_peaks, step_rows_df, us)
         # the step ends as rows of this series: the last MALLOC/FREE row at or before each STEP row
         ids = m["id"].to_numpy()
         step_rows = [(int(st), int(np.searchsorted(ids, rid, side="right")) - 1)
                      for rid, st, _ in step_rows_df.iter_rows()]
         stage("live blocks")
         s["live"] = views.live(m, names, by, t0, peak_i, step_rows)
-        s["peak_line"] = _peak_line(m, peak_i)
+        if not s["peak_summarised"]:
+            s["peak_line"] = _peak_line(m, peak_i)
         series.append(s)
     # the main series: the one with the largest peak (the live view opens on it)
     # (an allocator's pool before the driver segments it sits in: the original's HAL rows)
@@ -238,6 +250,11 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
                 free_bytes=pl.when(~pl.col("m")).then(pl.col("size")).otherwise(0).sum())
            .select("step", "device", "event_type", "peak", "allocs", "frees", "alloc_bytes", "free_bytes")
            .sort("step", "device", "event_type"))
+    if step_peaks is not None:  # a summarised step's peak, from its STEP_SUMMARY row
+        keys = ["step", "device", "event_type"]
+        sp = step_peaks.select(*(pl.col(k).cast(per.schema[k]) for k in keys), _sp="peak")
+        per = (per.join(sp, on=keys, how="left")
+               .with_columns(peak=pl.max_horizontal("peak", "_sp")).drop("_sp"))
     step_ops = (df.filter((pl.col("event") == "OP_LAUNCH") & (pl.col("event_type") == "ATEN_START"))
                 .group_by("step").agg(ops=pl.len()))
     per = per.join(step_ops, on="step", how="left").with_columns(pl.col("ops").fill_null(0))
@@ -269,13 +286,19 @@ def build_frame(df: pl.DataFrame, dumps: list[str], folder: str | None, buckets:
         made = ", ".join(f"{n} {human_bytes(v)}" for n, v in sorted(zip(s["layers"], s["peak_layers"]),
                                                                      key=lambda kv: -kv[1]) if v > 0)[:400]
         ctx["peak"] = {"kind": "peak", "severity": 2, "at": s["peak_t"], "line": s["peak_line"],
-                       "text": f"Peak: {human_bytes(s['peak'])} allocated on {s['device']} {s['pool']} at "
+                       "text": f"Peak: {human_bytes(s['peak'])} allocated on {s['device']} {s['pool']} "
+                               f"(step {s['peak_step']}, a summarised step of this bounded dump: the rows at its "
+                               f"peak were dropped, its STEP_SUMMARY row gives the bytes; trace that step whole "
+                               f"to see when and of what it was made)."
+                       if s["peak_summarised"] else
+                               f"Peak: {human_bytes(s['peak'])} allocated on {s['device']} {s['pool']} at "
                                f"{views.human_time(s['peak_t'])} (step {s['peak_step']})"
                                + (f", in {s['peak_op']}" if s["peak_op"] else "")
                                + (f" at {views.pretty_line(s['peak_line'])}" if s["peak_line"] else "")
                                + (f"; made of {made}" if made else "") + ".",
                        "raw": {"device": s["device"], "pool": s["pool"], "peak_bytes": s["peak"],
-                               "layers": dict(zip(s["layers"], s["peak_layers"]))}}
+                               "step": s["peak_step"], "summarised": s["peak_summarised"],
+                               "layers": {} if s["peak_summarised"] else dict(zip(s["layers"], s["peak_layers"]))}}
     for s in series:
         if s["peak_reserved"] and s["peak_reserved"] > s["peak"] * 1.2 and s["peak_reserved"] - s["peak"] > (1 << 20):
             gap = s["peak_reserved"] - s["peak"]
@@ -318,6 +341,23 @@ def _freed(ids: pl.Series, freed: pl.Series) -> pl.Series:
         table[freed.drop_nulls().to_numpy()] = True
         return pl.Series(table[ids.fill_null(hi + 1).to_numpy()])
     return ids.is_in(freed.drop_nulls().unique().implode()).fill_null(False)
+
+
+def _summarised_peak(s: dict, step_peaks: pl.DataFrame, step_rows_df: pl.DataFrame, us) -> None:
+    """A series' peak (``s``) where a summarised step of a bounded dump went higher than its kept
+    rows (its STEP_SUMMARY row says): the peak, its step, that step's end as its time, the
+    reserved peak; the op and line at the peak are not known (their rows were dropped)."""
+    mine = step_peaks.filter((pl.col("device") == s["device"]) & (pl.col("event_type") == s["pool"]))
+    rsv = mine["reserved"].max()
+    if rsv is not None and (s["peak_reserved"] is None or rsv > s["peak_reserved"]):
+        s["peak_reserved"] = int(rsv)
+    top = mine.filter(pl.col("peak").is_not_null()).sort("peak", "step", descending=[True, False]).head(1)
+    if not top.height or top["peak"][0] <= s["peak"] or not top["summarised"][0]:
+        return
+    step = int(top["step"][0])
+    end = step_rows_df.filter(pl.col("step") == step)["ts"]
+    s.update({"peak": int(top["peak"][0]), "peak_step": step, "peak_op": None, "peak_line": None,
+              "peak_summarised": True, "peak_t": us(end[0]) if end.len() else s["last_t"]})
 
 
 def _peak_line(m: pl.DataFrame, i: int):
@@ -437,7 +477,8 @@ def write_rank_report(root: str, rds, output: str | None = None) -> str:
                           "peak_t": main["peak_t"] if main else None,
                           "device": main["device"] if main else None, "pool": main["pool"] if main else None,
                           "peak_reserved": main["peak_reserved"] if main else None,
-                          "layers": dict(zip(main["layers"], main["peak_layers"])) if main else {},
+                          "layers": dict(zip(main["layers"], main["peak_layers"]))
+                          if main and not main["peak_summarised"] else {},
                           "events": data["summary"]["events"], "steps": data["summary"]["steps"],
                           "t": lvl["t"] if lvl else [], "hi": lvl["hi"] if lvl else [],
                           "progress": _step_progress(lvl["t"], data["steps"]) if lvl else [],

@@ -68,43 +68,16 @@ def load_columns(path: str):
 
 
 def peaks_of(df) -> list[dict]:
-    """Per (device, pool): peak allocated (max ``used``) and peak reserved (max ``total``)."""
+    """Per (device, pool): peak allocated (max ``used``) and peak reserved (max ``total``); on a
+    bounded dump a summarised step's too, from its STEP_SUMMARY row (``io.bounded.peaks``)."""
     import polars as pl
-    # the four columns first: the frame's text columns are not copied by the filter
-    mem = df.select("event", "device", "event_type", "used", "total").filter(pl.col("event").is_in(["MALLOC", "FREE"]))
-    if not mem.height:
-        return []
-    g = (mem.group_by("device", "event_type")
-         .agg(peak_allocated=pl.col("used").max(), peak_reserved=pl.col("total").max())
-         .sort("device", "event_type"))
-    out = [{"device": d, "pool": p, "peak_allocated": int(a or 0), "peak_reserved": int(r if r is not None else a or 0)}
-           for d, p, a, r in g.iter_rows()]
-    if "attr" in df.columns:  # a bounded dump: a summarised step's peak may be in a row it dropped
-        for p in out:
-            used, total = _summarised_peaks(df, p["device"], p["pool"])
-            p["peak_allocated"] = max(p["peak_allocated"], used)
-            p["peak_reserved"] = max(p["peak_reserved"], total)
-    return out
-
-
-def _summarised_peaks(df, device, pool) -> tuple[int, int]:
-    """The highest ``used_range`` and ``total_max`` of (device, pool) over a bounded dump's
-    STEP_SUMMARY rows (io/bounded.py; 0, 0 when it has none)."""
-    import polars as pl
-    from ..io.validate import attr_object
-    rows = df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP_SUMMARY"))["attr"]
-    used = total = 0
-    key = f"{device}/{pool}"
-    for text in rows.to_list():
-        a = attr_object(text)
-        rng, tot = a.get("used_range"), a.get("total_max")
-        v = rng.get(key) if isinstance(rng, dict) else None
-        if isinstance(v, list) and len(v) == 2 and type(v[1]) is int:
-            used = max(used, v[1])
-        t = tot.get(key) if isinstance(tot, dict) else None
-        if type(t) is int:
-            total = max(total, t)
-    return used, total
+    from ..io.bounded import peaks
+    # the columns first: the frame's text columns are not copied by the filter
+    mem = (df.select("id", "event", "device", "event_type", "used", "total", "step")
+           .filter(pl.col("event").is_in(["MALLOC", "FREE"])))
+    return [{"device": p["device"], "pool": p["pool"], "peak_allocated": int(p["peak"] or 0),
+             "peak_reserved": int(p["reserved"] if p["reserved"] is not None else p["peak"] or 0)}
+            for p in peaks(df, mem)]
 
 
 def _offline_leaks(df) -> tuple[list[dict], str]:
