@@ -894,7 +894,7 @@ def main(argv) -> int:
     from ..cli import UsageError, _Parser, error_exit
     from ..io.files import unique_path, write_new
     from ..io.reader import DumpError
-    from ..io.ranks import find_rank_dumps, heading
+    from ..io.ranks import find_rank_dumps, heading, ranks_of_job
     p = _Parser(prog="msmemscope decompose", allow_abbrev=False)
     p.add_argument("dump", help="a dump, a run folder, or the root of a distributed run (one report per rank)")
     p.add_argument("-o", "--output", help="write the JSON summary to this file (never overwrites: a new name)")
@@ -946,7 +946,7 @@ def main(argv) -> int:
             t["modules"] = fold_depth(t, depth)
         return r, format_modules(r, depth)
     try:
-        rds = find_rank_dumps(a.dump)
+        rds = ranks_of_job(find_rank_dumps(a.dump), "msmemscope decompose")
         if len(rds) == 1:
             res, text = one(rds[0].path)
             print(json.dumps(res, indent=1) if a.json else text)

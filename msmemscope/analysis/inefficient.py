@@ -1000,9 +1000,9 @@ def main(argv) -> int:
         ns = p.parse_args(argv)
     except UsageError as e:
         return error_exit(str(e))
-    from ..io.ranks import find_rank_dumps, heading
+    from ..io.ranks import find_rank_dumps, heading, ranks_of_job
     try:
-        rds = find_rank_dumps(ns.dump)
+        rds = ranks_of_job(find_rank_dumps(ns.dump), "msmemscope check-inefficient")
     except DumpError as e:
         return error_exit(str(e))
     if len(rds) > 1:  # the root of a distributed run: one report per rank

@@ -240,6 +240,30 @@ def why_not() -> str | None:
     return _why_not
 
 
+DISTRIBUTED_DECOMPOSE = "owner labels of a distributed run (FSDP2 storages) need the dispatch-mode source"
+
+
+def process_group() -> tuple:
+    """(rank, world size) of torch.distributed's default process group once the program has set it
+    up, else (None, None). Never imports torch.distributed (``sys.modules`` only)."""
+    td = sys.modules.get("torch.distributed")
+    try:
+        if td is not None and td.is_available() and td.is_initialized():
+            return int(td.get_rank()), int(td.get_world_size())
+    except Exception:
+        pass
+    return None, None
+
+
+def world_size() -> int | None:
+    """The job's world size: ``WORLD_SIZE`` (torchrun), else the process group's (ranks given their
+    rank and world size in code: torch.multiprocessing.spawn), else None."""
+    v = os.environ.get("WORLD_SIZE")
+    if v is not None and v.isdigit():
+        return int(v)
+    return process_group()[1]
+
+
 def unsupported_by(opts, kind: str, launched: bool = True) -> str | None:
     """Why a run with these options cannot use the native source, or None when it can.
     ``launched``: under the launcher, the allocator wrapper is in place before the program makes
@@ -261,10 +285,11 @@ def unsupported_by(opts, kind: str, launched: bool = True) -> str | None:
         return "--watch needs the dispatch-mode source"
     if "oom" in opts.analysis:
         return "--analysis=oom hooks op failures through the dispatch-mode source"
-    if "decompose" in opts.analysis and int(os.environ.get("WORLD_SIZE") or 1) > 1:
+    if "decompose" in opts.analysis and (world_size() or 1) > 1:
         # FSDP2's unsharded parameters live only inside a step, in storages it resizes: their
-        # labels are caught through the storages
-        return "owner labels of a distributed run (FSDP2 storages) need the dispatch-mode source"
+        # labels are caught through the storages. A rank that learns its world size only at
+        # init_process_group (torch.multiprocessing.spawn) hands over there (Session.joined_process_group)
+        return DISTRIBUTED_DECOMPOSE
     if "msmemscope.integrations" in sys.modules and "decompose" not in opts.analysis:
         return "owner labels of framework hooks need the dispatch-mode source"
     return None

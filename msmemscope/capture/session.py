@@ -142,12 +142,61 @@ def _timestamp() -> str:
 
 
 def dist_env() -> dict:
+    """The process's place in a distributed job: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (torchrun
+    and the like), else, for the rank and world size, torch.distributed's default process group
+    once the program set it up (ranks given them in code: torch.multiprocessing.spawn)."""
     env = os.environ
     def num(k):
         v = env.get(k)
         return int(v) if v is not None and v.lstrip("-").isdigit() else None
-    return {"rank": num("RANK"), "local_rank": num("LOCAL_RANK"), "world_size": num("WORLD_SIZE"),
-            "host": socket.gethostname()}
+    out = {"rank": num("RANK"), "local_rank": num("LOCAL_RANK"), "world_size": num("WORLD_SIZE"),
+           "host": socket.gethostname()}
+    if out["rank"] is None:
+        from .native import process_group
+        rank, world = process_group()
+        if rank is not None:
+            out["rank"] = rank
+            if out["world_size"] is None:
+                out["world_size"] = world
+    return out
+
+
+_PG_FOLLOWED = False
+
+
+def follow_process_group():
+    """Once per process: torch.distributed's ``init_process_group`` tells the session, when it
+    returns, the rank and world size a program gave it in code (``Session.joined_process_group``).
+    Installed when the program imports torch.distributed (``after_import``; never imported here:
+    it costs ~45 ms). The modules that hold the function under its name are patched:
+    ``torch.distributed``, ``distributed_c10d``, and ``device_mesh`` (``init_device_mesh``)."""
+    global _PG_FOLLOWED
+    if _PG_FOLLOWED:
+        return
+    _PG_FOLLOWED = True
+    from ..after_import import after_import
+    after_import("torch.distributed", _wrap_init_process_group,
+                 failed="process {pid}: init_process_group is not followed (ranks named only by RANK)")
+
+
+def _wrap_init_process_group(td):
+    orig = getattr(td, "init_process_group", None)
+    if orig is None or getattr(orig, "_msmemscope", False):
+        return
+
+    @functools.wraps(orig)
+    def init_process_group(*a, **k):
+        out = orig(*a, **k)
+        from . import current
+        s = current()
+        if s is not None and s.pid == os.getpid():
+            s.joined_process_group()
+        return out
+    init_process_group._msmemscope = True
+    for name in ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.device_mesh"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "init_process_group", None) is orig:
+            mod.init_process_group = init_process_group
 
 
 def run_folder_name(pid: int, ts: str, kind: str, rank=None) -> str:
@@ -250,7 +299,9 @@ class Session:
         self._freed = self.dispatch.freed
         self.device_source = self._choose_device_source()  # the allocator trace of cuda/npu, or None
         self._update_flags()
+        self._rank_learnt = False            # the rank came from init_process_group, after the folder was made
         self._open_output()
+        follow_process_group()
 
     def _set_wants(self):
         opts = self.opts
@@ -587,6 +638,93 @@ class Session:
         if self.active:
             self.dispatch.start()
 
+    def joined_process_group(self):
+        """torch.distributed's default process group exists now (``init_process_group`` returned,
+        or a step ended or tracing started after it did): a process that its environment did not
+        name a rank (torch.multiprocessing.spawn, mp.Process: the rank and world size given in
+        code) is one from now on, as under torchrun. ``config.json`` gets its rank and world size;
+        the run folder gets its ``_rank<R>`` name when the session closes (``_name_rank_folder``:
+        the writer process writes into it by path until then); and where the native source
+        cannot label a distributed run's blocks (FSDP2, ``--analysis=decompose``) the dispatch-mode
+        source takes over here, as the torchrun rank's session chose at its start. Before the
+        model is sharded (``fully_shard`` needs the process group) the labels are those of the
+        torchrun rank's run."""
+        if self.closed or self.pid != os.getpid() or self.config.get("rank") is not None:
+            return
+        env = dist_env()
+        if env["rank"] is None:
+            return
+        self._rank_learnt = True
+        self.config["rank"] = env["rank"]
+        self.config["world_size"] = env["world_size"]
+        if self.config.get("local_rank") is None:
+            self.config["local_rank"] = env["local_rank"]
+        log.info("rank %s of %s (from init_process_group)", env["rank"], env["world_size"])
+        if self.native_ops:
+            from . import native
+            why = native.unsupported_by(self.opts, self.kind, self.launched)
+            if why:
+                self.config["source_note"] = why
+                self.use_dispatch_source(why)  # writes config.json
+                return
+        try:
+            self._write_config()
+        except OSError as e:
+            log.warning("config.json: %s", e)
+
+    def _rank_unknown(self) -> bool:
+        """No rank yet, and torch.distributed's process group is set up (cheap: no import, two calls)."""
+        if self._rank_learnt or self.config.get("rank") is not None or self.closed:
+            return False
+        from .native import process_group
+        return process_group()[0] is not None
+
+    def _name_rank_folder(self):
+        """At the session's end: a rank learnt after the run folder was made (``_rank_learnt``)
+        renames it ``…_rank<R>``, as a torchrun rank's is named from the start, once nothing writes
+        into it any more (the writer process has ended, the analyses have written). The name is
+        reserved first (an exclusive mkdir; the rename then replaces that empty folder), so no
+        other process's folder is ever taken; on any failure the folder keeps its name (the rank
+        is in config.json either way)."""
+        rank = self.config.get("rank")
+        if not self._rank_learnt or rank is None:
+            return
+        root, name = os.path.split(self.folder)
+        if name.startswith(f"msmemscope_{self.pid}_") and "_rank" in name:
+            return
+        base = os.path.join(root, run_folder_name(self.pid, self.config.get("start_time") or _timestamp(),
+                                                  self.kind, rank))
+        n = 0
+        while True:
+            dst = base if n == 0 else f"{base}_{n}"
+            try:
+                os.mkdir(dst, 0o750)
+                break
+            except FileExistsError:
+                n += 1
+            except OSError:
+                return
+        try:
+            os.rename(self.folder, dst)
+        except OSError:
+            try:
+                os.rmdir(dst)
+            except OSError:
+                pass
+            return
+        old, self.folder = self.folder, dst
+        for attr in ("device_folder", "dump_path", "log_path"):
+            p = getattr(self, attr, None)
+            if isinstance(p, str) and p.startswith(old + os.sep):
+                setattr(self, attr, dst + p[len(old):])
+        runs = os.environ.get("MSMEMSCOPE_RUNS")
+        if runs and self.launched:
+            try:  # the launcher lists the folders that still exist: the new name too
+                with open(runs, "ab") as f:
+                    f.write(os.fsencode(dst) + b"\n")
+            except OSError:
+                pass
+
     def py_stack(self):
         return stacks.python_stack(self.py_depth)
 
@@ -634,6 +772,11 @@ class Session:
 
         Under the flush lock: two threads that each step an optimizer end steps one after the other
         (two STEP rows of one number, and none of the next, when they met here)."""
+        if self._rank_unknown():  # (see start())
+            try:
+                self.joined_process_group()
+            except Exception as e:
+                log.warning("rank from the process group: %s", e)
         with self.flush_lock:
             try:
                 self._step(source)
@@ -1259,6 +1402,8 @@ class Session:
     def start(self):
         if self.active or self.closed:
             return
+        if self._rank_unknown():  # init_process_group imported under another name before we followed it
+            self.joined_process_group()
         from . import marks
         self.active = True
         self._update_flags()
@@ -1387,6 +1532,10 @@ class Session:
                 pass
             log.removeHandler(self._log_handler)
             self._log_handler.close()
+            try:
+                self._name_rank_folder()
+            except Exception:
+                pass
             self._closing = False
             self._redeliver(saved)
 

@@ -12,6 +12,7 @@ copied side by side works too), a single run folder, or a dump file.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from .reader import DumpError, find_dumps
@@ -25,6 +26,11 @@ class RankDump:
     folder: str               # the run folder holding config.json (the dump's own folder if none)
     config: dict = field(default_factory=dict)
     label: str = ""
+    # a process beside the ranks of a job that is none of them (set by find_rank_dumps): no rank in
+    # its config.json while other folders under the root have one, neither a DataLoader worker nor
+    # a Ray process (named by their roles); the parent of torch.multiprocessing.spawn (or of
+    # mp.Process ranks): it imports torch, starts the ranks and joins no process group
+    not_a_rank: bool = False
 
     @property
     def rank(self):
@@ -94,8 +100,25 @@ def find_rank_dumps(root: str) -> list[RankDump]:
         folder, cfg = run_folder_of(p, stop)
         out.append(RankDump(path=p, folder=folder, config=cfg))
     out.sort(key=lambda r: (r.rank is None, r.rank if isinstance(r.rank, int) else 0, r.is_worker, r.path))
+    if any(isinstance(r.rank, int) for r in out):
+        for r in out:
+            r.not_a_rank = r.rank is None and not r.is_worker and not r.config.get("role") and not r.ray
     _label(out)
     return out
+
+
+def ranks_of_job(rds: list[RankDump], prog: str = "msmemscope") -> list[RankDump]:
+    """The dumps an offline command reports one by one: where the root holds the ranks of a job,
+    the processes that are none of them (``not_a_rank``: the parent of torch.multiprocessing.spawn)
+    are left out, each named on stderr (give its own folder to read it)."""
+    keep = [r for r in rds if not r.not_a_rank]
+    if not keep:
+        return rds
+    for r in rds:
+        if r.not_a_rank:
+            print(f"[{prog}] left out {r.folder}: not a rank of the job (no rank in its config.json; "
+                  f"give its folder to read it)", file=sys.stderr)
+    return keep
 
 
 def _label(rds: list[RankDump]) -> None:
@@ -112,7 +135,7 @@ def _label(rds: list[RankDump]) -> None:
             who = f"rank {r.rank}" if r.rank is not None else os.path.basename(os.path.dirname(r.folder))
             r.label = f"{who} worker {r.config.get('worker_id', '?')} (pid {r.config.get('pid', '?')})"
         elif r.rank is None:
-            r.label = ray_name(r.config) or os.path.basename(r.folder)
+            r.label = ray_name(r.config) or os.path.basename(r.folder) + (" (not a rank)" if r.not_a_rank else "")
         elif seen[r.rank] > 1:
             r.label = f"rank {r.rank} ({r.host or '?'} pid {r.config.get('pid', '?')})"
         else:

@@ -458,9 +458,14 @@ class _Null:
         pass
 
 
+NOT_A_RANK = "not_a_rank"  # the role given to io.ranks.RankDump.not_a_rank's folders
+_NOT_COMPARED = ("dataloader_worker", NOT_A_RANK)
+
+
 def _ranks_only(ranks):
-    """Analysed ranks, without DataLoader workers (traced only with MSMEMSCOPE_TRACE_WORKERS=1)."""
-    return [r for r in ranks if "error" not in r and r.get("role") != "dataloader_worker"]
+    """Analysed ranks, without DataLoader workers (traced only with MSMEMSCOPE_TRACE_WORKERS=1) and
+    the processes beside the ranks that are none of them (the parent of mp.spawn)."""
+    return [r for r in ranks if "error" not in r and r.get("role") not in _NOT_COMPARED]
 
 
 def imbalance(ranks: list[dict]) -> dict | None:
@@ -502,8 +507,9 @@ def build(root: str, workers: int | None = None, show_progress: bool = True, eng
     even where the run's online results would do."""
     from ..io.ranks import find_rank_dumps
     rds = find_rank_dumps(root)
-    jobs = [{"path": r.path, "folder": r.folder, "config": r.config, "label": r.label, "use_saved": not from_dumps}
-            for r in rds]
+    # a process beside the ranks that is none of them (the parent of mp.spawn): listed, not compared
+    jobs = [{"path": r.path, "folder": r.folder, "label": r.label, "use_saved": not from_dumps,
+             "config": dict(r.config, role=NOT_A_RANK) if r.not_a_rank else r.config} for r in rds]
     if engine == "ray":
         ranks, timing = analyse_on_ray(jobs, ray_address, show_progress)
     else:
@@ -552,7 +558,7 @@ def tables(s: dict):
             t.add_row(*head, f"error: {r['error']}", *blank[len(head) + 1:])
             continue
         vs = ""
-        if imb and r.get("role") != "dataloader_worker":
+        if imb and r.get("role") not in _NOT_COMPARED:
             d = r["peak_allocated"] - imb["median"]
             vs = f"{'+' if d >= 0 else '-'}{abs(d) / MB:.3f}" + (
                 " !" if r["label"] == imb["label"] and imb["flagged"] else "")
@@ -593,8 +599,7 @@ def verdict_lines(s: dict) -> list[str]:
             lines.append(f"leaking: {lab}: {lk['count']} block(s), {_mb(lk['bytes'])} in {st}; largest: {top}")
     else:
         lines.append("leaking: no rank")
-    common = [r["label"] for r in s["ranks"] if "error" not in r and r["leaks"]["count"]
-              and r["label"] not in s["leaking"]]
+    common = [r["label"] for r in _ranks_only(s["ranks"]) if r["leaks"]["count"] and r["label"] not in s["leaking"]]
     if common:
         lines.append(f"kept once by every rank, in the same step, by the same op (not counted as a leak): "
                      f"{', '.join(common)}")

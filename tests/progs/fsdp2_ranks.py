@@ -1,5 +1,5 @@
 """FSDP2 (fully_shard per layer, then the model) on CPU with gloo, AdamW, a few steps.
-Run with torchrun --nproc_per_node=2."""
+Run with torchrun --nproc_per_node=2 (fsdp2_spawn.py runs ``train`` under torch.multiprocessing.spawn)."""
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -8,6 +8,10 @@ from torch.distributed.fsdp import fully_shard
 
 def main():
     dist.init_process_group("gloo")
+    train()
+
+
+def train():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
