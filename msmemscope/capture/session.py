@@ -187,10 +187,13 @@ def _wrap_init_process_group(td):
     @functools.wraps(orig)
     def init_process_group(*a, **k):
         out = orig(*a, **k)
-        from . import current
-        s = current()
-        if s is not None and s.pid == os.getpid():
-            s.joined_process_group()
+        try:
+            from . import current
+            s = current()
+            if s is not None and s.pid == os.getpid():
+                s.joined_process_group()
+        except Exception as e:  # the tool's failure: never raised in the program's init_process_group
+            log.warning("rank from init_process_group: %s", _why(e))
         return out
     init_process_group._msmemscope = True
     for name in ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.device_mesh"):
@@ -1403,7 +1406,10 @@ class Session:
         if self.active or self.closed:
             return
         if self._rank_unknown():  # init_process_group imported under another name before we followed it
-            self.joined_process_group()
+            try:
+                self.joined_process_group()
+            except Exception as e:
+                log.warning("rank from the process group: %s", _why(e))
         from . import marks
         self.active = True
         self._update_flags()
