@@ -141,6 +141,8 @@ def test_exit_summary_and_show_give_the_full_dumps_peak(train_runs):
             online = json.load(f)["peaks"]
         assert [p["peak_allocated"] for p in online if p["pool"] == "PTA"] == [peak]
         assert _said_peak(out) == want, (name, out[-1500:])             # the exit summary
+        # what the ops allocated counts the kept rows only: said so where steps were summarised
+        assert ("The ops that allocated most (in the rows kept:" in out) == (name == "bounded"), out[-1500:]
         rc, shown, err = _command(["show", folder])
         assert rc == 0, err
         assert _said_peak(shown) == want, name

@@ -16,7 +16,7 @@ def mb(n) -> str:
 
 def dump_summary(df: pl.DataFrame) -> dict:
     """Numbers a person wants first: steps, events, peak allocated per device, biggest allocators."""
-    from ..io.bounded import peaks as run_peaks
+    from ..io.bounded import peaks as run_peaks, summarised_steps
     mem = with_used(df.filter(pl.col("event").is_in(["MALLOC", "FREE"])))
     # a bounded dump's summarised step: its peak may be in a row it dropped (its STEP_SUMMARY says)
     peaks = [{"device": p["device"], "event_type": p["pool"], "peak": p["peak"], "step": p["step"],
@@ -29,7 +29,8 @@ def dump_summary(df: pl.DataFrame) -> dict:
     steps = int(df.filter((pl.col("event") == "SYSTEM") & (pl.col("event_type") == "STEP")).height)
     counts = dict(df.group_by("event").len().iter_rows())
     return {"events": df.height, "counts": counts, "steps": steps, "peaks": peaks, "top_ops": top,
-            "live_at_exit": live.height, "live_bytes_at_exit": int(live["size"].sum() or 0)}
+            "live_at_exit": live.height, "live_bytes_at_exit": int(live["size"].sum() or 0),
+            "summarised_steps": len(summarised_steps(df))}
 
 
 def with_used(mem: pl.DataFrame) -> pl.DataFrame:
@@ -66,9 +67,16 @@ def format_summary(folder: str, dump: str, s: dict) -> str:
                     for t in s["top_ops"][:3]) or "none"
     lines.append(
         f"  {s['events']} events ({counts}) over {s['steps']} step boundaries. "
-        f"Peak allocated: {peaks}. The ops that allocated most: {top}. "
+        f"Peak allocated: {peaks}. The ops that allocated most{_in_kept_rows(s)}: {top}. "
         f"{s['live_at_exit']} blocks ({mb(s['live_bytes_at_exit'])}) were still allocated when tracing ended.")
     return "\n".join(lines)
+
+
+def _in_kept_rows(s: dict) -> str:
+    """A bounded dump: its summarised steps' blocks born and freed inside them were dropped, so
+    what the ops allocated counts the rows kept only (the peaks take the steps' summaries)."""
+    n = s.get("summarised_steps") or 0
+    return f" (in the rows kept: {n} summarised step{'s' if n != 1 else ''} left out)" if n else ""
 
 
 def run_summary(folders, seconds=None, out=sys.stderr):
