@@ -496,3 +496,32 @@ def test_labels_and_module_names_beyond_ascii_read_back_as_written(tmp_path, fmt
     (offline,) = L.analyze(folder)
     assert offline["summary"] == online["summary"]
 
+
+
+@pytest.mark.parametrize("source", ["native", "python"])
+def test_a_user_label_on_a_parameter_keeps_its_category(tmp_path, source):
+    """``describer(param, owner=...)`` after each optimizer step: the weight stays
+    ``PTA@weight@late``, with one OWNER row (before: each call composed it without its category,
+    ``ops``, so the OWNER rows flipped ops/weight every step and the decomposition showed a
+    phantom ``PTA@ops@late`` moving back and forth)."""
+    import polars as pl
+    from conftest import source_env
+    prog = tmp_path / "p.py"
+    prog.write_text("import torch, msmemscope\nimport msmemscope.describe as describe\n"
+                    "m = torch.nn.Linear(32, 32); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                    "for s in range(4):\n"
+                    "    m(torch.randn(4, 32)).sum().backward(); opt.step(); opt.zero_grad()\n"
+                    "    describe.describer(m.weight, owner='late')\n"
+                    "print('ok')\n")
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "msmemscope", "-q", "-o", str(tmp_path / "o"), "--analysis=decompose",
+                        sys.executable, str(prog)], env=source_env(source), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+    [folder] = run_folders(tmp_path / "o")
+    df = read(dump_of(folder))
+    check_invariants(df)
+    owners = df.filter(pl.col("event_type") == "OWNER")["attr"].to_list()
+    assert len(owners) == 1 and '"owner":"PTA@weight@late"' in owners[0].replace(" ", ""), owners
+    with open(os.path.join(folder, "analysis", "decompose.json")) as f:
+        res = json.dumps(json.load(f))
+    assert "PTA@ops@late" not in res and "PTA@weight@late" in res

@@ -489,8 +489,8 @@ class Labeler:
             inf = self._info(b)
             if owner not in inf.users:
                 inf.users = inf.users + (owner,)
-            b.owner = self.compose(b, None)
-            if b.alloc_id <= self.flushed_upto:
+            was, b.owner = b.owner, self.compose(b, _walked(b.owner))
+            if b.alloc_id <= self.flushed_upto and b.owner != was:
                 # its MALLOC row is written: record the new owner now, before any later FREE
                 self._owner_row(b)
             # else the MALLOC row is still buffered and gets the owner at the flush
@@ -723,6 +723,15 @@ class Labeler:
 
         wrap("foreach_all_gather", ("fsdp2", "all_gather"))
         wrap("foreach_reduce", ("fsdp2", "reduce_scatter"), grads_arg=1)
+
+
+def _walked(owner):
+    """The category a walk of the live objects gave a block labelled ``owner`` (weight, gradient,
+    optimizer state), as ``compose``'s ``resolved``; None for any other. A user label added to a
+    parameter keeps its category until the next walk says otherwise: composed without it, it was
+    ``ops`` until then, and its OWNER rows flipped ops/weight at every step."""
+    cat = category_of(owner)
+    return (cat, ()) if cat in (WEIGHT, GRADIENT, OPT_STATE) else None
 
 
 def walk_live_objects(roots, optimizers, add, trees=None):
@@ -1023,9 +1032,10 @@ class NativeLabeler(Labeler):
             pass
         return t
 
-    def _relabel(self, aid, pool):
-        """The block's owner now; an OWNER row when its MALLOC row is already written."""
-        new = self.compose(_NB(aid, pool), None)
+    def _relabel(self, aid, pool, resolved=None):
+        """The block's owner now; an OWNER row when its MALLOC row is already written. ``resolved``:
+        the category the last walk gave it, where it keeps that (``_walked``)."""
+        new = self.compose(_NB(aid, pool), resolved)
         if self.owner.get(aid) != new:
             self.owner[aid] = new
             # its MALLOC row is written, or waits with the label a step end gave it
@@ -1052,7 +1062,7 @@ class NativeLabeler(Labeler):
             inf = self._info_aid(aid)
             if owner not in inf.users:
                 inf.users = inf.users + (owner,)
-            self._relabel(aid, self.nat.pool)
+            self._relabel(aid, self.nat.pool, _walked(self.at_step.get(aid) or self.owner.get(aid)))
         return found
 
     def _collect_native(self):
