@@ -310,3 +310,27 @@ def test_bad_input(case, runs, tmp_path, out_dir):
     p = run_cli(["--compare", f"--input={spec}", "-o", str(out_dir), *extra])
     assert_usage_error(p, *words)
     assert not result_files(out_dir)
+
+
+def test_sources_that_differ_and_steps_not_recorded_are_said(runs, out_dir):
+    """Two runs of one program recorded by different capture sources: compared, with one warning
+    that their ops are named differently (before: differences the program did not make, unsaid). A
+    step outside --steps: said so (before: 'trace with the launch event')."""
+    from conftest import check_invariants, read
+    d = runs["dir"]
+    env = env_for_tests()
+    env["EXTRA_STEP"] = "0"
+    env["MSMEMSCOPE_SOURCE"] = "python"
+    p = run_cli(["-q", "--call-stack=python", "--analysis=none", "--steps=2,3", "-o", str(d / "py"),
+                 str(d / "train.py")], env=env)
+    assert p.returncode == 0, p.stderr
+    (py,) = run_folders(d / "py")
+    check_invariants(read(dump_of(py)))
+    r = run_cli(["--compare", f"--input={runs['a'][0]},{py}", "-o", str(out_dir)])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "different capture sources (native, dispatch)" in r.stderr, r.stderr
+    r = run_cli(["--compare", f"--input={runs['a'][0]},{runs['b'][0]}", "-o", str(out_dir)])
+    assert r.returncode == 0 and "capture sources" not in r.stderr, r.stderr
+    r = run_cli(["--compare", f"--input={dump_of(runs['a'][0])}:step=1,{dump_of(py)}:step=1", "-o", str(out_dir)])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "step 1 has no" in lines[-1] and "--steps" in lines[-1], r.stderr

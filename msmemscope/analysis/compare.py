@@ -21,6 +21,7 @@ over a million ops take well under a second.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -129,6 +130,33 @@ def _read(path: str) -> tuple[pl.DataFrame, str]:
     for w in caught:
         print(f"{PROG}: warning: {w.message}", file=sys.stderr)
     return df, dump
+
+
+def _source_of(dump: str):
+    """The capture source a run of ours recorded ``dump`` with (its run folder's config.json), or None."""
+    d = os.path.dirname(os.path.abspath(dump))
+    for _ in range(3):  # <run>/device_<d>/dump/<dump>
+        d = os.path.dirname(d)
+        cfg = os.path.join(d, "config.json")
+        if os.path.isfile(cfg):
+            try:
+                with open(cfg) as f:
+                    src = json.load(f).get("source")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return src.split(",")[0].strip() if isinstance(src, str) else None
+    return None
+
+
+def _say_if_sources_differ(dump_a: str, dump_b: str) -> None:
+    """Two runs recorded by different capture sources (one fell back to the dispatch-mode source,
+    e.g. for --call-stack=c) name and size some ops differently (aten.linear against addmm; the
+    profiler's record_function ops on one side): differences the programs did not make. Said."""
+    a, b = _source_of(dump_a), _source_of(dump_b)
+    if a and b and a != b:
+        print(f"{PROG}: warning: the two dumps were recorded by different capture sources ({a}, {b}): some "
+              "ops are named and sized differently by each, so they differ here without a difference in "
+              "the programs (docs/compare.md)", file=sys.stderr)
 
 
 def step_numbers(df: pl.DataFrame) -> pl.Series:
@@ -540,14 +568,18 @@ def compare(a, b, level="op", output: str | None = None) -> CompareResult:
     dump_b = dump_a
     if df_b is None:
         df_b, dump_b = _read(sb.path)
+        _say_if_sources_differ(dump_a, dump_b)
     parts, stacks, minimal, cache = [], {}, True, {}
     for lv in levels:
         seq_a = sequence(df_a, lv, sa.step, sa.label, cache)
         seq_b = sequence(df_b, lv, sb.step, sb.label, cache)
         what = "ATEN_START (op)" if lv == "op" else "KERNEL_LAUNCH"
-        for side, seq in (("base", seq_a), ("compare", seq_b)):
+        for side, seq, sd, df in (("base", seq_a, sa, df_a), ("compare", seq_b, sb, df_b)):
             if seq.height == 0:
                 label = sa.label if side == "base" else sb.label
+                if sd.step is not None and sequence(df, lv, None, sd.label, cache).height:
+                    raise CompareError(f"{label}: step {sd.step} has no {what} rows in this dump, which has them "
+                                       "in other steps (a step outside --steps is not recorded)")
                 if lv == "kernel":
                     raise CompareError(
                         f"{label}: no KERNEL_LAUNCH rows, so there is nothing to compare at --level=kernel "
