@@ -356,3 +356,15 @@ def test_annotate_db_marks_named_rows_and_clears_earlier_marks(db_run, tmp_path)
     assert all(a[i] == b[i] for i in untouched) and a[frees[0]] == b[frees[0]]
     with sqlite3.connect(db) as con:  # the marks' table was temporary
         assert con.execute("SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'msmemscope%'").fetchone()[0] == 0
+
+
+def test_kernel_level_alone_is_named_where_the_ops_are_missing(tmp_path):
+    """--level=kernel alone records no ATEN_START rows: the inefficient analysis's note names it
+    (before: it blamed a missing --events=launch, which was given)."""
+    from conftest import EXAMPLES, check_invariants, dump_of, read, run_cli, run_folders
+    r = run_cli(["-o", str(tmp_path / "o"), "--level=kernel", "--analysis=inefficient",
+                 os.path.join(EXAMPLES, "mlp.py"), "--steps", "2"])
+    assert r.returncode == 0, r.stderr
+    [folder] = run_folders(tmp_path / "o")
+    check_invariants(read(dump_of(folder)))
+    assert "--level=kernel" in r.stdout + r.stderr, (r.stdout[-800:], r.stderr[-800:])

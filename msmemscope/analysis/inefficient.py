@@ -822,7 +822,8 @@ def analyze_frame(df: pl.DataFrame, idle_threshold=DEFAULT_IDLE_THRESHOLD):
 
 NO_ACCESS_NOTE = ("the dump has no ACCESS rows (recorded without --events=access, or by the original tool "
                   "without access events): inefficient memory cannot be judged")
-NO_OPS_NOTE = "the dump has no ATEN_START rows (recorded without --events=launch): op positions are unknown"
+NO_OPS_NOTE = ("the dump has no ATEN_START rows (recorded without --events=launch, or with --level=kernel "
+               "alone): op positions are unknown")
 
 
 def check_inefficient(input_path: str, mem_size: int = 0, inefficient_type=TYPES,
