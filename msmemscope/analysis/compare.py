@@ -578,8 +578,8 @@ def compare(a, b, level="op", output: str | None = None) -> CompareResult:
             if seq.height == 0:
                 label = sa.label if side == "base" else sb.label
                 if sd.step is not None and sequence(df, lv, None, sd.label, cache).height:
-                    raise CompareError(f"{label}: step {sd.step} has no {what} rows in this dump, which has them "
-                                       "in other steps (a step outside --steps is not recorded)")
+                    raise CompareError(f"{label}: step {sd.step} has no {what} rows, where the dump's other steps "
+                                       "have them (an empty step, or one outside the --steps it was recorded with)")
                 if lv == "kernel":
                     raise CompareError(
                         f"{label}: no KERNEL_LAUNCH rows, so there is nothing to compare at --level=kernel "
