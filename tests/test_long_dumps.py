@@ -362,7 +362,7 @@ def test_fluctuation_of_a_bounded_dump_starts_each_step_from_the_true_level(tmp_
     assert leaks.fluctuation(whole) == leaks.fluctuation(cut)
 
 
-def test_a_damaged_frame_loses_only_its_rows_after_the_damage(tmp_path):
+def test_a_damaged_frame_loses_only_its_own_rows(tmp_path):
     """A .csv.zst dump damaged inside its second frame (not cut: the frames after it are whole): the
     readers give every frame but that one, with one warning that says so (before: everything after
     the damage was dropped and the dump said cut short; check-inefficient raised ZstdError and
