@@ -267,13 +267,10 @@ def launch(program: list[str], opts: O.Options, quiet: bool = False, cli_set=())
     except UsageError as e:
         return error_exit(str(e))
     created_root = not os.path.exists(opts.output)
-    try:
-        from .io.files import make_dirs
-        make_dirs(opts.output)
-        if not os.access(opts.output, os.W_OK | os.X_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        return error_exit(f"--output: cannot write to {opts.output}: {getattr(e, 'strerror', None) or e}")
+    from .io.files import cannot_write_under
+    why = cannot_write_under(opts.output)
+    if why:
+        return error_exit(f"--output: cannot write to {opts.output}: {why}")
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
     env = dict(os.environ)

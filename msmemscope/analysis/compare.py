@@ -21,7 +21,6 @@ over a million ops take well under a second.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -134,18 +133,9 @@ def _read(path: str) -> tuple[pl.DataFrame, str]:
 
 def _source_of(dump: str):
     """The capture source a run of ours recorded ``dump`` with (its run folder's config.json), or None."""
-    d = os.path.dirname(os.path.abspath(dump))
-    for _ in range(3):  # <run>/device_<d>/dump/<dump>
-        d = os.path.dirname(d)
-        cfg = os.path.join(d, "config.json")
-        if os.path.isfile(cfg):
-            try:
-                with open(cfg) as f:
-                    src = json.load(f).get("source")
-            except (OSError, ValueError, AttributeError):
-                return None
-            return src.split(",")[0].strip() if isinstance(src, str) else None
-    return None
+    from ..io.ranks import run_folder_of
+    src = run_folder_of(dump)[1].get("source")
+    return src.split(",")[0].strip() if isinstance(src, str) else None
 
 
 def _say_if_sources_differ(dump_a: str, dump_b: str) -> None:

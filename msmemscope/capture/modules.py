@@ -70,6 +70,13 @@ def note_ran_here(objs, thread_of, obj, me) -> bool:
     return changed
 
 
+def all_ran_here(thread_of, objs, me) -> bool:
+    """Whether thread ``me`` ran each of ``objs`` last (or no thread is known for it); a walk plan
+    kept for this thread holds only where it does (None among ``objs``: one is gone)."""
+    get = thread_of.get
+    return all(o is not None and get(o, me) == me for o in objs)
+
+
 def ran_here(thread_of, objs) -> list:
     return by_thread(thread_of, objs)[0]
 
@@ -896,10 +903,9 @@ class ModuleTracker:
         self._plan = None
         if self._native_blocks() is None or _native_walk() is None:
             return None
-        get = self.thread_of.get
         roots = [ref() for ref in self._tree_root_refs]
         opts = list(self.optimizers)
-        if any(r is None or get(r, me) != me for r in roots) or any(get(o, me) != me for o in opts):
+        if not all_ran_here(self.thread_of, roots + opts, me):
             return None
         self._plan = plan = ((me, self._version), tree, [(path, ref) for path, ref, _ in tree],
                              [weakref.ref(o) for o in opts])

@@ -38,7 +38,7 @@ import torch
 from ..after_import import after_import
 from ..events import A_ALLOC_ID, A_OWNER, ATTR, EVENT, Event, category_of
 from . import native
-from .modules import OWNED_CATEGORIES, _is_compiled_graph, all_threads, note_ran_here
+from .modules import OWNED_CATEGORIES, _is_compiled_graph, all_ran_here, all_threads, note_ran_here
 
 #: the module whose all-gather and reduce-scatter the labeller wraps (FSDP2, torch >= 2.4)
 FSDP2_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
@@ -1094,8 +1094,7 @@ class NativeLabeler(Labeler):
         if self._walk is None:
             return None
         roots, opts = list(self.roots), list(self.optimizers)
-        get = self.thread_of.get
-        if not (roots or opts) or any(get(o, me) != me for o in roots) or any(get(o, me) != me for o in opts):
+        if not (roots or opts) or not all_ran_here(self.thread_of, roots + opts, me):
             return None
         self._trees(roots)  # each root's modules, as weak references, in _subs
         self._plan = plan = ((me, self._version), [self._subs[id(r)][1] for r in roots],

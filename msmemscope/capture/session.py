@@ -34,7 +34,7 @@ import torch
 from .. import __version__
 from ..events import C_STACK, FORMAT_VERSION, Event, Mstx, System, NA, free_ids
 from ..io.errors import why_write_failed
-from ..io.files import create_new, make_dirs, unique_path
+from ..io.files import cannot_write_under, create_new, make_dirs, unique_path
 from ..io.spool import SpoolWriter
 from ..io.writers import open_writer
 from ..options import Options
@@ -47,18 +47,6 @@ from .source import Flags
 log = logging.getLogger("msmemscope")
 
 
-
-def _cannot_write_under(root: str) -> str:
-    """Why no run folder can be made under ``root`` ("" where one can): its folders made, and a
-    file created and removed there."""
-    try:
-        make_dirs(root)
-        probe = unique_path(os.path.join(root, f".msmemscope_probe_{os.getpid()}"))
-        create_new(probe).close()
-        os.unlink(probe)
-        return ""
-    except OSError as e:
-        return e.strerror or str(e)
 
 class _LogFile(logging.StreamHandler):
     """The run's log: a new file with our permissions (0o640), never opened through a planted
@@ -329,7 +317,7 @@ class Session:
         if moved and (self.next_id > 0 or self.closed):
             keep_output = f"output_path/format/compress/keep_steps (the dump had already begun in {self.folder})"
         elif moved and opts.output != old.output:
-            why = _cannot_write_under(opts.output)
+            why = cannot_write_under(opts.output)
             if why:  # tried before the dump begun here is given up: the run keeps it
                 keep_output = f"output_path {opts.output!r} (cannot write there: {why}; the dump stays in {self.folder})"
         if keep_output:

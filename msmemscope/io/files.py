@@ -97,6 +97,21 @@ def create_new(path: str, binary: bool = False):
     return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="")
 
 
+def cannot_write_under(root: str) -> str:
+    """Why no run folder can be made under ``root`` ("" where one can): its folders made, writable,
+    and a file created and removed there (``os.access`` says yes to root on a read-only mount)."""
+    try:
+        make_dirs(root)
+        if not os.access(root, os.W_OK | os.X_OK):
+            return "not writable"
+        probe = unique_path(os.path.join(root, f".msmemscope_probe_{os.getpid()}"))
+        create_new(probe).close()
+        os.unlink(probe)
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 @contextlib.contextmanager
 def write_new(path: str, binary: bool = False):
     """``create_new`` for a file written whole at once (a report, an export, a result): where the
