@@ -25,7 +25,7 @@ from msmemscope.capture import owners
 torch.manual_seed(0)
 torch.set_num_threads(1)
 calls = {"fused": 0, "refused": 0, "none": 0, "gone": 0}
-way, subclass = sys.argv[1], sys.argv[2] == "subclass"
+way, subclass, watch = sys.argv[1], sys.argv[2] == "subclass", sys.argv[2] == "watch"
 if way == "separate":
     owners.NativeLabeler._walk_plan = lambda self: None
 else:
@@ -81,6 +81,13 @@ for k in range(12):
     if k == 6:                            # a root and its optimizer dropped: the plan's references die
         b = ob = None
         gc.collect()
+    if k == 7:                            # a stop/start gap: a module registered and a block freed in it
+        msmemscope.stop()
+        a.gap = nn.Linear(16, 16)
+        ids2 = ids.clone(); del ids2
+        msmemscope.start()
+    if k == 10 and watch:                 # watch(): the native source hands over to the dispatch-mode one
+        msmemscope.watcher.watch(a.head.weight, name="head")
     if k == 8:                            # a model trained on another thread, joined at once
         c = Net()
         oc = torch.optim.SGD(c.parameters(), lr=1e-2)
@@ -108,20 +115,25 @@ def _run(tmp_path, way, model):
     df = read_dump(dump_of(folder), columns=("event", "event_type", "name", "size", "owner", "module", "phase"))
     with open(os.path.join(folder, "analysis", "decompose.json")) as f:
         res = json.load(f)
+    with open(os.path.join(folder, "config.json")) as f:
+        source = json.load(f)["source"]
+    assert source == ("native, then dispatch" if model == "watch" else "native"), source
     return calls, df, res
 
 
-@pytest.mark.parametrize("model", ["plain", "subclass"])
+@pytest.mark.parametrize("model", ["plain", "subclass", "watch"])
 def test_one_walk_at_a_step_end_writes_what_the_two_walks_wrote(tmp_path, model):
-    """``subclass``: a buffer of a tensor subclass from the third step on, which the C++ walk does
-    not take: the plan is kept as refused until the next change (a module registered), whose plan
+    """Both ways meet a stop/start gap (a module registered and a block freed in it) and a model
+    trained on a side thread; ``watch``: a watch() at the eleventh step hands over to the
+    dispatch-mode source. ``subclass``: a buffer of a tensor subclass from the third step on, which
+    the C++ walk does not take: the plan is kept as refused until the next change (a module registered), whose plan
     is refused again, and the Python walks write the same as before."""
     fused_calls, fused, res_f = _run(tmp_path, "fused", model)
     sep_calls, sep, res_s = _run(tmp_path, "separate", model)
     # the plan held at most step ends: before the tree changed, after it, after a root died (not
     # where another thread walked: the side thread's steps, a flush of the flusher thread)
     assert fused_calls["none"] >= 2, fused_calls
-    if model == "plain":
+    if model != "subclass":
         assert fused_calls["fused"] >= 10 and fused_calls["refused"] == 0, fused_calls
     else:
         assert 2 <= fused_calls["fused"] <= 5 and fused_calls["refused"] >= 7, fused_calls
